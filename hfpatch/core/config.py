@@ -1,0 +1,146 @@
+"""Parallel degrees and the planner that turns ``parallel=N`` into them. Pure: no torch.distributed calls.
+
+>>> from hfpatch.core.config import ModelFacts, plan_parallel
+>>> plan_parallel(8, ModelFacts(num_heads=12, guides=True))
+ParallelConfig(data=1, cfg=2, ring=1, ulysses=4, vae=8)
+>>> plan_parallel(6, ModelFacts(num_heads=4))
+ParallelConfig(data=1, cfg=1, ring=3, ulysses=2, vae=6)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelFacts", "ParallelConfig", "plan_parallel", "resolve_parallel"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Explicit parallel degrees. ``data * cfg * ring * ulysses`` is the number of ranks used.
+
+    Args:
+        data: Data parallel over prompts / ``num_images_per_prompt`` (whole pipeline replicas).
+        cfg: Classifier-free-guidance parallel: cond and uncond branches on different ranks (1 or 2).
+        ring: Ring-attention degree (K/V blocks passed rank to rank).
+        ulysses: Ulysses degree (all-to-all sequence <-> heads).
+        vae: Ranks the VAE splits its feature maps over; ``None`` means all ranks.
+
+    >>> ParallelConfig(cfg=2, ulysses=2).world_size
+    4
+    """
+
+    data: int = 1
+    cfg: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    vae: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("data", "cfg", "ring", "ulysses"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        if self.cfg not in (1, 2):
+            raise ValueError(f"ParallelConfig.cfg must be 1 or 2 (cond and uncond), got {self.cfg}")
+        if self.vae is not None and (not isinstance(self.vae, int) or isinstance(self.vae, bool) or self.vae < 1):
+            raise ValueError(f"ParallelConfig.vae must be a positive int or None, got {self.vae!r}")
+        product = self.data * self.cfg * self.ring * self.ulysses
+        if self.vae is not None and product > 1 and self.vae not in (1, product):
+            raise ValueError(
+                f"ParallelConfig.vae={self.vae} must be 1 or data*cfg*ring*ulysses={product}: "
+                "the VAE runs after denoising, when every rank holds the full latents"
+            )
+        if self.vae is None:
+            object.__setattr__(self, "vae", product)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks used: ``data*cfg*ring*ulysses``, or ``vae`` for a VAE-only config."""
+        return max(self.data * self.cfg * self.ring * self.ulysses, self.vae)
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.ring * self.ulysses
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs to know about a target.
+
+    Args:
+        num_heads: Attention heads of the transformer (``None`` when there is no transformer).
+        guides: Whether the pipeline runs classifier-free guidance (so CFG parallel applies).
+        name: Class name, used in error messages.
+    """
+
+    num_heads: int | None = None
+    guides: bool = False
+    name: str = "target"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_parallel(n: int, facts: ModelFacts) -> ParallelConfig:
+    """Plan ``n`` ranks: CFG parallel when the pipeline guides, then Ulysses up to the head count, then Ring.
+
+    Ulysses gets the largest divisor of the remaining ranks that also divides the head count (Ulysses moves
+    less data than Ring and needs no online softmax); the rest is Ring, which has no head constraint.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"parallel must be a positive int or a ParallelConfig, got {n!r}")
+    cfg = 2 if facts.guides and n % 2 == 0 else 1
+    rest = n // cfg
+    if facts.num_heads is None:
+        return ParallelConfig(vae=n)  # a VAE (or other non-attention target) splits over every rank
+    ulysses = max(d for d in _divisors(rest) if facts.num_heads % d == 0)
+    return ParallelConfig(cfg=cfg, ring=rest // ulysses, ulysses=ulysses, vae=n)
+
+
+def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
+    """Reject degrees the target cannot run. Raises ``ValueError`` with what to change."""
+    if config.cfg == 2 and not facts.guides:
+        raise ValueError(
+            f"cfg=2 needs a pipeline that runs classifier-free guidance; {facts.name} does not. "
+            "Use cfg=1 and put the ranks into ulysses/ring."
+        )
+    if config.sequence_parallel > 1 and facts.num_heads is None:
+        raise ValueError(
+            f"ulysses={config.ulysses}, ring={config.ring} need a transformer; {facts.name} has none. "
+            "Use ParallelConfig(vae=N) for a VAE."
+        )
+    if facts.num_heads is not None and config.ulysses > facts.num_heads:
+        raise ValueError(
+            f"ulysses={config.ulysses} exceeds the {facts.num_heads} attention heads of {facts.name}; "
+            f"use ulysses <= {facts.num_heads} and put the remaining ranks into ring"
+        )
+
+
+def resolve_parallel(parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts) -> ParallelConfig:
+    """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
+
+    Args:
+        parallel: ``None`` (all ranks), an int number of ranks, or an explicit :class:`ParallelConfig`.
+        world_size: Ranks available (``torch.distributed`` world size, or the torchrun world about to start).
+        facts: What the planner knows about the target.
+
+    Raises:
+        ValueError: If the degrees do not fit the world or the target.
+    """
+    if parallel is None:
+        parallel = world_size
+    if isinstance(parallel, ParallelConfig):
+        config = parallel
+    elif isinstance(parallel, int) and not isinstance(parallel, bool):
+        config = plan_parallel(parallel, facts)
+    else:
+        raise TypeError(f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}")
+    if config.world_size != world_size:
+        raise ValueError(
+            f"{config} uses {config.world_size} ranks (data*cfg*ring*ulysses) but the world size is {world_size}; "
+            f"launch with `torchrun --nproc-per-node {config.world_size}` or choose degrees that multiply to "
+            f"{world_size}"
+        )
+    check_config(config, facts)
+    return config

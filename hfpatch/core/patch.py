@@ -1,0 +1,215 @@
+"""Reversible, per-object patches.
+
+A :class:`Patch` is an undo log. Every mutation hfpatch makes goes through one of its primitives
+(:meth:`Patch.set_attr`, :meth:`Patch.wrap_method`, :meth:`Patch.swap_processor`,
+:meth:`Patch.add_forward_pre_hook`, :meth:`Patch.add_forward_hook`, :meth:`Patch.on_remove`), which record
+what was there before (the old object itself, or ``ABSENT``). :meth:`Patch.remove` replays the log in
+reverse, so the patched objects get back the *identical* attributes, processors and hooks they had.
+
+>>> import torch
+>>> from hfpatch.core.patch import Patch
+>>> layer = torch.nn.Linear(2, 2)
+>>> before = dict(vars(layer))
+>>> with Patch("demo") as patch:
+...     _ = patch.wrap_method(layer, "forward", lambda orig: (lambda x: 2 * orig(x)))
+...     patch.set_attr(layer, "note", "patched")
+>>> dict(vars(layer)) == before and all(vars(layer)[k] is v for k, v in before.items())
+True
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ABSENT", "Patch", "PatchError"]
+
+
+class _Absent:
+    """Marker for 'this attribute did not exist on the instance'."""
+
+    _instance: _Absent | None = None
+
+    def __new__(cls) -> _Absent:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+
+# nn.Module keeps submodules, parameters and buffers outside ``__dict__``.
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+class PatchError(RuntimeError):
+    """Raised when a patch cannot be applied or removed consistently."""
+
+
+def _instance_value(obj: Any, name: str) -> Any:
+    """The value stored on the instance itself (not inherited from the class), or ABSENT."""
+    if isinstance(obj, torch.nn.Module):
+        for slot in _MODULE_SLOTS:
+            store = obj.__dict__.get(slot, {})
+            if name in store:
+                return store[name]
+    return obj.__dict__.get(name, ABSENT)
+
+
+def _describe(obj: Any) -> str:
+    name = getattr(obj, "_hfpatch_label", None)
+    return name or f"{type(obj).__name__}@{id(obj):#x}"
+
+
+@dataclass
+class _Entry:
+    kind: str  # "attr" | "hook" | "callback"
+    obj: Any
+    name: str
+    old: Any = ABSENT
+    handle: Any = None
+    undo: Callable[[], None] | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "attr":
+            return f"{_describe(self.obj)}.{self.name} (was {'ABSENT' if self.old is ABSENT else type(self.old).__name__})"
+        return f"{_describe(self.obj)}: {self.kind} {self.name}"
+
+
+@dataclass
+class Patch:
+    """An applied hfpatch patch: an undo log plus what :func:`hfpatch.apply` resolved.
+
+    Attributes:
+        name: What was patched (for ``repr``).
+        plan: The resolved :class:`hfpatch.ParallelConfig` (``None`` for patches without parallelism).
+        options: The options the patch was applied with.
+        children: Patches of components (a pipeline patch holds its transformer/VAE patches).
+    """
+
+    name: str
+    plan: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+    children: list[Patch] = field(default_factory=list)
+    _log: list[_Entry] = field(default_factory=list, repr=False)
+    _removed: bool = field(default=False, repr=False)
+
+    # ------------------------------------------------------------------ primitives
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` (through the object's own ``__setattr__``) and log the old value."""
+        self._check_live()
+        old = _instance_value(obj, name)
+        setattr(obj, name, value)
+        self._log.append(_Entry("attr", obj, name, old))
+
+    def wrap_method(self, obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Callable:
+        """Replace the bound method ``obj.name`` by ``wrapper(original_bound_method)`` on this instance only."""
+        original = getattr(obj, name)
+        new = wrapper(original)
+        if not callable(new):
+            raise PatchError(f"wrapper for {type(obj).__name__}.{name} returned a non-callable {new!r}")
+        self.set_attr(obj, name, new)
+        return new
+
+    def bind_method(self, obj: Any, name: str, function: Callable) -> None:
+        """Install ``function`` as a bound method ``obj.name`` (``self`` is passed) on this instance only."""
+        self.set_attr(obj, name, types.MethodType(function, obj))
+
+    def swap_processor(self, attention: Any, processor: Any) -> None:
+        """Replace a diffusers attention module's ``processor`` (the identical old one comes back)."""
+        if not hasattr(attention, "processor"):
+            raise PatchError(f"{type(attention).__name__} has no attention processor to swap")
+        self.set_attr(attention, "processor", processor)
+
+    def add_forward_pre_hook(self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True) -> None:
+        """``module.register_forward_pre_hook``; removed by handle."""
+        self._check_live()
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_pre_hook"), handle=handle))
+
+    def add_forward_hook(self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True) -> None:
+        """``module.register_forward_hook``; removed by handle."""
+        self._check_live()
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_hook"), handle=handle))
+
+    def on_remove(self, obj: Any, name: str, undo: Callable[[], None]) -> None:
+        """Register an arbitrary undo step (for state that is not an attribute, e.g. a cache to free)."""
+        self._check_live()
+        self._log.append(_Entry("callback", obj, name, undo=undo))
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_active(self) -> bool:
+        return not self._removed
+
+    def remove(self) -> None:
+        """Undo every mutation in reverse order; children first. Idempotent."""
+        if self._removed:
+            return
+        errors: list[BaseException] = []
+        for child in reversed(self.children):
+            try:
+                child.remove()
+            except BaseException as exc:  # keep undoing the rest, report at the end
+                errors.append(exc)
+        for entry in reversed(self._log):
+            try:
+                _undo(entry)
+            except BaseException as exc:
+                errors.append(exc)
+        self._log.clear()
+        self._removed = True
+        if errors:
+            raise PatchError(f"{len(errors)} undo step(s) of {self.name} failed: {errors[0]!r}") from errors[0]
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def entries(self) -> list[str]:
+        """Human-readable list of every logged mutation, children included."""
+        lines = [str(e) for e in self._log]
+        for child in self.children:
+            lines += [f"{child.name}: {line}" for line in child.entries()]
+        return lines
+
+    def __repr__(self) -> str:
+        state = "active" if self.is_active else "removed"
+        head = f"Patch({self.name!r}, {state}, plan={self.plan!r}, options={self.options!r}"
+        lines = self.entries()
+        if not lines:
+            return head + ")"
+        shown = lines[:40] + ([f"... {len(lines) - 40} more"] if len(lines) > 40 else [])
+        return head + ",\n  " + "\n  ".join(shown) + ")"
+
+    def _check_live(self) -> None:
+        if self._removed:
+            raise PatchError(f"patch {self.name!r} was removed; apply a new one")
+
+
+def _undo(entry: _Entry) -> None:
+    if entry.kind == "hook":
+        entry.handle.remove()
+    elif entry.kind == "callback":
+        entry.undo()
+    elif entry.old is ABSENT:
+        obj = entry.obj
+        if isinstance(obj, torch.nn.Module) or entry.name in obj.__dict__:
+            delattr(obj, entry.name)
+    else:
+        # object.__setattr__ bypasses e.g. DiffusionPipeline.__setattr__ re-registering config; for modules
+        # the nn.Module setattr routes submodules/parameters back to their stores.
+        if isinstance(entry.obj, torch.nn.Module):
+            setattr(entry.obj, entry.name, entry.old)
+        else:
+            object.__setattr__(entry.obj, entry.name, entry.old)

@@ -1,0 +1,121 @@
+"""Registry of patch families, keyed by qualified class-name strings and matched along the MRO.
+
+Keys look like ``"diffusers.WanTransformer3DModel"``: the top-level package plus the class name, so a
+subclass of a supported class matches and no HF module is imported to build the registry. Families are
+given as ``"module:Class"`` strings and imported on first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+from .config import ModelFacts, ParallelConfig
+
+__all__ = ["PatchFamily", "Registry", "class_key", "default_registry"]
+
+
+def class_key(cls: type) -> str:
+    """``"<top-level package>.<ClassName>"``, e.g. ``"diffusers.AutoencoderKL"``."""
+    return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+
+
+class PatchFamily:
+    """One HF target family. Subclass it once per family (see ``hfpatch/patches/``).
+
+    Class attributes:
+        name: Short name used in ``repr`` and errors (``"wan_transformer"``).
+        options: Option name -> default. Options not listed here are rejected with ``TypeError``.
+        role: ``"transformer"``, ``"vae"``, ``"pipeline"`` or ``"model"``; pipelines are applied after
+            their components.
+
+    A family is stateless: :func:`hfpatch.apply` calls :meth:`facts` and :meth:`validate` on every rank
+    before any collective or mutation, then :meth:`apply`, which must mutate only through the given
+    :class:`~hfpatch.core.patch.Patch`.
+    """
+
+    name: ClassVar[str] = "family"
+    options: ClassVar[dict[str, Any]] = {}
+    role: ClassVar[str] = "model"
+
+    def facts(self, target: Any) -> ModelFacts:
+        """Facts for the planner (head count, whether it guides)."""
+        return ModelFacts(name=type(target).__name__)
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        """Raise ``ValueError``/``TypeError`` if ``target`` cannot run ``config`` with ``options``. Must be pure."""
+
+    def apply(self, target: Any, patch: Any, mesh: Any, options: dict[str, Any]) -> None:
+        """Mutate ``target`` through ``patch`` (a :class:`~hfpatch.core.patch.Patch`)."""
+        raise NotImplementedError
+
+
+class Registry:
+    """Maps class keys to patch families (several families may serve one class)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, list[type[PatchFamily] | str]] = {}
+
+    def register(self, key: str, family: type[PatchFamily] | str) -> None:
+        """Register ``family`` (a class or ``"module:Class"``) for the class named ``key``."""
+        if not isinstance(key, str) or "." not in key:
+            raise ValueError(f"registry keys look like 'diffusers.WanTransformer3DModel', got {key!r}")
+        families = self._entries.setdefault(key, [])
+        if family in families:
+            raise ValueError(f"{family!r} is already registered for {key}")
+        families.append(family)
+
+    def unregister(self, key: str, family: type[PatchFamily] | str) -> None:
+        self._entries[key].remove(family)
+        if not self._entries[key]:
+            del self._entries[key]
+
+    @contextmanager
+    def registered(self, key: str, family: type[PatchFamily] | str) -> Iterator[None]:
+        """Register for the duration of a ``with`` block (tests, scripts)."""
+        self.register(key, family)
+        try:
+            yield
+        finally:
+            self.unregister(key, family)
+
+    def families_for(self, obj: Any) -> list[PatchFamily]:
+        """Instantiated families for ``obj``, most specific class first; empty when unsupported."""
+        found: list[PatchFamily] = []
+        seen: set[type] = set()
+        for cls in type(obj).__mro__:
+            for entry in self._entries.get(class_key(cls), []):
+                family_cls = _load(entry)
+                if family_cls not in seen:
+                    seen.add(family_cls)
+                    found.append(family_cls())
+        return found
+
+    def supported(self) -> dict[str, list[str]]:
+        """Class key -> family names (imports the families)."""
+        return {key: [_load(e).name for e in entries] for key, entries in sorted(self._entries.items())}
+
+
+def _load(entry: type[PatchFamily] | str) -> type[PatchFamily]:
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return entry
+
+
+_default: Registry | None = None
+
+
+def default_registry() -> Registry:
+    """The registry :func:`hfpatch.apply` uses, filled with the built-in families on first use."""
+    global _default
+    if _default is None:
+        from ..patches import BUILTIN_FAMILIES
+
+        registry = Registry()
+        for key, family in BUILTIN_FAMILIES:
+            registry.register(key, family)
+        _default = registry
+    return _default

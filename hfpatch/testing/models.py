@@ -1,0 +1,249 @@
+"""Tiny random-weight stock models for tests, demos and examples (CPU, no hub, well under a second).
+
+Every factory seeds its own generator, so the same call gives the same weights on every rank.
+
+>>> from hfpatch.testing import tiny_wan_transformer
+>>> tiny_wan_transformer().config.num_attention_heads
+4
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "tiny_autoencoder_kl",
+    "tiny_flux_pipe",
+    "tiny_flux_transformer",
+    "tiny_qwen3_vl",
+    "tiny_sd3_pipe",
+    "tiny_sd3_transformer",
+    "tiny_wan_pipe",
+    "tiny_wan_transformer",
+    "tiny_wan_vae",
+    "wan_prompt_embeds",
+]
+
+
+def _seeded(seed: int):
+    class _Seed:
+        def __enter__(self):
+            self.state = torch.random.get_rng_state()
+            torch.manual_seed(seed)
+
+        def __exit__(self, *exc):
+            torch.random.set_rng_state(self.state)
+
+    return _Seed()
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Re-draw every parameter (some HF inits are zeros, which would hide bugs) deterministically."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def tiny_wan_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``WanTransformer3DModel`` (Wan 2.1 layout; ``image_dim``/``added_kv_proj_dim`` via overrides)."""
+    from diffusers import WanTransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(WanTransformer3DModel(**config), seed)
+
+
+def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
+    """A stock ``AutoencoderKLWan``: ``"2.1"`` (causal 3D, 8x spatial) or ``"2.2"`` (patchify, residual up/down)."""
+    from diffusers import AutoencoderKLWan
+
+    if version == "2.1":
+        config = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+                      latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    elif version == "2.2":
+        config = dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                      temperal_downsample=[False, True, True], is_residual=True, patch_size=2,
+                      in_channels=12, out_channels=12, scale_factor_spatial=16,
+                      latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    else:
+        raise ValueError(f"version must be '2.1' or '2.2', got {version!r}")
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(AutoencoderKLWan(**config), seed)
+
+
+def tiny_autoencoder_kl(seed: int = 0, **overrides: Any):
+    """A stock 2D ``AutoencoderKL`` (two resolutions, GroupNorm, mid-block attention), 2x spatial factor."""
+    from diffusers import AutoencoderKL
+
+    config = dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(AutoencoderKL(**config), seed)
+
+
+def tiny_flux_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``FluxTransformer2DModel`` with one double and one single block."""
+    from diffusers import FluxTransformer2DModel
+
+    config = dict(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=head_dim,
+        num_attention_heads=num_heads,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        guidance_embeds=False,
+        axes_dims_rope=(2, 2, 4),
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(FluxTransformer2DModel(**config), seed)
+
+
+def tiny_sd3_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``SD3Transformer2DModel`` with two joint blocks."""
+    from diffusers import SD3Transformer2DModel
+
+    config = dict(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=head_dim,
+        num_attention_heads=num_heads,
+        joint_attention_dim=16,
+        caption_projection_dim=num_heads * head_dim,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=32,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(SD3Transformer2DModel(**config), seed)
+
+
+def wan_prompt_embeds(batch: int = 1, length: int = 6, text_dim: int = 16, seed: int = 1) -> torch.Tensor:
+    """Random text-encoder outputs shaped like UMT5's, for running a tiny Wan pipeline without a tokenizer."""
+    return torch.randn(batch, length, text_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False):
+    """A stock ``WanPipeline`` from tiny parts; call it with ``prompt_embeds``/``negative_prompt_embeds``.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_wan_pipe, wan_prompt_embeds
+    >>> pipe = tiny_wan_pipe()
+    >>> out = pipe(prompt_embeds=wan_prompt_embeds(), negative_prompt_embeds=wan_prompt_embeds(seed=2),
+    ...            height=32, width=32, num_frames=5, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 5, 3, 32, 32)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    transformer = tiny_wan_transformer(seed=seed)
+    transformer_2 = tiny_wan_transformer(seed=seed + 100) if two_transformers else None
+    vae = tiny_wan_vae("2.1", seed=seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=0.5 if two_transformers else None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sd3_pipe(seed: int = 0):
+    """A stock ``StableDiffusion3Pipeline`` (batched CFG) from tiny parts; call it with ``prompt_embeds``,
+    ``pooled_prompt_embeds`` and their negatives (see :func:`sd3_prompt_inputs`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline(
+        transformer=tiny_sd3_transformer(seed=seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_flux_pipe(seed: int = 0):
+    """A stock ``FluxPipeline`` from tiny parts; call it with ``prompt_embeds`` and ``pooled_prompt_embeds``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=tiny_flux_transformer(seed=seed),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_qwen3_vl(seed: int = 0, **text_overrides: Any):
+    """A stock ``Qwen3VLModel`` (vision tower + text model) with tiny dims; inputs per the Qwen3-VL processor layout."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                 "mrope_interleaved": True})
+    text.update(text_overrides)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64,
+                  deepstack_visual_indexes=[1])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=120, video_token_id=121,
+                           vision_start_token_id=122, vision_end_token_id=123)
+    with _seeded(seed):
+        return _randomize(Qwen3VLModel(config), seed)

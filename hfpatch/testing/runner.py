@@ -1,0 +1,194 @@
+"""Run a function on N local gloo ranks and collect each rank's result.
+
+Built on ``torch.multiprocessing`` (spawn) and ``torch.distributed``; no launcher of its own. Spawning a
+rank costs seconds (importing torch and diffusers), so :class:`RankPool` keeps N initialised ranks alive
+and runs many functions on them; :func:`run_ranks` is the one-shot form.
+
+Functions must be importable by the children (module-level functions of an importable module).
+
+>>> from hfpatch.testing.runner import run_ranks
+>>> import operator
+>>> run_ranks(2, operator.add, 1, 2)
+[3, 3]
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "RankPool", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks; carries the remote traceback of each failing rank."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        first = min(failures)
+        super().__init__(
+            f"rank{'s' if len(failures) > 1 else ''} {sorted(failures)} failed; rank {first}:\n{failures[first]}"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        HFPATCH_TIMEOUT_S=str(timeout_s),
+    )
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """N spawned processes with an initialised gloo process group, reused across calls.
+
+    Args:
+        world_size: Number of ranks.
+        timeout_s: Collective timeout inside the ranks and the longest a call may take.
+        threads: torch intra-op threads per rank (1 avoids oversubscribing small CI machines).
+
+    After a failure or a timeout the ranks are torn down (a rank may be stuck in a collective) and the
+    next :meth:`run` starts fresh ones.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(lambda: None, startup=True)
+
+    def _collect(self, _unused: Callable[[], None], startup: bool = False) -> list[Any]:
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + self.timeout_s + (120 if startup else 0)
+        while len(out) + len(failures) < self.world_size:
+            if failures:
+                # One rank failed: give the others a moment to report, then tear down (they may be blocked).
+                deadline = min(deadline, time.monotonic() + 2.0)
+            try:
+                rank, ok, value = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in out and r not in failures]
+                for r in dead:
+                    failures[r] = f"rank {r} exited with code {self._procs[r].exitcode} without reporting"
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    if failures:
+                        raise RankError(failures) from None
+                    missing = sorted(set(range(self.world_size)) - set(out))
+                    raise TimeoutError(f"ranks {missing} did not finish within {self.timeout_s:.0f}s") from None
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            self.close(force=True)
+            raise RankError(failures)
+        return [out[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank.
+
+        Raises:
+            RankError: ``fn`` raised on some rank (its traceback is in the message).
+            TimeoutError: No result within ``timeout_s``.
+        """
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(lambda: None)
+
+    def close(self, force: bool = False) -> None:
+        """Stop the ranks (politely, or by terminating them when ``force``)."""
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks, run ``fn(*args, **kwargs)`` on each, return the results by rank.
+
+    Raises:
+        RankError: ``fn`` raised on some rank; the error names the rank and carries its traceback. The
+            other ranks are terminated, so a failure never leaves the caller hanging.
+    """
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)

@@ -1,0 +1,25 @@
+"""Shared fixtures: one pool of gloo ranks per world size for the whole session (spawning costs seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hfpatch.testing.runner import RankPool
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(n)`` -> a live :class:`RankPool` of ``n`` ranks, shared by every test in the session.
+
+    Run many cases in one ``pool.run`` call where you can: each call is a round trip through all ranks.
+    """
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size, timeout_s=300)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
