@@ -4,4 +4,16 @@ Each entry is ``(class key, "module:Family")``; :func:`hfpatch.core.registry.def
 table, so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
-BUILTIN_FAMILIES: list[tuple[str, str]] = []
+BUILTIN_FAMILIES: list[tuple[str, str]] = [
+    # Sequence-parallel attention (USP) for DiT transformers.
+    ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_dit:WanTransformerUSP"),
+    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
+    ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
+    # Block-causal streaming with KV cache.
+    ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
+    # Patch-parallel VAEs.
+    ("diffusers.AutoencoderKLWan", "hfpatch.patches.wan_vae:WanVAEParallel"),
+    ("diffusers.AutoencoderKL", "hfpatch.patches.kl_vae:KLVAEParallel"),
+    # CFG / data parallel at the pipeline level.
+    ("diffusers.DiffusionPipeline", "hfpatch.patches.pipeline:PipelineParallel"),
+]
