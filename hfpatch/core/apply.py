@@ -147,7 +147,11 @@ def apply(
     top = Patch(name=type(target).__name__, plan=config, options=resolved_options)
     try:
         for obj, families in units:
-            child = top if obj is target else Patch(name=type(obj).__name__, plan=config, options=resolved_options)
+            child = (
+                top
+                if obj is target
+                else Patch(name=type(obj).__name__, plan=config, options=resolved_options)
+            )
             if child is not top:
                 top.children.append(child)
             for family in families:

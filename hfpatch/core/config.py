@@ -42,7 +42,9 @@ class ParallelConfig:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
         if self.cfg not in (1, 2):
             raise ValueError(f"ParallelConfig.cfg must be 1 or 2 (cond and uncond), got {self.cfg}")
-        if self.vae is not None and (not isinstance(self.vae, int) or isinstance(self.vae, bool) or self.vae < 1):
+        if self.vae is not None and (
+            not isinstance(self.vae, int) or isinstance(self.vae, bool) or self.vae < 1
+        ):
             raise ValueError(f"ParallelConfig.vae must be a positive int or None, got {self.vae!r}")
         product = self.data * self.cfg * self.ring * self.ulysses
         if self.vae is not None and product > 1 and self.vae not in (1, product):
@@ -117,7 +119,9 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
         )
 
 
-def resolve_parallel(parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts) -> ParallelConfig:
+def resolve_parallel(
+    parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts
+) -> ParallelConfig:
     """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
 
     Args:
@@ -135,7 +139,9 @@ def resolve_parallel(parallel: int | ParallelConfig | None, world_size: int, fac
     elif isinstance(parallel, int) and not isinstance(parallel, bool):
         config = plan_parallel(parallel, facts)
     else:
-        raise TypeError(f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}")
+        raise TypeError(
+            f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}"
+        )
     if config.world_size != world_size:
         raise ValueError(
             f"{config} uses {config.world_size} ranks (data*cfg*ring*ulysses) but the world size is {world_size}; "

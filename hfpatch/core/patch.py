@@ -128,7 +128,9 @@ class Patch:
             raise PatchError(f"{type(attention).__name__} has no attention processor to swap")
         self.set_attr(attention, "processor", processor)
 
-    def add_forward_pre_hook(self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True) -> None:
+    def add_forward_pre_hook(
+        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True
+    ) -> None:
         """``module.register_forward_pre_hook``; removed by handle."""
         self._check_live()
         handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
@@ -168,7 +170,9 @@ class Patch:
         self._log.clear()
         self._removed = True
         if errors:
-            raise PatchError(f"{len(errors)} undo step(s) of {self.name} failed: {errors[0]!r}") from errors[0]
+            raise PatchError(f"{len(errors)} undo step(s) of {self.name} failed: {errors[0]!r}") from errors[
+                0
+            ]
 
     def __enter__(self) -> Patch:
         return self

@@ -67,7 +67,9 @@ def ensure_process_group(required: int) -> None:
     if required == 1 and not (dist.is_available() and dist.is_initialized()):
         return
     if not dist.is_available():
-        raise RuntimeError("torch.distributed is not available in this torch build; hfpatch needs it for parallel > 1")
+        raise RuntimeError(
+            "torch.distributed is not available in this torch build; hfpatch needs it for parallel > 1"
+        )
     if not dist.is_initialized():
         missing = [v for v in _LAUNCH_VARS if v not in os.environ]
         if missing:
@@ -140,8 +142,10 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         for axis in AXES:
             groups[axis] = mesh.get_group(axis) if getattr(config, axis) > 1 else None
-        groups["sp"] = mesh["ring", "ulysses"]._flatten("sp").get_group() if config.ring > 1 and config.ulysses > 1 else (
-            groups["ring"] or groups["ulysses"]
+        groups["sp"] = (
+            mesh["ring", "ulysses"]._flatten("sp").get_group()
+            if config.ring > 1 and config.ulysses > 1
+            else (groups["ring"] or groups["ulysses"])
         )
     else:
         mesh = None

@@ -81,13 +81,31 @@ def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
     from diffusers import AutoencoderKLWan
 
     if version == "2.1":
-        config = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-                      latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        config = dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
     elif version == "2.2":
-        config = dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                      temperal_downsample=[False, True, True], is_residual=True, patch_size=2,
-                      in_channels=12, out_channels=12, scale_factor_spatial=16,
-                      latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        config = dict(
+            base_dim=8,
+            decoder_base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            patch_size=2,
+            in_channels=12,
+            out_channels=12,
+            scale_factor_spatial=16,
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
     else:
         raise ValueError(f"version must be '2.1' or '2.2', got {version!r}")
     config.update(overrides)
@@ -235,15 +253,43 @@ def tiny_qwen3_vl(seed: int = 0, **text_overrides: Any):
     """A stock ``Qwen3VLModel`` (vision tower + text model) with tiny dims; inputs per the Qwen3-VL processor layout."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
-                                 "mrope_interleaved": True})
+    text = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+            "mrope_interleaved": True,
+        },
+    )
     text.update(text_overrides)
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64,
-                  deepstack_visual_indexes=[1])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=120, video_token_id=121,
-                           vision_start_token_id=122, vision_end_token_id=123)
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[1],
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
+    )
     with _seeded(seed):
         return _randomize(Qwen3VLModel(config), seed)

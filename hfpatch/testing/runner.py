@@ -44,7 +44,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -60,7 +62,9 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -127,7 +131,11 @@ class RankPool:
             try:
                 rank, ok, value = self._results.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in out and r not in failures]
+                dead = [
+                    r
+                    for r, p in enumerate(self._procs)
+                    if not p.is_alive() and r not in out and r not in failures
+                ]
                 for r in dead:
                     failures[r] = f"rank {r} exited with code {self._procs[r].exitcode} without reporting"
                 if time.monotonic() > deadline:
@@ -135,7 +143,9 @@ class RankPool:
                     if failures:
                         raise RankError(failures) from None
                     missing = sorted(set(range(self.world_size)) - set(out))
-                    raise TimeoutError(f"ranks {missing} did not finish within {self.timeout_s:.0f}s") from None
+                    raise TimeoutError(
+                        f"ranks {missing} did not finish within {self.timeout_s:.0f}s"
+                    ) from None
                 continue
             if ok:
                 out[rank] = value
@@ -183,7 +193,9 @@ class RankPool:
         self.close()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Spawn ``world_size`` gloo ranks, run ``fn(*args, **kwargs)`` on each, return the results by rank.
 
     Raises:

@@ -1,0 +1,402 @@
+"""Autograd-aware collectives with explicit (possibly uneven) split sizes, and a communication counter.
+
+Every collective here has its dual as backward (all-to-all <-> all-to-all with the split sizes swapped,
+all-gather <-> reduce-scatter or slice, halo send <-> halo-gradient return), takes ``group=None`` for the
+default group, and reports the bytes it sends to every :func:`count_comm` counter that is open, so tests
+and benchmarks can compare communication with the analytic minimum.
+
+Shape comments use ``W`` for the group size and ``r`` for this rank's index in the group.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommCounter",
+    "all_gather",
+    "all_to_all",
+    "count_comm",
+    "even_sizes",
+    "halo_exchange",
+    "ring_shift",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+
+# ----------------------------------------------------------------------------------------------- counting
+@dataclass
+class CommCounter:
+    """Bytes this rank sent, total and per collective kind (``"all_to_all"``, ``"halo"``, ...)."""
+
+    bytes_sent: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.by_op[op] = self.by_op.get(op, 0) + nbytes
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+
+_COUNTERS: contextvars.ContextVar[tuple[CommCounter, ...]] = contextvars.ContextVar(
+    "hfpatch_comm", default=()
+)
+
+
+@contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    """Count bytes sent by hfpatch collectives on this rank inside the block (nestable).
+
+    >>> from hfpatch.distributed.collectives import count_comm
+    >>> with count_comm() as counter:
+    ...     pass
+    >>> counter.bytes_sent
+    0
+    """
+    counter = CommCounter()
+    token = _COUNTERS.set(_COUNTERS.get() + (counter,))
+    try:
+        yield counter
+    finally:
+        _COUNTERS.reset(token)
+
+
+def _record(op: str, nbytes: int) -> None:
+    for counter in _COUNTERS.get():
+        counter.add(op, nbytes)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group: ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def _global(group: ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def even_sizes(total: int, parts: int) -> list[int]:
+    """Split ``total`` into ``parts`` sizes that differ by at most one, larger ones first.
+
+    >>> even_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _check_sizes(name: str, sizes: Sequence[int], world: int, total: int | None = None) -> list[int]:
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes):
+        raise ValueError(f"{name} must list {world} non-negative sizes (one per rank), got {sizes}")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(f"{name}={sizes} must add up to the dimension size {total}")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------- all-to-all
+def _all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group,
+    scatter_sizes: list[int],
+    gather_sizes: list[int],
+) -> torch.Tensor:
+    world, me = _size(group), _rank(group)
+    pieces = [p.contiguous() for p in x.split(scatter_sizes, dim=scatter_dim)]
+    send = torch.cat([p.reshape(-1) for p in pieces]) if pieces else x.new_empty(0)
+    # What rank i sends me: my scatter piece, with rank i's extent along the gather dim.
+    recv_shapes = []
+    for i in range(world):
+        shape = list(x.shape)
+        shape[scatter_dim] = scatter_sizes[me]
+        shape[gather_dim] = gather_sizes[i]
+        recv_shapes.append(shape)
+    recv_numel = [int(torch.Size(s).numel()) for s in recv_shapes]
+    recv = x.new_empty(sum(recv_numel))
+    dist.all_to_all_single(recv, send, recv_numel, [p.numel() for p in pieces], group=group)
+    _record("all_to_all", (send.numel() - pieces[me].numel()) * x.element_size())
+    chunks = [c.view(s) for c, s in zip(recv.split(recv_numel), recv_shapes)]
+    return torch.cat(chunks, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes):
+        ctx.args = (scatter_dim, gather_dim, group, scatter_sizes, gather_sizes)
+        return _all_to_all(x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim, group, scatter_sizes, gather_sizes = ctx.args
+        # The adjoint of an all-to-all is the all-to-all with the roles of the two dims swapped.
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, group, gather_sizes, scatter_sizes), *(
+            [None] * 5
+        )
+
+
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: ProcessGroup | None = None,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Reshard: split ``x`` along ``scatter_dim`` over the ranks, concatenate what arrives along ``gather_dim``.
+
+    Rank ``r`` keeps piece ``r`` of every rank's ``x`` (pieces sized ``scatter_sizes``) and concatenates them
+    in rank order along ``gather_dim``. For Ulysses, ``x_bshd`` sequence-sharded becomes head-sharded with
+    ``all_to_all(x, scatter_dim=2, gather_dim=1)`` and back with the dims swapped.
+
+    Args:
+        x: Local tensor; all dims but ``gather_dim`` equal on every rank.
+        scatter_dim: Dim split over the ranks.
+        gather_dim: Dim the received pieces are concatenated along.
+        group: Process group (default: world).
+        scatter_sizes: Piece sizes along ``scatter_dim`` (default: an even split, which must divide).
+        gather_sizes: Every rank's ``x.shape[gather_dim]`` (default: all equal to this rank's).
+
+    Returns:
+        ``x`` resharded; differentiable (backward is the inverse all-to-all).
+    """
+    world = _size(group)
+    scatter_dim %= x.dim()
+    gather_dim %= x.dim()
+    if scatter_sizes is None:
+        if x.shape[scatter_dim] % world:
+            raise ValueError(
+                f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} does not divide over {world} ranks; "
+                "pass scatter_sizes for an uneven split"
+            )
+        scatter_sizes = [x.shape[scatter_dim] // world] * world
+    scatter_sizes = _check_sizes("scatter_sizes", scatter_sizes, world, x.shape[scatter_dim])
+    gather_sizes = _check_sizes("gather_sizes", gather_sizes or [x.shape[gather_dim]] * world, world)
+    if gather_sizes[_rank(group)] != x.shape[gather_dim]:
+        raise ValueError(
+            f"gather_sizes[{_rank(group)}]={gather_sizes[_rank(group)]} != local size {x.shape[gather_dim]}"
+        )
+    if world == 1:
+        return x
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes)
+
+
+# ----------------------------------------------------------------------------------------------- all-gather
+def _gather(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+    world = _size(group)
+    flat = x.contiguous().reshape(-1)
+    send = flat.repeat(world)  # one copy per destination: all_to_all_single handles uneven sizes
+    shapes = []
+    for s in sizes:
+        shape = list(x.shape)
+        shape[dim] = s
+        shapes.append(shape)
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    recv = x.new_empty(sum(numels))
+    dist.all_to_all_single(recv, send, numels, [flat.numel()] * world, group=group)
+    _record("all_gather", (world - 1) * flat.numel() * x.element_size())
+    return torch.cat([c.view(s) for c, s in zip(recv.split(numels), shapes)], dim=dim)
+
+
+def _reduce_scatter(grad: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+    # Sum over ranks of each rank's slice: an all-to-all of the slices followed by a local sum.
+    world, me = _size(group), _rank(group)
+    pieces = [p.contiguous().reshape(-1) for p in grad.split(sizes, dim=dim)]
+    send = torch.cat(pieces)
+    recv = grad.new_empty(pieces[me].numel() * world)
+    dist.all_to_all_single(recv, send, [pieces[me].numel()] * world, [p.numel() for p in pieces], group=group)
+    _record("reduce_scatter", (send.numel() - pieces[me].numel()) * grad.element_size())
+    shape = list(grad.shape)
+    shape[dim] = sizes[me]
+    return recv.view(world, *shape).sum(0)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, sizes, backward):
+        ctx.args = (dim, group, sizes, backward)
+        return _gather(x, dim, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, group, sizes, backward = ctx.args
+        if backward == "slice":
+            me = _rank(group)
+            start = sum(sizes[:me])
+            return grad.narrow(dim, start, sizes[me]).contiguous(), None, None, None, None
+        return _reduce_scatter(grad, dim, group, sizes), None, None, None, None
+
+
+def all_gather(
+    x: torch.Tensor,
+    dim: int,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+    backward: str = "slice",
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (uneven ``sizes`` allowed); differentiable.
+
+    Args:
+        x: Local shard.
+        dim: Dim to concatenate along.
+        group: Process group (default: world).
+        sizes: Every rank's ``x.shape[dim]`` (default: all equal).
+        backward: ``"slice"`` when every rank computes the *same* loss from the gathered tensor (replicated
+            downstream; the gradient of the local shard is its slice of the gradient, no communication), or
+            ``"reduce_scatter"`` when ranks compute different losses whose sum is the objective.
+
+    Returns:
+        The full tensor, identical on every rank.
+    """
+    if backward not in ("slice", "reduce_scatter"):
+        raise ValueError(f"backward must be 'slice' or 'reduce_scatter', got {backward!r}")
+    world = _size(group)
+    dim %= x.dim()
+    sizes = _check_sizes("sizes", sizes or [x.shape[dim]] * world, world)
+    if sizes[_rank(group)] != x.shape[dim]:
+        raise ValueError(
+            f"sizes[{_rank(group)}]={sizes[_rank(group)]} != local size {x.shape[dim]} along dim {dim}"
+        )
+    if world == 1:
+        return x
+    return _AllGather.apply(x, dim, group, sizes, backward)
+
+
+# ----------------------------------------------------------------------------------------------- P2P
+def _p2p(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, op: str
+) -> None:
+    ops = [dist.P2POp(dist.isend, t, _global(group, peer), group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, _global(group, peer), group) for t, peer in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    _record(op, sum(t.numel() * t.element_size() for t, _ in sends))
+
+
+def ring_shift(
+    tensors: Sequence[torch.Tensor], group: ProcessGroup | None = None
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's (same shapes).
+
+    Not differentiable: ring attention passes K/V blocks with it inside its own autograd function. Returns
+    ``(received, wait)``; compute on the current block, then call ``wait()`` before reading ``received``,
+    so communication overlaps computation.
+    """
+    world, me = _size(group), _rank(group)
+    nxt, prv = _global(group, (me + 1) % world), _global(group, (me - 1) % world)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    works = dist.batch_isend_irecv(ops) if world > 1 else []
+    _record("ring", sum(t.numel() * t.element_size() for t in tensors) if world > 1 else 0)
+
+    def wait() -> None:
+        for work in works:
+            work.wait()
+
+    if world == 1:
+        received = [t for t in tensors]
+    return received, wait
+
+
+# ----------------------------------------------------------------------------------------------- halo
+def _halo_forward(
+    x: torch.Tensor, dim: int, before: int, after: int, group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    world, me = _size(group), _rank(group)
+    length = x.shape[dim]
+    sends, recvs = [], []
+    top_shape, bottom_shape = list(x.shape), list(x.shape)
+    top_shape[dim], bottom_shape[dim] = (before if me > 0 else 0), (after if me < world - 1 else 0)
+    top = x.new_empty(top_shape)
+    bottom = x.new_empty(bottom_shape)
+    if me > 0 and after:  # my first rows are the previous rank's "after" halo
+        sends.append((x.narrow(dim, 0, after).contiguous(), me - 1))
+    if me < world - 1 and before:  # my last rows are the next rank's "before" halo
+        sends.append((x.narrow(dim, length - before, before).contiguous(), me + 1))
+    if top.numel():
+        recvs.append((top, me - 1))
+    if bottom.numel():
+        recvs.append((bottom, me + 1))
+    _p2p(sends, recvs, group, "halo")
+    return top, bottom
+
+
+class _HaloExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, before, after, group):
+        ctx.args = (dim, before, after, group, x.shape[dim])
+        top, bottom = _halo_forward(x, dim, before, after, group)
+        return torch.cat([top, x, bottom], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, before, after, group, length = ctx.args
+        world, me = _size(group), _rank(group)
+        n_top = before if me > 0 else 0
+        n_bottom = after if me < world - 1 else 0
+        g_top = grad.narrow(dim, 0, n_top).contiguous()
+        g_x = grad.narrow(dim, n_top, length).clone()
+        g_bottom = grad.narrow(dim, n_top + length, n_bottom).contiguous()
+        # Halo gradients go back to their owners: my top halo came from the previous rank's last rows.
+        sends, recvs = [], []
+        if n_top:
+            sends.append((g_top, me - 1))
+        if n_bottom:
+            sends.append((g_bottom, me + 1))
+        from_next_shape, from_prev_shape = list(grad.shape), list(grad.shape)
+        from_next_shape[dim] = after if me > 0 else 0  # the previous rank's bottom halo = my first rows
+        from_prev_shape[dim] = before if me < world - 1 else 0
+        g_first = grad.new_empty(from_next_shape)
+        g_last = grad.new_empty(from_prev_shape)
+        if g_first.numel():
+            recvs.append((g_first, me - 1))
+        if g_last.numel():
+            recvs.append((g_last, me + 1))
+        _p2p(sends, recvs, group, "halo")
+        if g_first.shape[dim]:
+            g_x.narrow(dim, 0, g_first.shape[dim]).add_(g_first)
+        if g_last.shape[dim]:
+            g_x.narrow(dim, length - g_last.shape[dim], g_last.shape[dim]).add_(g_last)
+        return g_x, None, None, None, None
+
+
+def halo_exchange(
+    x: torch.Tensor, dim: int, before: int, after: int, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Extend the local shard with its neighbours' boundary rows along ``dim``; differentiable.
+
+    Rank ``r`` receives the last ``before`` rows of rank ``r-1`` and the first ``after`` rows of rank
+    ``r+1`` and returns ``cat([those_before, x, those_after], dim)``. At the global borders nothing is
+    added (the caller pads there as the unsharded op would). Backward returns the halo gradients to their
+    owners, who add them to their boundary rows. Shards may be uneven but must hold at least
+    ``max(before, after)`` rows.
+
+    Bytes sent per rank (interior): ``(before + after) * (x.numel() / x.shape[dim]) * x.element_size()``.
+    """
+    world = _size(group)
+    dim %= x.dim()
+    if before < 0 or after < 0:
+        raise ValueError(f"halo sizes must be >= 0, got before={before}, after={after}")
+    if world == 1 or (before == 0 and after == 0):
+        return x
+    if x.shape[dim] < max(before, after):
+        raise ValueError(
+            f"halo_exchange: the local shard has {x.shape[dim]} rows along dim {dim} but a halo of "
+            f"{max(before, after)} rows is needed; use fewer ranks or a larger input"
+        )
+    return _HaloExchange.apply(x, dim, before, after, group)

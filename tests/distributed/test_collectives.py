@@ -1,0 +1,159 @@
+"""Collectives vs a one-process reference, forward and backward, at world sizes 2-4 with uneven shards.
+
+Every rank builds the same full tensor from a fixed seed, takes its shard with the shared layout
+(`even_sizes`), runs the collective, and compares with the reference computed from the full tensor.
+Collectives only move data, so forward results must be bit-identical; gradients that add contributions
+from several ranks may differ by one rounding of a sum, hence atol=1e-6 on O(1) values in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfpatch.distributed.collectives import all_gather, all_to_all, count_comm, even_sizes, halo_exchange, ring_shift
+
+GRAD_ATOL = 1e-6
+
+
+def _full(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _shard(x, dim, sizes, rank):
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+def _case_all_to_all(seq_len, heads, dim_head):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seq_sizes, head_sizes = even_sizes(seq_len, world), even_sizes(heads, world)
+    x_full = _full(seq_len, heads, dim_head)
+    x = _shard(x_full, 0, seq_sizes, rank).clone().requires_grad_(True)
+    with count_comm() as counter:
+        out = all_to_all(x, scatter_dim=1, gather_dim=0, scatter_sizes=head_sizes, gather_sizes=seq_sizes)
+    expected = _shard(x_full, 1, head_sizes, rank)
+    weight = _full(seq_len, heads, dim_head, seed=1)  # total loss = sum over ranks of their head slices
+    (out * _shard(weight, 1, head_sizes, rank)).sum().backward()
+    analytic = (x.numel() - seq_sizes[rank] * head_sizes[rank] * dim_head) * 4
+    # Round trip: back to sequence-sharded.
+    back = all_to_all(out.detach(), scatter_dim=0, gather_dim=1, scatter_sizes=seq_sizes, gather_sizes=head_sizes)
+    return {
+        "fwd": torch.equal(out, expected),
+        "bwd_err": (x.grad - _shard(weight, 0, seq_sizes, rank)).abs().max().item(),
+        "bytes": (counter.by_op["all_to_all"], analytic),
+        "roundtrip": torch.equal(back, x.detach()),
+    }
+
+
+def _case_all_gather(length, backward):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = even_sizes(length, world)
+    x_full = _full(3, length, 5)
+    x = _shard(x_full, 1, sizes, rank).clone().requires_grad_(True)
+    with count_comm() as counter:
+        out = all_gather(x, dim=1, sizes=sizes, backward=backward)
+    if backward == "slice":  # every rank computes the same loss
+        weight = _full(3, length, 5, seed=1)
+        expected_grad = _shard(weight, 1, sizes, rank)
+    else:  # each rank its own loss; the objective is their sum
+        weight = _full(3, length, 5, seed=10 + rank)
+        expected_grad = _shard(sum(_full(3, length, 5, seed=10 + r) for r in range(world)), 1, sizes, rank)
+    (out * weight).sum().backward()
+    return {
+        "fwd": torch.equal(out, x_full),
+        "bwd_err": (x.grad - expected_grad).abs().max().item(),
+        "bytes": (counter.by_op["all_gather"], (world - 1) * x.numel() * 4),
+    }
+
+
+def _case_halo(length, before, after):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = even_sizes(length, world)
+    x_full = _full(2, length, 3)
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    lo, hi = max(start - before, 0), min(stop + after, length)
+    x = x_full.narrow(1, start, stop - start).clone().requires_grad_(True)
+    with count_comm() as counter:
+        out = halo_exchange(x, dim=1, before=before, after=after)
+    weights = [_full(2, length, 3, seed=20 + r) for r in range(world)]
+    (out * weights[rank][:, lo:hi]).sum().backward()
+    # Reference gradient: sum of every rank's loss on the full tensor.
+    ref = x_full.clone().requires_grad_(True)
+    total = 0
+    for r in range(world):
+        s, e = sum(sizes[:r]), sum(sizes[: r + 1])
+        lo_r, hi_r = max(s - before, 0), min(e + after, length)
+        total = total + (ref[:, lo_r:hi_r] * weights[r][:, lo_r:hi_r]).sum()
+    total.backward()
+    sent_rows = (before if rank < world - 1 else 0) + (after if rank > 0 else 0)
+    return {
+        "fwd": torch.equal(out, x_full[:, lo:hi]),
+        "bwd_err": (x.grad - ref.grad[:, start:stop]).abs().max().item(),
+        # forward only (backward ran outside the counter): sent_rows rows of 2*3 fp32 values
+        "bytes": (counter.by_op["halo"], sent_rows * 2 * 3 * 4),
+    }
+
+
+def _case_ring_shift():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = [torch.full((2, 3), float(rank)), torch.full((4,), 10.0 + rank)]
+    received, wait = ring_shift(mine)
+    wait()
+    prev = (rank - 1) % world
+    return torch.equal(received[0], torch.full((2, 3), float(prev))) and torch.equal(
+        received[1], torch.full((4,), 10.0 + prev)
+    )
+
+
+def _all_cases():
+    results = {}
+    for seq_len, heads in [(12, 4), (7, 6), (10, 5)]:  # even, uneven sequence, uneven heads
+        results[f"a2a_{seq_len}_{heads}"] = _case_all_to_all(seq_len, heads, 3)
+    for length in (8, 11):
+        for backward in ("slice", "reduce_scatter"):
+            results[f"ag_{length}_{backward}"] = _case_all_gather(length, backward)
+    for length, before, after in [(12, 1, 1), (11, 2, 0), (13, 0, 1), (10, 1, 2)]:
+        results[f"halo_{length}_{before}_{after}"] = _case_halo(length, before, after)
+    results["ring"] = _case_ring_shift()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_collectives_uneven_shards_match_reference(rank_pool, world_size):
+    per_rank = rank_pool(world_size).run(_all_cases)
+    for rank, results in enumerate(per_rank):
+        for name, res in results.items():
+            if name == "ring":
+                assert res, f"ring_shift wrong on rank {rank}"
+                continue
+            assert res["fwd"], f"{name}: forward differs from reference on rank {rank}"
+            assert res["bwd_err"] <= GRAD_ATOL, f"{name}: grad error {res['bwd_err']} on rank {rank}"
+            measured, analytic = res["bytes"]
+            assert measured == analytic, f"{name}: rank {rank} sent {measured} bytes, analytic {analytic}"
+
+
+def test_all_to_all_bad_split_raises_before_communication(rank_pool):
+    def_case = rank_pool(2).run(_bad_split_case)
+    assert all("does not divide over 2 ranks" in msg for msg in def_case)
+
+
+def _bad_split_case():
+    try:
+        all_to_all(torch.zeros(3, 4), scatter_dim=0, gather_dim=1)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_halo_larger_than_shard_raises(rank_pool):
+    msgs = rank_pool(2).run(_bad_halo_case)
+    assert all("halo of 3 rows is needed" in m for m in msgs)
+
+
+def _bad_halo_case():
+    try:
+        halo_exchange(torch.zeros(2, 5), dim=0, before=3, after=0)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
