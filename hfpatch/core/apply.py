@@ -127,9 +127,11 @@ def apply(
     if existing is not None:
         if existing.plan == config and existing.options == resolved_options:
             return existing
+        owner = f" as part of {existing.part_of}" if existing.part_of else ""
         raise ValueError(
-            f"{type(target).__name__} is already patched with plan={existing.plan}, options={existing.options}; "
-            f"call patch.remove() before applying plan={config}, options={resolved_options}"
+            f"{type(target).__name__} is already patched{owner} with plan={existing.plan}, "
+            f"options={existing.options}; call patch.remove() before applying plan={config}, "
+            f"options={resolved_options}"
         )
     for obj, _ in units:
         if get_patch(obj) is not None:
@@ -147,12 +149,9 @@ def apply(
     top = Patch(name=type(target).__name__, plan=config, options=resolved_options)
     try:
         for obj, families in units:
-            child = (
-                top
-                if obj is target
-                else Patch(name=type(obj).__name__, plan=config, options=resolved_options)
-            )
-            if child is not top:
+            child = top
+            if obj is not target:
+                child = Patch(type(obj).__name__, plan=config, options=resolved_options, part_of=top.name)
                 top.children.append(child)
             for family in families:
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})

@@ -92,12 +92,14 @@ class Patch:
         plan: The resolved :class:`hfpatch.ParallelConfig` (``None`` for patches without parallelism).
         options: The options the patch was applied with.
         children: Patches of components (a pipeline patch holds its transformer/VAE patches).
+        part_of: For a component's patch, the name of the pipeline patch that owns it.
     """
 
     name: str
     plan: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     children: list[Patch] = field(default_factory=list)
+    part_of: str | None = None
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
 

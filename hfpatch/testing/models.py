@@ -293,3 +293,82 @@ def tiny_qwen3_vl(seed: int = 0, **text_overrides: Any):
     )
     with _seeded(seed):
         return _randomize(Qwen3VLModel(config), seed)
+
+
+def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
+    """A stock ``BertModel`` text encoder (no pooler) with tiny dims; ``dropout`` sets hidden and attention dropout.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_bert
+    >>> tuple(tiny_bert()(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state.shape)
+    (1, 3, 32)
+    """
+    from transformers import BertConfig, BertModel
+
+    config = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(BertModel(BertConfig(**config), add_pooling_layer=False), seed)
+
+
+__all__.append("tiny_bert")
+
+
+def qwen3_vl_inputs(
+    media: list[list[tuple[str, tuple[int, int, int]]]],
+    text_len: int = 3,
+    seed: int = 0,
+    padding: str = "left",
+) -> dict[str, torch.Tensor]:
+    """A Qwen3-VL processor-style batch for :func:`tiny_qwen3_vl`, built by hand (no processor, no hub).
+
+    ``media[i]`` lists sample ``i``'s images and videos as ``("image" | "video", (t, h, w))`` patch grids
+    (``h``, ``w`` even). Each image becomes ``<vision_start> + t*h*w/4 image tokens + <vision_end>``; a video
+    becomes, per frame, a timestamp token and ``<vision_start> + h*w/4 video tokens + <vision_end>`` (the
+    Qwen3-VL layout). Pixel rows are random ``[sum t*h*w, 3*2*4*4]``; padding id 0 on the given side.
+
+    >>> batch = qwen3_vl_inputs([[("image", (1, 4, 4))], [], [("video", (2, 2, 2))]])
+    >>> batch["pixel_values"].shape, batch["image_grid_thw"].tolist(), batch["video_grid_thw"].tolist()
+    (torch.Size([16, 96]), [[1, 4, 4]], [[2, 2, 2]])
+    """
+    image_id, video_id, start_id, end_id, merge2, patch_dim = 120, 121, 122, 123, 4, 3 * 2 * 4 * 4
+    gen = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(1, 100, (n,), generator=gen).tolist()
+
+    seqs, grids = [], {"image": [], "video": []}
+    for items in media:
+        seq = text(text_len)
+        for kind, (t, h, w) in items:
+            grids[kind].append([t, h, w])
+            if kind == "image":
+                seq += [start_id] + [image_id] * (t * h * w // merge2) + [end_id]
+            else:
+                for _ in range(t):
+                    seq += text(1) + [start_id] + [video_id] * (h * w // merge2) + [end_id]
+            seq += text(1)
+        seqs.append(seq)
+    length = max(map(len, seqs))
+    input_ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, seq in enumerate(seqs):
+        span = slice(length - len(seq), length) if padding == "left" else slice(0, len(seq))
+        input_ids[i, span] = torch.tensor(seq)
+        attention_mask[i, span] = 1
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": (input_ids == image_id).long() + 2 * (input_ids == video_id).long(),
+    }
+    for kind, grid_key, pixel_key in (("image", "image_grid_thw", "pixel_values"),
+                                      ("video", "video_grid_thw", "pixel_values_videos")):
+        if grids[kind]:
+            grid = torch.tensor(grids[kind])
+            batch[grid_key] = grid
+            batch[pixel_key] = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=gen)
+    return batch
+
+
+__all__.append("qwen3_vl_inputs")

@@ -1,0 +1,25 @@
+"""Training features bigger than a patch: bounded-memory pixel loss, GradCache.
+
+Importing this package imports torch only (no diffusers/transformers).
+"""
+
+from .pixel_loss import chunked_pixel_loss
+
+__all__ = [
+    "chunked_pixel_loss",
+]
+
+# GradCache (issue 6); GradCacheTrainer imports transformers, so it loads on first access.
+from .gradcache import GradCache, RngState, split_inputs  # noqa: E402
+from .pooling import pool  # noqa: E402
+from .vlm_split import VisionTokenSpec, split_vlm_inputs  # noqa: E402
+
+__all__ += ["GradCache", "GradCacheTrainer", "RngState", "VisionTokenSpec", "pool", "split_inputs", "split_vlm_inputs"]
+
+
+def __getattr__(name: str):
+    if name == "GradCacheTrainer":
+        from .trainer import GradCacheTrainer
+
+        return GradCacheTrainer
+    raise AttributeError(f"module 'hfpatch.training' has no attribute {name!r}")

@@ -1,0 +1,198 @@
+"""Ring attention: K/V blocks travel rank to rank over P2P while each rank attends to the block it holds.
+
+Each of the ``r`` ranks of the ring group holds a contiguous block of ``L`` query/key/value tokens: block
+``i`` covers global positions ``[i * L, (i + 1) * L)`` (see :mod:`hfpatch.attention.layout`). In ``r``
+steps every rank sees every K/V block, merging the partial results with their log-sum-exp
+(:mod:`hfpatch.attention.merge`); the send of the next block is started before the current block is
+computed, so communication overlaps computation. Keys at global positions ``>= valid_len`` are padding:
+padding sits at the global end, so masking it is truncating each block to its real prefix.
+
+Joint tokens (Flux/SD3 text) are replicated on every rank: the joint keys/values take part once, in the
+local step, and the joint queries attend to the joint keys and to every image block as it passes. Each
+rank merges the joint queries' partials in the same canonical order (joint keys, then blocks 0..r-1), so
+the joint output is bitwise identical on every rank of the ring.
+
+The backward is a custom :class:`torch.autograd.Function`: nothing ``O(S^2)`` is saved; each block's
+gradient contribution is recomputed from the saved global ``out``/``lse``. K/V blocks go round the ring
+again, and the dK/dV accumulators travel with them, arriving back at their owner after ``r`` hops.
+
+Gradient convention (same as :func:`hfpatch.attention.usp.usp_attention`): the objective is the SUM of the
+ranks' losses. Gradients of the sharded q/k/v are exact shard gradients; gradients of the replicated joint
+q/k/v are this rank's share, and the shares sum over the ring group to the full gradient.
+
+Bytes sent per rank: forward ``(r - 1)`` K/V blocks; backward ``(r - 1)`` K/V blocks plus ``r`` dK/dV blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.collectives import ring_shift
+from .layout import group_rank, group_size, valid_prefix
+from .local import local_attention, local_attention_backward
+from .merge import merge_attention, merge_blocks
+
+__all__ = ["ring_attention"]
+
+Tensor = torch.Tensor
+
+
+def _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend):
+    """Returns ``(out float32, lse, joint_out float32 | None, joint_lse | None)``."""
+    world, me, block = group_size(group), group_rank(group), k.shape[1]
+    out = lse = None
+    joint_parts: list[tuple[Tensor, Tensor]] = []
+    if jk is not None:  # the joint keys take part once, here
+        out, lse = merge_attention(out, lse, *local_attention(q, jk, jv, scale, backend))
+        if jq is not None:
+            joint_parts.append(local_attention(jq, jk, jv, scale, backend))
+    by_source: dict[int, tuple[Tensor, Tensor]] = {}
+    k_cur, v_cur = k, v
+    for step in range(world):
+        source = (me - step) % world
+        if step < world - 1:  # start passing the block on before computing with it
+            (k_next, v_next), wait = ring_shift([k_cur, v_cur], group)
+        n = valid_prefix(source * block, block, valid_len)
+        if n > 0:
+            k_blk, v_blk = k_cur[:, :n], v_cur[:, :n]
+            out, lse = merge_attention(out, lse, *local_attention(q, k_blk, v_blk, scale, backend))
+            if jq is not None:
+                by_source[source] = local_attention(jq, k_blk, v_blk, scale, backend)
+        if step < world - 1:
+            wait()
+            k_cur, v_cur = k_next, v_next
+    if out is None or lse is None:
+        raise ValueError(f"ring_attention: no valid key at all (valid_len={valid_len})")
+    joint_out = joint_lse = None
+    if jq is not None:
+        joint_out, joint_lse = merge_blocks(joint_parts + [by_source[s] for s in sorted(by_source)])
+    return out, lse, joint_out, joint_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, jq, jk, jv, group, valid_len, scale, backend):
+        out, lse, joint_out, joint_lse = _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend)
+        out = out.to(q.dtype)
+        joint_out = None if joint_out is None else joint_out.to(jq.dtype)
+        ctx.save_for_backward(q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse)
+        ctx.args = (group, valid_len, scale, backend)
+        return out, joint_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, djoint_out):
+        q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse = ctx.saved_tensors
+        group, valid_len, scale, backend = ctx.args
+        world, me, block = group_size(group), group_rank(group), k.shape[1]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        has_joint_q = jq is not None
+        if has_joint_q and djoint_out is None:
+            djoint_out = torch.zeros_like(joint_out)
+
+        def block_grads(k_blk, v_blk):
+            """dq, dk, dv, djq contributions of one K/V block (image and joint queries)."""
+            dq, dk, dv = local_attention_backward(dout, q, k_blk, v_blk, out, lse, scale, backend)
+            dk, dv, djq = dk.float(), dv.float(), None
+            if has_joint_q:
+                djq, dk2, dv2 = local_attention_backward(
+                    djoint_out, jq, k_blk, v_blk, joint_out, joint_lse, scale, backend
+                )
+                dk.add_(dk2)
+                dv.add_(dv2)
+            return dq, dk, dv, djq
+
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        djq = torch.zeros(jq.shape, dtype=torch.float32, device=q.device) if has_joint_q else None
+        djk = djv = None
+        if jk is not None:
+            dq_j, djk, djv, djq_j = block_grads(jk, jv)
+            dq.add_(dq_j)
+            if has_joint_q:
+                djq.add_(djq_j)
+
+        k_cur, v_cur = k, v
+        dkv_cur = None  # (dk, dv) accumulators of the block held now; they travel with it
+        wait_dkv = in_flight = None
+        for step in range(world):
+            source = (me - step) % world
+            if step < world - 1:
+                (k_next, v_next), wait_kv = ring_shift([k_cur, v_cur], group)
+            n = valid_prefix(source * block, block, valid_len)
+            grads = block_grads(k_cur[:, :n], v_cur[:, :n]) if n > 0 else None
+            if wait_dkv is not None:  # the accumulators of this block arrive while we computed
+                wait_dkv()
+                in_flight = None
+            if dkv_cur is None:
+                dkv_cur = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+            if grads is not None:
+                dq_b, dk_b, dv_b, djq_b = grads
+                dq.add_(dq_b)
+                dkv_cur[0][:, :n].add_(dk_b)
+                dkv_cur[1][:, :n].add_(dv_b)
+                if has_joint_q:
+                    djq.add_(djq_b)
+            if world > 1:  # pass the accumulators on; after r hops they are back at their owner
+                in_flight = dkv_cur  # keep the send buffers alive until the transfer completes
+                dkv_cur, wait_dkv = ring_shift(in_flight, group)
+            if step < world - 1:
+                wait_kv()
+                k_cur, v_cur = k_next, v_next
+        if wait_dkv is not None:
+            wait_dkv()
+            in_flight = None
+        dk, dv = dkv_cur
+
+        def cast(grad, like):
+            return None if grad is None else grad.to(like.dtype)
+
+        return (
+            cast(dq, q), cast(dk, k), cast(dv, v), cast(djq, jq), cast(djk, jk), cast(djv, jv),
+            None, None, None, None,
+        )  # fmt: skip
+
+
+def ring_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    valid_len: int | None = None,
+    joint_query: Tensor | None = None,
+    joint_key: Tensor | None = None,
+    joint_value: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of this rank's query block over the keys of all ring ranks (plus replicated joint tokens).
+
+    Shapes are not validated here (use :func:`hfpatch.attention.usp.usp_attention`, which checks every input
+    before any communication).
+
+    Args:
+        query, key, value: ``[B, L, H, D]``, this rank's block (global positions ``[i*L, (i+1)*L)`` for ring
+            index ``i``).
+        group: The ring process group; ``None`` means degree 1 (no communication).
+        valid_len: Real tokens in the global sequence; keys at positions ``>= valid_len`` are masked.
+        joint_query, joint_key, joint_value: ``[B, S_txt, H, D]`` replicated tokens, or ``None``.
+        scale: Softmax scale (default ``D ** -0.5``).
+        backend: Local kernel (:mod:`hfpatch.attention.local`).
+
+    Returns:
+        ``(out [B, L, H, D], joint_out [B, S_txt, H, D] or None)``; differentiable.
+
+    >>> import torch
+    >>> q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    >>> out, _ = ring_attention(q, k, v, group=None, valid_len=4)  # the last two keys are padding
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(
+    ...     q.transpose(1, 2), k[:, :4].transpose(1, 2), v[:, :4].transpose(1, 2)).transpose(1, 2)
+    >>> bool(torch.allclose(out, ref, atol=1e-6))
+    True
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(
+        query, key, value, joint_query, joint_key, joint_value, group, valid_len, scale, backend
+    )

@@ -1,0 +1,149 @@
+"""Unified sequence parallelism (USP): Ulysses inside, Ring outside, on any ``ring x ulysses`` mesh.
+
+1. All-to-all over the Ulysses group: sequence shards -> head shards (:mod:`hfpatch.attention.ulysses`);
+   the rank now holds the contiguous block ``ring_index`` of the global sequence for its heads.
+2. Ring attention over the Ring group on those blocks (:mod:`hfpatch.attention.ring`).
+3. The inverse all-to-all; joint (text) output heads are all-gathered over the Ulysses group.
+
+Axes of degree 1 (``None`` groups) skip their communication entirely; with both ``None`` this is plain
+local attention. The sharding layout is :mod:`hfpatch.attention.layout`.
+
+Gradient convention (sum of losses). The objective is the SUM over ranks of each rank's loss (a rank that
+computes the loss from a gathered output with a ``"slice"`` backward, as every rank does identically, fits
+this: each rank's share is the dependence through its own shard). Then:
+
+- ``query``/``key``/``value`` (sharded) get exactly their shard of the full gradient (padded rows: 0);
+- the replicated ``joint_*`` inputs get this rank's *share*; the shares sum over the sp group to the full
+  gradient, and everything computed replicated upstream inherits the same rule;
+- hence parameter gradients (and gradients of any replicated input) must be all-reduced with SUM over the
+  ``"sp"`` group (ring x ulysses) to equal the single-process gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layout import group_size
+from .ring import ring_attention
+from .ulysses import gather_joint_heads, heads_to_sequence, sequence_to_heads, slice_joint_heads
+
+__all__ = ["ulysses_attention", "usp_attention"]
+
+Tensor = torch.Tensor
+_JOINT_POSITIONS = ("front", "back")
+
+
+def _check_inputs(query, key, value, joint, joint_position, valid_len, world) -> None:
+    """Every check depends only on local shapes, so all ranks raise the same error before any collective."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"usp_attention: {name} must be a [B, S_local, H, D] tensor, got {got}")
+    if key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            "usp_attention: query, key and value must have the same [B, S_local, H, D] shape (self-attention over "
+            f"one sharded sequence), got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"usp_attention: q/k/v dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if query.shape[1] < 1 or query.shape[2] < 1:
+        raise ValueError(f"usp_attention: need at least one token and one head per rank, got {tuple(query.shape)}")
+    if joint_position not in _JOINT_POSITIONS:
+        raise ValueError(f"usp_attention: joint_position must be 'front' or 'back', got {joint_position!r}")
+    given = [t is not None for t in joint]
+    if any(given) and not all(given):
+        raise ValueError("usp_attention: pass all of joint_query, joint_key, joint_value or none of them")
+    if all(given):
+        jq = joint[0]
+        b, _, h, d = query.shape
+        for name, t in zip(("joint_query", "joint_key", "joint_value"), joint):
+            if t.dim() != 4 or t.shape != jq.shape or (t.shape[0], t.shape[2], t.shape[3]) != (b, h, d):
+                raise ValueError(
+                    f"usp_attention: {name} must be [B={b}, S_txt, H={h}, D={d}] like the other joint tensors, "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.dtype != query.dtype:
+                raise ValueError(f"usp_attention: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
+    total = query.shape[1] * world
+    if valid_len is not None and not (isinstance(valid_len, int) and 1 <= valid_len <= total):
+        raise ValueError(
+            f"usp_attention: valid_len must be an int in [1, {total}] (S_local={query.shape[1]} x {world} ranks), "
+            f"got {valid_len!r}"
+        )
+
+
+def usp_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    valid_len: int | None = None,
+    joint_query: Tensor | None = None,
+    joint_key: Tensor | None = None,
+    joint_value: Tensor | None = None,
+    joint_position: str = "front",
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Exact softmax attention over a sequence sharded across ``ring x ulysses`` ranks.
+
+    Equals ``F.scaled_dot_product_attention`` on the full unpadded sequence (joint tokens concatenated in
+    front or at the back) up to float reassociation, forward and backward.
+
+    Args:
+        query, key, value: ``[B, S_local, H, D]``, this rank's shard (shard index
+            ``ring_index * ulysses + ulysses_index``; see :mod:`hfpatch.attention.layout`).
+        ulysses_group: Ulysses process group, ``None`` for degree 1.
+        ring_group: Ring process group, ``None`` for degree 1.
+        valid_len: Real tokens in the global (padded) sequence; keys at positions ``>= valid_len`` are
+            masked. ``None``: no padding.
+        joint_query, joint_key, joint_value: ``[B, S_txt, H, D]`` replicated on every rank (Flux/SD3 text).
+        joint_position: Whether the joint tokens come logically before (``"front"``) or after (``"back"``)
+            the sharded tokens. Softmax attention is invariant to the order of the keys, so this changes
+            nothing in the result; it documents the caller's layout.
+        scale: Softmax scale (default ``D ** -0.5``).
+        backend: Local kernel name (:mod:`hfpatch.attention.local`), ``"auto"`` by default.
+
+    Returns:
+        ``(out [B, S_local, H, D], joint_out [B, S_txt, H, D] or None)``; ``joint_out`` is identical on
+        every rank of the sp group. Gradients follow the sum-of-losses convention of this module: all-reduce
+        parameter grads with SUM over the sp group.
+
+    Raises:
+        ValueError: Inconsistent shapes, dtypes, ``joint_position`` or ``valid_len`` (before any collective).
+
+    >>> import torch
+    >>> q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    >>> tq, tk, tv = (torch.randn(1, 3, 2, 8) for _ in range(3))
+    >>> out, txt = usp_attention(q, k, v, ulysses_group=None, ring_group=None,
+    ...                          joint_query=tq, joint_key=tk, joint_value=tv)
+    >>> bshd = lambda *ts: [torch.cat(ts, 1).transpose(1, 2)]
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(
+    ...     *bshd(tq, q), *bshd(tk, k), *bshd(tv, v)).transpose(1, 2)
+    >>> bool(torch.allclose(torch.cat([txt, out], 1), ref, atol=1e-6))
+    True
+    """
+    joint = (joint_query, joint_key, joint_value)
+    world = group_size(ulysses_group) * group_size(ring_group)
+    _check_inputs(query, key, value, joint, joint_position, valid_len, world)
+    heads = query.shape[2]
+    q, k, v = (sequence_to_heads(t, ulysses_group, heads) for t in (query, key, value))
+    jq, jk, jv = (None if t is None else slice_joint_heads(t, ulysses_group) for t in joint)
+    out, joint_out = ring_attention(
+        q, k, v, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
+        scale=scale, backend=backend,
+    )  # fmt: skip
+    out = heads_to_sequence(out, ulysses_group, heads)
+    if joint_out is not None:
+        joint_out = gather_joint_heads(joint_out, ulysses_group, heads)
+    return out, joint_out
+
+
+def ulysses_attention(
+    query: Tensor, key: Tensor, value: Tensor, *, group: dist.ProcessGroup | None, **kwargs
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`usp_attention` with Ulysses only (``ring_group=None``); same arguments otherwise."""
+    return usp_attention(query, key, value, ulysses_group=group, ring_group=None, **kwargs)

@@ -1,0 +1,373 @@
+"""Sequence-parallel glue shared by the DiT patches: a sharding plan interpreted by hooks.
+
+A DiT family declares *where* its token sequence is cut and gathered as a plan, a dict from submodule path
+(``""`` is the model itself) to specs:
+
+* :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs,
+* :class:`SplitOutput` shards what the submodule returns,
+* :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
+
+:func:`apply_sequence_plan` turns each entry into a forward (pre-)hook registered through a
+:class:`~hfpatch.core.patch.Patch`, so ``patch.remove()`` drops them all. The family then swaps the
+self-attention processors for USP-aware ones that read the per-call geometry from the shared
+:class:`SequenceShard`.
+
+Layout: the sequence of length ``S`` is padded at the end to ``S_pad``, a multiple of ``N`` (the ``sp``
+group size, ``ring * ulysses``), and cut into ``N`` equal shards; shard ``p`` lives on the rank whose index
+in the ``sp`` group is ``p``. Padded tokens are masked as keys inside the attention and trimmed at the
+gather, so they never reach the output; a tensor that is a tuple or list (rotary ``(cos, sin)``, ControlNet
+residuals) has each of its tensors sharded the same way.
+
+Gradients: the gather's backward is a slice (every rank computes the same loss from the full output), so
+each rank's gradients are its own partial sum. Parameter gradients, and those of every input, equal the
+unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`all_reduce_gradients`.
+
+>>> import torch
+>>> from hfpatch.patches._sequence_parallel import pad_to_multiple, shard_sequence
+>>> x = torch.arange(5.0).view(1, 5)
+>>> pad_to_multiple(x, dim=1, multiple=2)
+tensor([[0., 1., 2., 3., 4., 0.]])
+>>> [shard_sequence(x, dim=1, rank=r, world=2).tolist() for r in range(2)]
+[[[0.0, 1.0, 2.0]], [[3.0, 4.0, 0.0]]]
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..core.config import ModelFacts, ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import PatchFamily
+from ..distributed.collectives import all_gather
+
+__all__ = [
+    "GatherOutput",
+    "SequenceParallelFamily",
+    "SequencePlan",
+    "SequenceShard",
+    "SplitInput",
+    "SplitOutput",
+    "all_reduce_gradients",
+    "apply_sequence_plan",
+    "check_plan",
+    "pad_to_multiple",
+    "shard_sequence",
+    "usp_attention_call",
+]
+
+
+# ----------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class SplitInput:
+    """Shard the argument ``name`` of a submodule's ``forward`` along ``dim``.
+
+    Args:
+        name: Parameter name in the submodule's ``forward`` signature (found positionally or by keyword).
+        dim: Sequence dim of the tensor (of each tensor, for a tuple or list).
+        ndim: Only shard tensors with this many dims; others pass through replicated (e.g. Wan's
+            ``timestep`` is sharded when it is per-token ``[B, S]`` and left alone when it is ``[B]``).
+    """
+
+    name: str
+    dim: int
+    ndim: int | None = None
+
+
+@dataclass(frozen=True)
+class SplitOutput:
+    """Shard a submodule's output (each tensor of a tuple/list output) along ``dim``."""
+
+    dim: int
+    ndim: int | None = None
+
+
+@dataclass(frozen=True)
+class GatherOutput:
+    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding."""
+
+    dim: int
+
+
+Spec = SplitInput | SplitOutput | GatherOutput
+#: Submodule path (``""`` = the model) -> the specs applied there.
+SequencePlan = Mapping[str, tuple[Spec, ...]]
+
+
+# ----------------------------------------------------------------------------------------------- pure helpers
+def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad ``x`` at the end of ``dim`` to the next multiple of ``multiple`` (``x`` itself when it divides)."""
+    dim %= x.dim()
+    extra = -x.shape[dim] % multiple
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Shard ``rank`` of ``world`` equal shards of ``x`` zero-padded at the end of ``dim``; differentiable."""
+    padded = pad_to_multiple(x, dim, world)
+    local = padded.shape[dim] // world
+    return padded.narrow(dim, rank * local, local)
+
+
+# ----------------------------------------------------------------------------------------------- state
+class SequenceShard:
+    """This rank's place in the sequence split, plus the geometry of the current forward call.
+
+    One instance per patched model, shared by its hooks and attention processors. ``valid_len`` (real
+    tokens in the full sequence) and ``local_len`` (tokens per shard, padding included) are set by the
+    first split of each forward and checked by every later one, so a plan that cuts two tensors of
+    different lengths fails loudly instead of mis-aligning them.
+
+    Attributes:
+        group: The ``sp`` process group (ring x ulysses).
+        ulysses_group, ring_group: Groups passed to ``usp_attention`` (``None`` for degree 1).
+        rank, world: Index in ``group`` (= shard index) and its size.
+    """
+
+    def __init__(self, group: Any, ulysses_group: Any, ring_group: Any) -> None:
+        self.group = group
+        self.ulysses_group = ulysses_group
+        self.ring_group = ring_group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.valid_len: int | None = None
+        self.local_len: int | None = None
+
+    def begin(self) -> None:
+        """Forget the previous call's geometry (a new forward may have another sequence length)."""
+        self.valid_len = None
+        self.local_len = None
+
+    def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
+        """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
+        length = x.shape[dim]
+        if self.valid_len is None:
+            self.valid_len = length
+            self.local_len = -(-length // self.world)
+        elif length != self.valid_len:
+            raise ValueError(
+                f"sequence-parallel split at {where!r} got a sequence of {length} tokens but this forward "
+                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
+            )
+        return shard_sequence(x, dim, self.rank, self.world)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The full, unpadded sequence from every rank's shard (identical on every rank)."""
+        if self.valid_len is None:
+            raise RuntimeError(
+                "sequence-parallel gather before any split: the plan has no split on this path"
+            )
+        full = all_gather(x.contiguous(), dim, self.group, backward="slice")
+        return full.narrow(dim, 0, self.valid_len)
+
+    def __repr__(self) -> str:
+        return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
+
+
+# ----------------------------------------------------------------------------------------------- interpreter
+def _map_tensors(value: Any, fn) -> Any:
+    """Apply ``fn`` to a tensor, or to each tensor of a tuple/list (other values pass through)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(fn(v) for v in value)
+    return value
+
+
+def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str):
+    def split(x: torch.Tensor) -> torch.Tensor:
+        if ndim is not None and x.dim() != ndim:
+            return x
+        return state.split(x, dim % x.dim(), where)
+
+    return split
+
+
+def _resolve(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError as exc:
+        raise ValueError(
+            f"sequence-parallel plan names {path!r}, which {type(root).__name__} does not have"
+        ) from exc
+
+
+def _positions(module: torch.nn.Module, specs: list[SplitInput], path: str) -> dict[str, int]:
+    params = list(inspect.signature(module.forward).parameters)
+    for spec in specs:
+        if spec.name not in params:
+            raise ValueError(
+                f"sequence-parallel plan splits argument {spec.name!r} of {path or 'the model'} "
+                f"({type(module).__name__}), whose forward takes {params}"
+            )
+    return {spec.name: params.index(spec.name) for spec in specs}
+
+
+def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
+    """Raise ``ValueError`` if ``plan`` names a submodule or an argument ``model`` does not have. Pure."""
+    for path, specs in plan.items():
+        _positions(_resolve(model, path), [s for s in specs if isinstance(s, SplitInput)], path)
+
+
+def _input_hook(module: torch.nn.Module, specs: list[SplitInput], state: SequenceShard, path: str):
+    positions = _positions(module, specs, path)
+
+    def split_inputs(_module, args, kwargs):
+        args = list(args)
+        for spec in specs:
+            split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}")
+            if spec.name in kwargs:
+                kwargs[spec.name] = _map_tensors(kwargs[spec.name], split)
+            elif positions[spec.name] < len(args):
+                args[positions[spec.name]] = _map_tensors(args[positions[spec.name]], split)
+        return tuple(args), kwargs
+
+    return split_inputs
+
+
+def apply_sequence_plan(
+    model: torch.nn.Module, plan: SequencePlan, state: SequenceShard, patch: Patch
+) -> None:
+    """Install ``plan`` on ``model`` as hooks logged in ``patch``.
+
+    Checks the whole plan first (:func:`check_plan`), then registers: a pre-hook on the model that starts
+    a new call (:meth:`SequenceShard.begin`), one pre-hook per submodule with :class:`SplitInput` specs,
+    one hook per :class:`SplitOutput` or :class:`GatherOutput`.
+    """
+    check_plan(model, plan)
+
+    def begin_call(_module, args, kwargs):
+        state.begin()
+
+    patch.add_forward_pre_hook(model, begin_call)
+    for path, specs in plan.items():
+        module = _resolve(model, path)
+        inputs = [s for s in specs if isinstance(s, SplitInput)]
+        if inputs:
+            patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path))
+        for spec in specs:
+            if isinstance(spec, SplitOutput):
+                split = _splitter(state, spec.dim, spec.ndim, f"{path}:output")
+
+                def split_output(_m, _args, _kwargs, out, split=split):
+                    return _map_tensors(out, split)
+
+                patch.add_forward_hook(module, split_output)
+            elif isinstance(spec, GatherOutput):
+
+                def gather_output(_m, _args, _kwargs, out, dim=spec.dim):
+                    return state.gather(out, dim)
+
+                patch.add_forward_hook(module, gather_output)
+
+
+# ----------------------------------------------------------------------------------------------- family base
+class SequenceParallelFamily(PatchFamily):
+    """Base of the DiT USP families: a plan, the self-attention modules, and their USP processor.
+
+    A subclass sets ``plan`` and ``stock_processors`` (class names of the processors it knows how to
+    replace) and implements :meth:`attention_modules` and :meth:`make_processor`. :meth:`apply` is a no-op
+    when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call).
+    """
+
+    role: ClassVar[str] = "transformer"
+    plan: ClassVar[SequencePlan] = {}
+    stock_processors: ClassVar[tuple[str, ...]] = ()
+
+    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module]]:
+        """``(path, attention module)`` of every self-attention whose processor is swapped."""
+        raise NotImplementedError
+
+    def make_processor(self, state: SequenceShard, path: str, attention: torch.nn.Module) -> Any:
+        """The USP processor replacing ``attention.processor``."""
+        raise NotImplementedError
+
+    def facts(self, target: Any) -> ModelFacts:
+        return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        if config.sequence_parallel == 1:
+            return
+        check_plan(target, self.plan)
+        for path, attention in self.attention_modules(target):
+            found = type(attention.processor).__name__
+            if found not in self.stock_processors:
+                raise ValueError(
+                    f"{type(target).__name__}.{path} uses attention processor {found}; sequence parallelism "
+                    f"replaces only the stock {' / '.join(self.stock_processors)}. Restore it (e.g. "
+                    "model.set_default_attn_processor() or unload the IP-Adapter) before hfpatch.apply, "
+                    "or use ring=ulysses=1."
+                )
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        if mesh.config.sequence_parallel == 1:
+            return
+        state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
+        apply_sequence_plan(target, self.plan, state, patch)
+        for path, attention in self.attention_modules(target):
+            patch.swap_processor(attention, self.make_processor(state, path, attention))
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def usp_attention_call(
+    state: SequenceShard,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    joint_position: str = "front",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated)."""
+    from ..attention.usp import usp_attention
+
+    joint_query, joint_key, joint_value = joint if joint is not None else (None, None, None)
+    return usp_attention(
+        query,
+        key,
+        value,
+        ulysses_group=state.ulysses_group,
+        ring_group=state.ring_group,
+        valid_len=state.valid_len,
+        joint_query=joint_query,
+        joint_key=joint_key,
+        joint_value=joint_value,
+        joint_position=joint_position,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- gradients
+def all_reduce_gradients(tensors: Iterable[torch.Tensor | torch.nn.Module], group: Any) -> None:
+    """Sum the ``.grad`` of ``tensors`` (or of modules' parameters) over ``group`` in place.
+
+    After ``loss.backward()`` on a sequence-parallel model every rank holds partial gradients (its shard's
+    contribution); their SUM over the ``sp`` group is the unpatched gradient, for parameters and for the
+    model's inputs alike. The group is ``hfpatch.distributed.runtime.get_mesh(patch.plan).group("sp")``
+    (``None`` when there is no sequence parallelism: nothing to do). Under DDP over the ``data`` axis, run
+    this before the optimizer step; DDP averages over ``data`` on its own.
+    """
+    if group is None:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for item in tensors:
+        params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
+        for p in params:
+            if p.grad is not None:
+                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in by_kind.values():
+        # One flat buffer per dtype: a single collective instead of one per parameter.
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,425 @@
+"""CFG parallel and data parallel for diffusers pipelines, by patching the transformer calls of a pipeline.
+
+Both parallelisms act on the batch of each transformer call and nothing else: every rank builds the same
+full latents from the same generator, runs the scheduler and the VAE on the full batch, and only the
+transformer work is divided. So the noise of every sample is the noise of the unpatched run (latents are
+generated in full, then sliced), and every rank returns the full output.
+
+- **CFG parallel** (``cfg=2``, mesh axis ``"cfg"``): cfg rank 0 computes the conditional prediction,
+  cfg rank 1 the unconditional one, and one all-gather per step gives both ranks both predictions.
+  Two call patterns are recognised:
+
+  * *two calls per step* (``WanPipeline``): the cond call runs inside ``transformer.cache_context("cond")``,
+    the uncond call inside ``cache_context("uncond")``. On cfg rank 1 the cond call returns a placeholder
+    that is filled in place when the uncond call has run; on cfg rank 0 the uncond call computes nothing
+    and receives. Any other order of calls raises ``RuntimeError`` instead of returning a wrong result.
+  * *batched* (``StableDiffusion3Pipeline``: ``torch.cat([uncond, cond])``, batch ``2B``): the batch is
+    split over the cfg ranks inside the transformer call and the outputs are all-gathered.
+
+- **Data parallel** (``data>1``, mesh axis ``"data"``): each transformer call's batch (prompts x
+  ``num_images_per_prompt``, and both CFG halves where they are batched) is split over the data ranks,
+  unevenly where it does not divide, and the outputs are all-gathered.
+
+Sequence parallelism of the transformer (its own family, mesh axes ``"ring"``/``"ulysses"``) runs inside
+these calls unchanged: the data and cfg groups are orthogonal to the sequence-parallel group.
+
+>>> import hfpatch, torch
+>>> from hfpatch.testing import tiny_wan_pipe
+>>> from hfpatch.patches.pipeline import PipelineParallel
+>>> PipelineParallel().facts(tiny_wan_pipe()).guides   # WanPipeline guides: parallel=N plans cfg=2
+True
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..core.config import ModelFacts, ParallelConfig
+from ..core.registry import PatchFamily
+from ..distributed import runtime
+from ..distributed.collectives import all_gather, even_sizes
+
+__all__ = ["BATCHED_CFG_PIPELINES", "PER_SAMPLE_ARGS", "PipelineParallel", "TWO_CALL_CFG_PIPELINES"]
+
+#: Pipelines that call the transformer twice per step, in ``cache_context("cond")`` then ``("uncond")``,
+#: and expose ``do_classifier_free_guidance`` (read at the cond call to know that an uncond call follows).
+TWO_CALL_CFG_PIPELINES: tuple[str, ...] = ("WanPipeline",)
+#: Pipelines that batch ``[uncond, cond]`` into one transformer call.
+BATCHED_CFG_PIPELINES: tuple[str, ...] = ("StableDiffusion3Pipeline",)
+
+#: Transformer class -> (forward arguments with a batch dim (split), arguments that carry no batch dim
+#: (passed unchanged)). Any other argument given a non-``None`` value is refused: hfpatch cannot tell how
+#: to split it, and guessing could give a wrong result.
+PER_SAMPLE_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "WanTransformer3DModel": (
+        ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
+        ("return_dict", "attention_kwargs"),
+    ),
+    "SD3Transformer2DModel": (
+        ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
+        ("return_dict", "joint_attention_kwargs", "skip_layers"),
+    ),
+}
+
+
+def _class_names(obj: Any) -> list[str]:
+    return [cls.__name__ for cls in type(obj).__mro__]
+
+
+def _known(obj: Any, table: Any) -> str | None:
+    """The most specific class name of ``obj`` that is a key of (or listed in) ``table``."""
+    return next((name for name in _class_names(obj) if name in table), None)
+
+
+def _transformers(pipe: Any) -> list[torch.nn.Module]:
+    """The pipeline's denoisers: components whose class is in :data:`PER_SAMPLE_ARGS` (found by type)."""
+    found: list[torch.nn.Module] = []
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and _known(component, PER_SAMPLE_ARGS):
+            if all(component is not f for f in found):
+                found.append(component)
+    return found
+
+
+def _cfg_mode(pipe: Any) -> str | None:
+    if _known(pipe, TWO_CALL_CFG_PIPELINES):
+        return "two_call"
+    if _known(pipe, BATCHED_CFG_PIPELINES):
+        return "batched"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- call state
+@dataclass
+class _Pending:
+    """Between the cond and the uncond call of one step: what the uncond call must complete."""
+
+    model: torch.nn.Module
+    tensor: torch.Tensor  # cfg rank 0: its cond output; cfg rank 1: the placeholder it returned
+
+
+@dataclass
+class _State:
+    """Per-pipeline call state shared by the wrapped transformers (a Wan 2.2 pipe has two)."""
+
+    pending: _Pending | None = None
+
+
+class _ParallelForward:
+    """Replacement ``forward`` of one transformer: splits the batch over data (and cfg) ranks.
+
+    Args:
+        model: The transformer (to name it in errors and match cond/uncond calls).
+        original: Its forward before this patch (possibly already wrapped by its sequence-parallel family).
+        pipe: The pipeline (read ``do_classifier_free_guidance`` at call time).
+        mode: ``"two_call"``, ``"batched"`` or ``None`` (no CFG parallel).
+        cfg_group, data_group: Process groups (``None`` when the degree is 1).
+        state: Shared call state of the pipeline.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        original: Callable[..., Any],
+        pipe: Any,
+        mode: str | None,
+        cfg_group: Any,
+        data_group: Any,
+        state: _State,
+    ) -> None:
+        self.model = model
+        self.original = original
+        self.pipe = pipe
+        self.mode = mode
+        self.cfg_group = cfg_group
+        self.data_group = data_group
+        self.state = state
+        self.context: str | None = None  # name of the open cache_context, set by _recording_cache_context
+        self.name = type(model).__name__
+        self.split_args, self.plain_args = PER_SAMPLE_ARGS[_known(model, PER_SAMPLE_ARGS)]
+        self.signature = inspect.signature(type(model).forward)
+
+    # -- argument handling ----------------------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+        bound = self.signature.bind(self.model, *args, **kwargs)
+        unknown = [
+            name
+            for name, value in bound.arguments.items()
+            if name != "self" and name not in self.split_args + self.plain_args and value is not None
+        ]
+        if unknown:
+            raise TypeError(
+                f"hfpatch data/CFG parallel does not know how to split {self.name}.forward argument(s) "
+                f"{', '.join(unknown)}; it splits {', '.join(self.split_args)} along the batch and passes "
+                f"{', '.join(self.plain_args)} unchanged. Use cfg=1 and data=1 for this call."
+            )
+        for name in self.plain_args:
+            value = bound.arguments.get(name)
+            if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+                raise TypeError(
+                    f"{self.name}.forward got tensors in {name}={sorted(value)}; hfpatch data/CFG parallel "
+                    "cannot tell whether they carry a batch dim. Use cfg=1 and data=1 for this call."
+                )
+        return bound
+
+    def _batch(self, bound: inspect.BoundArguments) -> int:
+        hidden = bound.arguments["hidden_states"]
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0:
+            raise TypeError(
+                f"{self.name}.forward needs hidden_states as a batched tensor, got {type(hidden)}"
+            )
+        return hidden.shape[0]
+
+    def _slice(self, bound: inspect.BoundArguments, start: int, length: int, batch: int):
+        sliced = inspect.BoundArguments(bound.signature, bound.arguments.copy())
+        for name in self.split_args:
+            value = sliced.arguments.get(name)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue  # None, or a scalar timestep shared by the batch
+            if value.shape[0] == batch:
+                sliced.arguments[name] = value.narrow(0, start, length)
+            elif value.shape[0] != 1:  # size 1 broadcasts over the batch
+                raise ValueError(
+                    f"{self.name}.forward: {name} has leading dim {value.shape[0]}, expected the batch size "
+                    f"{batch} of hidden_states (or 1)"
+                )
+        return sliced
+
+    # -- compute ----------------------------------------------------------------------------------------
+    def _compute(self, bound: inspect.BoundArguments) -> torch.Tensor:
+        bound.arguments["return_dict"] = False
+        out = self.original(*bound.args[1:], **bound.kwargs)
+        if not isinstance(out, tuple) or len(out) != 1 or not isinstance(out[0], torch.Tensor):
+            raise RuntimeError(
+                f"{self.name}.forward(return_dict=False) returned {type(out).__name__}, expected a 1-tuple "
+                "holding the prediction; hfpatch data/CFG parallel cannot gather it"
+            )
+        return out[0]
+
+    def _split_compute(self, bound: inspect.BoundArguments, groups: list[Any]) -> torch.Tensor:
+        """Split the batch over each group in ``groups`` in turn (``None``: degree 1), compute, gather back."""
+        if not groups:
+            return self._compute(bound)
+        group, rest = groups[0], groups[1:]
+        if group is None:
+            return self._split_compute(bound, rest)
+        batch = self._batch(bound)
+        world = torch.distributed.get_world_size(group)
+        if batch < world:
+            # Only the cfg axis gets here (data batches are checked in __call__, before any collective): a
+            # call without guidance and batch 1. Every cfg rank computes it: redundant, still exact.
+            return self._split_compute(bound, rest)
+        sizes = even_sizes(batch, world)
+        me = torch.distributed.get_rank(group)
+        local = self._split_compute(self._slice(bound, sum(sizes[:me]), sizes[me], batch), rest)
+        return all_gather(local, dim=0, group=group, sizes=sizes)
+
+    # -- the call ---------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._bind(args, kwargs)
+        return_dict = bound.arguments.get("return_dict", True)
+        batch = self._batch(bound)
+        data_world = 1 if self.data_group is None else torch.distributed.get_world_size(self.data_group)
+        batched_cfg = self.mode == "batched" and self.cfg_group is not None
+        data_batch = batch // 2 if batched_cfg and batch >= 2 else batch  # the smaller cfg half
+        if data_batch < data_world:
+            raise ValueError(
+                f"data={data_world} splits each {self.name} call's batch over {data_world} ranks, but this call "
+                f"has batch {data_batch}{' per CFG half' if data_batch != batch else ''}; pass at least {data_world} prompts (or num_images/videos_per_prompt) per "
+                "call, or use fewer data ranks"
+            )
+        if self.mode == "two_call" and self.cfg_group is not None:
+            out = self._two_call(bound)
+        elif batched_cfg:
+            out = self._split_compute(bound, [self.cfg_group, self.data_group])
+        else:
+            out = self._split_compute(bound, [self.data_group])
+        if return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=out)
+        return (out,)
+
+    def _two_call(self, bound: inspect.BoundArguments) -> torch.Tensor:
+        data_only = [self.data_group]
+        guiding = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
+        if not guiding:  # guidance_scale <= 1: a single call per step, computed on both cfg ranks
+            if self.state.pending is not None:
+                raise self._pattern_error("a call without guidance while an uncond call was due")
+            return self._split_compute(bound, data_only)
+        cfg_rank = torch.distributed.get_rank(self.cfg_group)
+        if self.context == "cond":
+            if self.state.pending is not None:
+                raise self._pattern_error("two cond calls in a row")
+            if cfg_rank == 0:
+                tensor = self._split_compute(bound, data_only)
+            else:
+                # Filled in place with the cond prediction when the uncond call has run (see _uncond).
+                hidden = bound.arguments["hidden_states"]
+                channels = self.model.config.out_channels or self.model.config.in_channels
+                tensor = hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
+            self.state.pending = _Pending(self.model, tensor)
+            return tensor
+        if self.context == "uncond":
+            return self._uncond(bound, cfg_rank)
+        raise self._pattern_error(f"a call inside cache_context({self.context!r})")
+
+    def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int) -> torch.Tensor:
+        pending = self.state.pending
+        if pending is None or pending.model is not self.model:
+            raise self._pattern_error("an uncond call without a cond call of the same transformer before it")
+        self.state.pending = None
+        if pending.tensor.shape[0] != self._batch(bound):
+            raise self._pattern_error("cond and uncond calls with different batch sizes")
+        if cfg_rank == 0:
+            local = pending.tensor  # the cond prediction; cfg rank 1 computes the uncond one
+        else:
+            local = self._split_compute(bound, [self.data_group])
+            if local.shape[1:] != pending.tensor.shape[1:] or local.dtype != pending.tensor.dtype:
+                raise RuntimeError(
+                    f"{self.name} returned {tuple(local.shape)} {local.dtype}, but hfpatch CFG parallel expected "
+                    f"{tuple(pending.tensor.shape)} {pending.tensor.dtype} (hidden_states with out_channels)"
+                )
+        both = all_gather(local.unsqueeze(0), dim=0, group=self.cfg_group)  # [cond, uncond]
+        if cfg_rank == 0:
+            return both[1]
+        pending.tensor.copy_(both[0])
+        return local
+
+    def _pattern_error(self, what: str) -> RuntimeError:
+        self.state.pending = None
+        return RuntimeError(
+            f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. It supports "
+            "the pattern of diffusers' "
+            f"{', '.join(TWO_CALL_CFG_PIPELINES)}: per step one call in cache_context('cond'), then one in "
+            "cache_context('uncond') when do_classifier_free_guidance. Apply with cfg=1 for other call patterns."
+        )
+
+
+def _recording_cache_context(forward: _ParallelForward) -> Callable[[Callable], Callable]:
+    """Wrap ``model.cache_context`` so the forward knows whether it is the cond or the uncond call."""
+
+    def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        @contextmanager
+        def cache_context(name: str, **kwargs: Any) -> Iterator[None]:
+            previous, forward.context = forward.context, name
+            try:
+                with original(name, **kwargs):
+                    yield
+            finally:
+                forward.context = previous
+
+        return cache_context
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------------------- family
+class PipelineParallel(PatchFamily):
+    """CFG parallel and data parallel for a diffusers ``DiffusionPipeline`` (applied after its components).
+
+    Every rank calls the pipeline with the same arguments (same prompts, same generator seeds) and gets the
+    full output of the unpatched pipeline. Progress bars show on global rank 0 only.
+
+    Supported: CFG parallel for :data:`TWO_CALL_CFG_PIPELINES` and :data:`BATCHED_CFG_PIPELINES`; data
+    parallel for pipelines whose transformer is in :data:`PER_SAMPLE_ARGS`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_sd3_pipe
+    >>> PipelineParallel().facts(tiny_sd3_pipe())
+    ModelFacts(num_heads=None, guides=True, name='StableDiffusion3Pipeline')
+    """
+
+    name: ClassVar[str] = "pipeline_parallel"
+    options: ClassVar[dict[str, Any]] = {}
+    role: ClassVar[str] = "pipeline"
+
+    def facts(self, target: Any) -> ModelFacts:
+        """``guides`` is True for pipelines whose classifier-free guidance hfpatch can run in parallel.
+
+        Pipelines that guide in another pattern report False, so ``parallel=N`` plans no CFG degree for
+        them and puts every rank into sequence parallelism instead.
+        """
+        return ModelFacts(guides=_cfg_mode(target) is not None, name=type(target).__name__)
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        name = type(target).__name__
+        if config.cfg == 2:
+            if _cfg_mode(target) is None:
+                raise ValueError(
+                    f"cfg=2 is not supported for {name}: hfpatch runs CFG parallel for "
+                    f"{', '.join(TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES)}. Use cfg=1 and put the ranks "
+                    "into ulysses/ring."
+                )
+            if not hasattr(type(target), "do_classifier_free_guidance"):
+                raise ValueError(f"cfg=2 needs {name}.do_classifier_free_guidance, which it does not have")
+        if config.cfg == 2 or config.data > 1:
+            models = _transformers(target)
+            if not models:
+                found = ", ".join(
+                    type(c).__name__ for c in target.components.values() if isinstance(c, torch.nn.Module)
+                )
+                raise ValueError(
+                    f"data={config.data}, cfg={config.cfg} split the transformer calls of {name}, but none of its "
+                    f"components ({found or 'none'}) is a supported transformer ({', '.join(PER_SAMPLE_ARGS)})"
+                )
+            if _cfg_mode(target) == "two_call" and config.cfg == 2:
+                for model in models:
+                    if not callable(getattr(model, "cache_context", None)):
+                        raise ValueError(
+                            f"cfg=2 on {name} tells cond from uncond calls by {type(model).__name__}.cache_context, "
+                            "which this diffusers version does not have; upgrade diffusers or use cfg=1"
+                        )
+
+    def apply(self, target: Any, patch: Any, mesh: Any, options: dict[str, Any]) -> None:
+        config: ParallelConfig = mesh.config
+        if runtime.rank() != 0:
+            # diffusers reads the whole dict on every progress_bar(); set a new one so the old one comes back.
+            current = getattr(target, "_progress_bar_config", {})
+            patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
+        if config.cfg == 1 and config.data == 1:
+            return
+        mode = _cfg_mode(target) if config.cfg == 2 else None
+        state = _State()
+        for model in _transformers(target):
+            forward = patch.wrap_method(
+                model,
+                "forward",
+                lambda original, model=model: _ParallelForward(
+                    model, original, target, mode, mesh.group("cfg"), mesh.group("data"), state
+                ),
+            )
+            if mode == "two_call":
+                patch.wrap_method(model, "cache_context", _recording_cache_context(forward))
+
+        def reset(original: Callable[..., Any]) -> Callable[..., Any]:
+            # progress_bar() opens the denoising loop: a call that failed midway leaves no stale state.
+            def progress_bar(*args: Any, **kwargs: Any) -> Any:
+                state.pending = None
+                return original(*args, **kwargs)
+
+            return progress_bar
+
+        def check_done(original: Callable[..., Any]) -> Callable[..., Any]:
+            # maybe_free_model_hooks() ends every diffusers __call__: an unfilled placeholder means a cond call
+            # had no uncond call after it, so the output would hold garbage; fail instead.
+            def maybe_free_model_hooks(*args: Any, **kwargs: Any) -> Any:
+                if state.pending is not None:
+                    state.pending = None
+                    raise RuntimeError(
+                        f"hfpatch CFG parallel: {type(target).__name__} ended a step with a cond call and no "
+                        "uncond call after it; the CFG pattern is not the supported one. Apply with cfg=1."
+                    )
+                return original(*args, **kwargs)
+
+            return maybe_free_model_hooks
+
+        if mode == "two_call":
+            patch.wrap_method(target, "progress_bar", reset)
+            patch.wrap_method(target, "maybe_free_model_hooks", check_done)

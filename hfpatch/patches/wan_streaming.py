@@ -1,0 +1,338 @@
+"""Block-causal streaming for the stock diffusers ``WanTransformer3DModel`` (Self-Forcing / CausVid / LongLive).
+
+``hfpatch.apply(transformer, streaming=StreamingConfig(...))`` makes the transformer block-causal and adds
+two keyword arguments to its ``forward``:
+
+* ``frame_offset``: absolute index of the first latent frame of ``hidden_states``. Rotary embeddings use
+  absolute frame positions (computed on the fly, so there is no maximum length), and blocks are aligned
+  to multiples of ``num_frame_per_block``.
+* ``kv_cache``: a :class:`~hfpatch.streaming.StreamingKVCache`. Each block of the input attends to the
+  cached keys/values of the frames it can see (sink + window) and writes its own; text keys/values of the
+  cross-attention are cached per prompt tensor. Without a cache the whole input runs at once under the
+  block-causal visibility rule (training on chunks).
+
+``timestep`` may be ``[B]`` (one timestep for every frame) or ``[B, num_frames]`` (per frame; Self-Forcing
+denoises the frames of a chunk at different noise levels). Per-frame timesteps reuse the stock per-token
+modulation path of Wan 2.2 (``timestep.ndim == 2``), with the time embedding computed once per frame.
+
+What is patched (all reversible by ``patch.remove()``): the processors of every ``blocks[i].attn1`` and
+``attn2``, and the ``forward`` of ``rope``, ``condition_embedder`` and the transformer itself.
+
+>>> import torch, hfpatch
+>>> from hfpatch.streaming import StreamingConfig
+>>> from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+>>> model = tiny_wan_transformer()
+>>> patch = hfpatch.apply(model, streaming=StreamingConfig(num_frame_per_block=2))
+>>> out = model(torch.randn(1, 4, 4, 4, 4), torch.tensor([[900, 900, 10, 10]]), wan_prompt_embeds()).sample
+>>> tuple(out.shape)
+(1, 4, 4, 4, 4)
+>>> patch.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core.config import ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import PatchFamily
+from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames
+
+__all__ = ["StreamingConfig", "WanStreamingPatch"]
+
+
+@dataclass
+class _Call:
+    """What the processors of one transformer call need (set by the patched ``forward``)."""
+
+    frame_offset: int
+    num_frames: int
+    tokens_per_frame: int
+    prompt: torch.Tensor  # the encoder_hidden_states given to forward (cross-attention cache key)
+    cache: StreamingKVCache | None
+    read_slots: list[int] | None = None  # cached frames this block sees (cache mode)
+    write_slots: list[int] | None = None
+
+
+class _CallState:
+    """The call in flight; shared by the patched methods and processors of one transformer."""
+
+    def __init__(self) -> None:
+        self.call: _Call | None = None
+
+    def current(self) -> _Call:
+        if self.call is None:
+            raise RuntimeError(
+                "a streaming-patched Wan attention module was called outside the transformer's forward; "
+                "call the transformer (it supplies frame positions and the cache)"
+            )
+        return self.call
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved rotary embedding (same arithmetic as the stock ``WanAttnProcessor``)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _attend(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+class StreamingSelfAttnProcessor:
+    """Block-causal self-attention: per query block, attend to the frames :func:`visible_frames` allows.
+
+    In cache mode the earlier visible frames come from the cache and the block's own keys/values are
+    written back (detached); without a cache, every block of the input attends within the input.
+    """
+
+    def __init__(self, state: _CallState, config: StreamingConfig, layer: int) -> None:
+        self.state, self.config, self.layer = state, config, layer
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        call = self.state.current()
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
+
+        if call.cache is not None:
+            out = self._cached(call, q, k, v)
+        else:
+            out = self._block_causal(call, q, k, v)
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _cached(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = call.cache
+        if self.layer == 0:
+            cache.ensure_allocated(k, call.tokens_per_frame)
+        read = cache.token_index(call.read_slots, k.device)
+        write = cache.token_index(call.write_slots, k.device)
+        keys, values = cache.keys[self.layer], cache.values[self.layer]
+        k_all = torch.cat([keys.index_select(1, read), k], dim=1)
+        v_all = torch.cat([values.index_select(1, read), v], dim=1)
+        keys.index_copy_(1, write, k.detach())
+        values.index_copy_(1, write, v.detach())
+        return _attend(q, k_all, v_all)
+
+    def _block_causal(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, tpf, first = self.config.num_frame_per_block, call.tokens_per_frame, call.frame_offset
+        outs = []
+        for s in range(first, first + call.num_frames, n):
+            seen = torch.tensor(visible_frames(self.config, first, s + n), device=q.device) - first
+            index = (seen[:, None] * tpf + torch.arange(tpf, device=q.device)).flatten()
+            q_block = q[:, (s - first) * tpf : (s - first + n) * tpf]
+            outs.append(_attend(q_block, k.index_select(1, index), v.index_select(1, index)))
+        return torch.cat(outs, dim=1)
+
+
+class StreamingCrossAttnProcessor:
+    """Text cross-attention whose keys/values are cached per prompt tensor (under ``torch.no_grad`` only).
+
+    Under autograd the keys/values are recomputed, so gradients reach ``to_k``/``to_v`` on every call.
+    """
+
+    def __init__(self, state: _CallState, layer: int) -> None:
+        self.state, self.layer = state, layer
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        call = self.state.current()
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        entry = call.cache.cross[self.layer] if call.cache is not None else None
+        if entry is not None and entry.source is call.prompt and not torch.is_grad_enabled():
+            k, v = entry.key, entry.value
+        else:
+            k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
+            v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            if entry is not None and not torch.is_grad_enabled():
+                entry.key, entry.value, entry.source = k, v, call.prompt
+        out = _attend(q, k, v).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _rope_forward(state: _CallState, rope: Any, original: Callable) -> Callable:
+    """``rope.forward`` with the temporal positions shifted by the call's ``frame_offset``."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = original(hidden_states)  # [1, frames * h * w, 1, head_dim], frames at positions 0..
+        offset = state.current().frame_offset
+        if offset == 0:
+            return cos, sin
+        frames = hidden_states.shape[2] // rope.patch_size[0]
+        positions = torch.arange(offset, offset + frames)
+        # Same recipe as WanRotaryPosEmbed.__init__ (float64 unless on MPS), for any position: no max length.
+        dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64
+        t_cos, t_sin = get_1d_rotary_pos_embed(rope.t_dim, positions, 10000.0, use_real=True,
+                                               repeat_interleave_real=True, freqs_dtype=dtype)
+        cos, sin = cos.clone().view(frames, -1, cos.shape[-1]), sin.clone().view(frames, -1, sin.shape[-1])
+        cos[..., : rope.t_dim] = t_cos.to(cos)[:, None]
+        sin[..., : rope.t_dim] = t_sin.to(sin)[:, None]
+        return cos.view(1, -1, 1, cos.shape[-1]), sin.view(1, -1, 1, sin.shape[-1])
+
+    return forward
+
+
+def _condition_forward(state: _CallState, original: Callable) -> Callable:
+    """``condition_embedder.forward`` computing per-token timestep embeddings once per frame."""
+
+    def forward(timestep, encoder_hidden_states, encoder_hidden_states_image=None, timestep_seq_len=None):
+        if timestep_seq_len is None:
+            return original(timestep, encoder_hidden_states, encoder_hidden_states_image)
+        tpf = state.current().tokens_per_frame
+        per_frame = timestep.view(-1, timestep_seq_len)[:, ::tpf].flatten()
+        temb, proj, text, image = original(
+            per_frame, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=timestep_seq_len // tpf
+        )
+        return temb.repeat_interleave(tpf, dim=1), proj.repeat_interleave(tpf, dim=1), text, image
+
+    return forward
+
+
+def _transformer_forward(state: _CallState, config: StreamingConfig, model: Any, original: Callable) -> Callable:
+    """The transformer ``forward`` with ``frame_offset`` and ``kv_cache`` (cache mode runs block by block)."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        frame_offset: int = 0,
+        kv_cache: StreamingKVCache | None = None,
+    ):
+        batch, _, frames, height, width = hidden_states.shape
+        n = config.num_frame_per_block
+        if frame_offset < 0 or frame_offset % n or frames % n:
+            raise ValueError(
+                f"streaming Wan runs whole blocks of num_frame_per_block={n} latent frames: got frame_offset="
+                f"{frame_offset} and {frames} frames; both must be multiples of {n}"
+            )
+        timestep = torch.as_tensor(timestep, device=hidden_states.device)
+        if timestep.ndim == 0:
+            timestep = timestep.expand(batch)
+        if timestep.ndim == 2 and tuple(timestep.shape) != (batch, frames):
+            raise ValueError(
+                f"timestep must be [batch] or per frame [batch, num_frames] = [{batch}, {frames}], "
+                f"got {list(timestep.shape)}"
+            )
+        if timestep.ndim > 2:
+            raise ValueError(f"timestep must be [batch] or [batch, num_frames], got {list(timestep.shape)}")
+        if state.call is not None:
+            raise RuntimeError("the streaming Wan transformer is not re-entrant (a forward is already running)")
+
+        if kv_cache is not None and frames > n:
+            # Block-causal: a block never depends on later blocks, so running block by block is exact.
+            outs = []
+            for s in range(0, frames, n):
+                ts = timestep[:, s : s + n] if timestep.ndim == 2 else timestep
+                outs.append(
+                    forward(hidden_states[:, :, s : s + n], ts, encoder_hidden_states, encoder_hidden_states_image,
+                            False, attention_kwargs, frame_offset=frame_offset + s, kv_cache=kv_cache)[0]
+                )
+            output = torch.cat(outs, dim=2)
+            return (output,) if not return_dict else _output(output)
+
+        p_t, p_h, p_w = model.config.patch_size
+        tokens_per_frame = (height // p_h) * (width // p_w)
+        if timestep.ndim == 2:
+            timestep = timestep.repeat_interleave(tokens_per_frame * p_t, dim=1)
+        call = _Call(frame_offset, frames // p_t, tokens_per_frame, encoder_hidden_states, kv_cache)
+        if kv_cache is not None:
+            call.read_slots, call.write_slots = kv_cache.plan_block(frame_offset, frames)
+        state.call = call
+        try:
+            result = original(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
+                              return_dict, attention_kwargs)
+        finally:
+            state.call = None
+        if kv_cache is not None:
+            kv_cache.commit(frame_offset, frames)
+        return result
+
+    return forward
+
+
+def _output(sample: torch.Tensor) -> Any:
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=sample)
+
+
+class WanStreamingPatch(PatchFamily):
+    """Block-causal streaming (KV cache with window + sink, rope frame offset) for ``WanTransformer3DModel``.
+
+    Option ``streaming``: a :class:`StreamingConfig`, or ``None`` (default) to leave the model alone.
+    """
+
+    name = "wan_streaming"
+    options = {"streaming": None}
+    role = "transformer"
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        streaming = options["streaming"]
+        if streaming is None:
+            return
+        if not isinstance(streaming, StreamingConfig):
+            raise TypeError(
+                f"streaming must be an hfpatch.streaming.StreamingConfig or None, got {type(streaming).__name__}"
+            )
+        if config.sequence_parallel > 1:
+            raise ValueError(
+                f"streaming with sequence parallel is not supported yet (got ulysses={config.ulysses}, "
+                f"ring={config.ring}); apply streaming with parallel=1 or cfg/data parallelism only"
+            )
+        cfg = target.config
+        if cfg.added_kv_proj_dim is not None or cfg.image_dim is not None:
+            raise ValueError(
+                "streaming supports text-to-video WanTransformer3DModel only (no image cross-attention); "
+                f"got added_kv_proj_dim={cfg.added_kv_proj_dim}, image_dim={cfg.image_dim}"
+            )
+        if cfg.patch_size[0] != 1:
+            raise ValueError(f"streaming needs a temporal patch size of 1, got patch_size={tuple(cfg.patch_size)}")
+        fused = [i for i, b in enumerate(target.blocks) if getattr(b.attn1, "fused_projections", False)
+                 or getattr(b.attn2, "fused_projections", False)]
+        if fused:
+            raise ValueError(
+                f"blocks {fused} have fused QKV projections; call transformer.unfuse_qkv_projections() "
+                "before applying streaming"
+            )
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        config: StreamingConfig | None = options["streaming"]
+        if config is None:
+            return
+        state = _CallState()
+        for i, block in enumerate(target.blocks):
+            patch.swap_processor(block.attn1, StreamingSelfAttnProcessor(state, config, i))
+            patch.swap_processor(block.attn2, StreamingCrossAttnProcessor(state, i))
+        patch.wrap_method(target.rope, "forward", lambda orig: _rope_forward(state, target.rope, orig))
+        patch.wrap_method(target.condition_embedder, "forward", lambda orig: _condition_forward(state, orig))
+        patch.wrap_method(target, "forward", lambda orig: _transformer_forward(state, config, target, orig))

@@ -1,0 +1,231 @@
+"""Streaming configuration, the block-causal visibility rule, and the bounded KV cache of a streaming Wan DiT.
+
+Frames are addressed by their absolute latent-frame index. A *stream* starts at ``start`` (the first frame
+written after a reset). Frames are grouped in blocks of ``num_frame_per_block`` frames; every frame of block
+``b`` (frames ``[s, e)``) sees exactly the frames
+
+* ``[start, start + sink_size)`` (the pinned *sink*), and
+* ``[e - (local_attn_size - sink_size), e)`` (the recent *window*, its own block included),
+
+clipped to ``[start, e)``; ``local_attn_size=-1`` means every frame in ``[start, e)``. This one rule
+(:func:`visible_frames`) drives both the block-causal full forward used for training and the cached
+block-by-block forward used for generation, so the two agree by construction and the tests check it.
+
+The cache keeps one preallocated key/value buffer per transformer block with room for
+``StreamingConfig.cache_frames`` frames: sink frames get fixed slots, window frames rotate through the
+remaining slots (a frame evicts the frame ``local_attn_size - sink_size`` before it, which no later block
+can see). Memory is therefore fixed once allocated and readable from :attr:`StreamingKVCache.nbytes`.
+
+>>> from hfpatch.streaming import StreamingConfig, visible_frames
+>>> config = StreamingConfig(num_frame_per_block=2, local_attn_size=6, sink_size=2)
+>>> visible_frames(config, start=0, block_end=10)
+[0, 1, 6, 7, 8, 9]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CrossAttentionCache", "StreamingConfig", "StreamingKVCache", "visible_frames"]
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """How a Wan transformer streams: block size, attention window, sink and cache capacity.
+
+    Args:
+        num_frame_per_block: Latent frames generated together (attend to each other bidirectionally).
+        local_attn_size: Latent frames one block attends to, sink and its own block included; ``-1`` for
+            every earlier frame of the stream (then the cache holds ``max_frames`` frames).
+        sink_size: The first frames of the stream, always visible (attention sink, as in LongLive).
+        max_frames: Cache capacity in frames when ``local_attn_size == -1``; a longer stream is an error.
+
+    Raises:
+        ValueError: If the window cannot hold the sink plus one block, or a size is not positive.
+
+    >>> StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3).cache_frames
+    12
+    """
+
+    num_frame_per_block: int = 3
+    local_attn_size: int = -1
+    sink_size: int = 0
+    max_frames: int = 240
+
+    def __post_init__(self) -> None:
+        for name in ("num_frame_per_block", "max_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StreamingConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.sink_size, int) or self.sink_size < 0:
+            raise ValueError(f"StreamingConfig.sink_size must be an int >= 0, got {self.sink_size!r}")
+        if self.local_attn_size != -1:
+            if self.local_attn_size < self.sink_size + self.num_frame_per_block:
+                raise ValueError(
+                    f"StreamingConfig.local_attn_size={self.local_attn_size} must be -1 (global) or at least "
+                    f"sink_size + num_frame_per_block = {self.sink_size + self.num_frame_per_block}, so that "
+                    "a block sees the sink and itself"
+                )
+        elif self.max_frames < self.num_frame_per_block:
+            raise ValueError(
+                f"StreamingConfig.max_frames={self.max_frames} must hold at least one block "
+                f"({self.num_frame_per_block} frames)"
+            )
+
+    @property
+    def cache_frames(self) -> int:
+        """Frames the KV cache holds (its preallocated capacity)."""
+        return self.max_frames if self.local_attn_size == -1 else self.local_attn_size
+
+
+def visible_frames(config: StreamingConfig, start: int, block_end: int) -> list[int]:
+    """Absolute indices of the frames a block ending at ``block_end`` attends to (ascending)."""
+    if config.local_attn_size == -1:
+        return list(range(start, block_end))
+    sink_end = min(start + config.sink_size, block_end)
+    window_start = max(block_end - (config.local_attn_size - config.sink_size), sink_end)
+    return list(range(start, sink_end)) + list(range(window_start, block_end))
+
+
+@dataclass
+class CrossAttentionCache:
+    """Text keys/values of one block's cross-attention, and the prompt tensor they were computed from."""
+
+    key: torch.Tensor | None = None  # [B, T, heads, head_dim]
+    value: torch.Tensor | None = None
+    source: torch.Tensor | None = None  # the prompt embeds passed to the transformer (matched by identity)
+
+    def clear(self) -> None:
+        self.key = self.value = self.source = None
+
+
+class StreamingKVCache:
+    """Self-attention KV cache (sink + rolling window, preallocated) and cross-attention cache of a Wan DiT.
+
+    One cache serves one sequence of one guidance branch. Buffers are allocated on the first write (when
+    batch size, tokens per frame, heads, dtype and device are known) and never grow. Keys and values are
+    stored detached: gradients of a training step flow through the frames of the current call only.
+
+    Args:
+        config: The :class:`StreamingConfig` the transformer was patched with.
+        num_layers: Transformer blocks (``len(transformer.blocks)``).
+
+    >>> import torch, hfpatch
+    >>> from hfpatch.streaming import StreamingConfig, StreamingKVCache
+    >>> from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+    >>> model = tiny_wan_transformer()
+    >>> config = StreamingConfig(num_frame_per_block=2, local_attn_size=4, sink_size=0)
+    >>> patch = hfpatch.apply(model, streaming=config)
+    >>> cache = StreamingKVCache(config, num_layers=len(model.blocks))
+    >>> x = torch.randn(1, 4, 6, 4, 4)
+    >>> with torch.no_grad():
+    ...     for s in range(0, 6, 2):
+    ...         _ = model(x[:, :, s:s + 2], torch.tensor([500]), wan_prompt_embeds(), kv_cache=cache, frame_offset=s)
+    >>> cache.frames(), cache.nbytes   # 4 frames x 4 tokens x 32 channels x fp32, keys and values, 2 layers
+    ([2, 3, 4, 5], 8192)
+    >>> patch.remove()
+    """
+
+    def __init__(self, config: StreamingConfig, num_layers: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor] | None = None  # per layer [B, cache_frames * tokens_per_frame, H, D]
+        self.values: list[torch.Tensor] | None = None
+        self.cross = [CrossAttentionCache() for _ in range(num_layers)]
+        self.tokens_per_frame: int | None = None
+        self.start: int | None = None
+        self._slot_frames: list[int] = [-1] * config.cache_frames  # absolute frame held by each slot
+
+    # ---------------------------------------------------------------------------------------- state
+    def frames(self) -> list[int]:
+        """Absolute indices of the frames whose keys/values are cached (ascending)."""
+        return sorted(f for f in self._slot_frames if f >= 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache: self-attention buffers plus cached text keys/values."""
+        total = sum(t.nbytes for t in (self.keys or []) + (self.values or []))
+        for layer in self.cross:
+            total += sum(t.nbytes for t in (layer.key, layer.value) if t is not None)
+        return total
+
+    def reset(self) -> None:
+        """Forget every frame and prompt (buffers stay allocated and are zeroed); the next write starts a stream."""
+        for buffer in (self.keys or []) + (self.values or []):
+            buffer.zero_()
+        self._slot_frames = [-1] * self.config.cache_frames
+        self.start = None
+        self.reset_cross_attention()
+
+    def reset_cross_attention(self) -> None:
+        """Drop the cached text keys/values (a prompt switch)."""
+        for layer in self.cross:
+            layer.clear()
+
+    # ------------------------------------------------------------------------------- slot geometry
+    def slot(self, frame: int) -> int:
+        """Buffer slot of an absolute frame: sink frames are pinned, window frames rotate."""
+        rel = frame - self.start
+        sink = self.config.sink_size
+        if self.config.local_attn_size == -1:
+            if rel >= self.config.max_frames:
+                raise ValueError(
+                    f"frame {frame} is past the cache capacity of {self.config.max_frames} frames from the stream "
+                    f"start {self.start}; raise StreamingConfig.max_frames or use a local_attn_size window"
+                )
+            return rel
+        if rel < sink:
+            return rel
+        return sink + (rel - sink) % (self.config.local_attn_size - sink)
+
+    def plan_block(self, frame_offset: int, num_frames: int) -> tuple[list[int], list[int]]:
+        """Slots to read (earlier visible frames, ascending) and to write (the block's frames) for one block.
+
+        Raises:
+            ValueError: If a visible earlier frame is not cached (blocks run out of order without a recache).
+        """
+        if self.start is None:
+            self.start = frame_offset
+        if frame_offset < self.start:
+            raise ValueError(
+                f"frame_offset={frame_offset} is before the start {self.start} of the cached stream; "
+                "call cache.reset() to start a new stream"
+            )
+        block_end = frame_offset + num_frames
+        earlier = [f for f in visible_frames(self.config, self.start, block_end) if f < frame_offset]
+        missing = [f for f in earlier if self._slot_frames[self.slot(f)] != f]
+        if missing:
+            raise ValueError(
+                f"frames {missing} are visible from the block at frame_offset={frame_offset} but not cached; "
+                "run the blocks of a stream in order (or recache the frames first)"
+            )
+        return [self.slot(f) for f in earlier], [self.slot(f) for f in range(frame_offset, block_end)]
+
+    def commit(self, frame_offset: int, num_frames: int) -> None:
+        """Record that every layer wrote frames ``[frame_offset, frame_offset + num_frames)``."""
+        for frame in range(frame_offset, frame_offset + num_frames):
+            self._slot_frames[self.slot(frame)] = frame
+
+    # -------------------------------------------------------------------------------- buffer access
+    def token_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """Token positions in the buffers of the given frame slots."""
+        per_frame = torch.arange(self.tokens_per_frame, device=device)
+        return (torch.tensor(slots, dtype=torch.long, device=device)[:, None] * self.tokens_per_frame + per_frame).flatten()
+
+    def ensure_allocated(self, key: torch.Tensor, tokens_per_frame: int) -> None:
+        """Allocate the buffers for keys shaped like ``key`` ([B, tokens, H, D]) on first use; check later calls."""
+        if self.keys is None:
+            shape = (key.shape[0], self.config.cache_frames * tokens_per_frame, *key.shape[2:])
+            self.keys = [key.new_zeros(shape) for _ in range(self.num_layers)]
+            self.values = [key.new_zeros(shape) for _ in range(self.num_layers)]
+            self.tokens_per_frame = tokens_per_frame
+            return
+        expected = (self.keys[0].shape[0], self.tokens_per_frame, *self.keys[0].shape[2:], self.keys[0].dtype)
+        given = (key.shape[0], tokens_per_frame, *key.shape[2:], key.dtype)
+        if given != expected:
+            raise ValueError(
+                f"this StreamingKVCache holds (batch, tokens per frame, heads, head_dim, dtype) = {expected}, "
+                f"got {given}; use one cache per sequence shape (or a new cache)"
+            )

@@ -1,0 +1,384 @@
+"""GradCache: the exact gradient of a large-batch contrastive loss with the activation memory of one chunk.
+
+A contrastive loss couples every sample of the batch (each query is scored against every document), so
+the batch cannot simply be split into micro-batches with gradient accumulation. GradCache (Gao et al.,
+2021) uses the chain rule ``dL/dθ = Σ_i dL/dr_i · dr_i/dθ``:
+
+1. **Embed without a graph**: run the encoder on each chunk under ``torch.no_grad()`` and keep only the
+   embeddings ``r_i`` (``[B, D]``; a few KB). The RNG state (CPU and accelerator) before each chunk is saved.
+2. **Loss on embeddings**: concatenate the chunks, compute the loss on leaf tensors and back-propagate to
+   ``g_i = dL/dr_i`` only (plus any parameters of the loss itself, e.g. a learnable temperature).
+3. **Re-embed with a graph**: run each chunk again under the saved RNG state (so dropout draws the same
+   masks) and back-propagate ``g_i`` into the parameters with ``r_i.backward(gradient=g_i)``. Only one
+   chunk's activations are alive at a time.
+
+The parameter gradients are those of one forward/backward over the whole batch, up to floating-point
+reassociation. The cost is one extra no-grad forward (about +1/3 of a plain step).
+
+Inputs may be plain tensors, dicts or ``BatchEncoding``; Qwen2-VL/Qwen2.5-VL/Qwen3-VL inputs (with
+``pixel_values``/``image_grid_thw`` and their video counterparts) are split by whole samples with their
+media (:mod:`hfpatch.training.vlm_split`), and every chunk is validated, so a naive ``pixel_values`` split
+cannot silently train on misaligned patches.
+
+Mixed precision and distribution:
+
+- ``autocast_dtype=torch.bfloat16`` runs both encoder passes and the loss under ``torch.autocast``.
+- fp16: pass ``scaler=torch.amp.GradScaler()``. Step 2 back-propagates ``scaler.scale(loss)``, so the cached
+  embedding gradients, and therefore the parameter gradients, carry the scale factor exactly as after
+  ``scaler.scale(loss).backward()`` in a plain step; then call ``scaler.step(optimizer); scaler.update()``
+  as usual (an overflow in any chunk shows up as inf in ``.grad`` and the scaler skips the step).
+- DDP: every chunk except the last one of each model runs under ``model.no_sync()``, so gradients are
+  all-reduced once per step. Models prepared by ``accelerate`` (or ``Trainer``) already autocast in forward.
+- Cross-rank negatives (``cross_rank=True``): after step 1 the embeddings of all ranks are all-gathered and
+  **every rank computes the loss of the global batch** (rank-major order: rank 0's samples first). The
+  local embedding gradients are the rows of ``dL_global/dr`` for the local samples, **multiplied by the
+  world size**, because DDP (and accelerate, FSDP) *averages* gradients over ranks:
+  ``mean_r(W · Σ_{i∈r} g_i · dr_i/dθ) = Σ_i g_i · dr_i/dθ = dL_global/dθ``. After the all-reduce every rank
+  holds exactly the gradient of one process computing the loss on the concatenated batch. The returned
+  loss is the global loss (the same on every rank).
+
+>>> import torch
+>>> from hfpatch.training import GradCache
+>>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+<torch._C.Generator object at ...>
+>>> encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4))
+>>> def info_nce(q, p):
+...     logits = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(p, dim=-1).T / 0.05
+...     return torch.nn.functional.cross_entropy(logits, torch.arange(len(q)))
+>>> gc = GradCache(encoder, info_nce, chunk_size=2)
+>>> loss = gc.step(torch.randn(6, 8), torch.randn(6, 8))   # .grad now holds the batch-6 gradient
+>>> loss.requires_grad, encoder[0].weight.grad.shape
+(False, torch.Size([16, 8]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from .pooling import Pooling, default_rep
+from .vlm_split import VisionTokenSpec, has_media, split_vlm_inputs, validate_vlm_chunk
+
+__all__ = ["GradCache", "RngState", "split_inputs"]
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, Mapping):
+        return [v for v in x.values() if isinstance(v, torch.Tensor)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def split_inputs(
+    inputs: Any,
+    chunk_size: int | None,
+    *,
+    chunk_patches: int | None = None,
+    vision_spec: VisionTokenSpec | None = None,
+) -> list[Any]:
+    """Default split of one encoder input into chunks of whole samples.
+
+    - tensor: along dim 0;
+    - tuple/list of tensors (positional model arguments): each along dim 0, chunks are tuples;
+    - mapping (``dict``, ``BatchEncoding``): Qwen-VL media keys present -> :func:`split_vlm_inputs` (needs
+      ``vision_spec``); otherwise every ``[B, ...]`` tensor by sample, other values shared.
+
+    Raises:
+        ValueError: A mapping tensor whose first dimension is not the batch size (e.g. Qwen-VL
+            ``pixel_values`` without ``image_grid_thw``), or media without a ``vision_spec``.
+    """
+    if isinstance(inputs, torch.Tensor):
+        if chunk_size is None:
+            raise ValueError("chunk_patches applies to Qwen-VL inputs only; give chunk_size for tensor inputs.")
+        return list(inputs.split(chunk_size))
+    if isinstance(inputs, (tuple, list)):
+        parts = [split_inputs(x, chunk_size) for x in inputs]
+        if len({len(p) for p in parts}) != 1:
+            raise ValueError(f"positional inputs have different batch sizes: {[len(x) for x in inputs]}.")
+        return [type(inputs)(chunk) for chunk in zip(*parts)]
+    if isinstance(inputs, Mapping):
+        if has_media(inputs):
+            if vision_spec is None:
+                raise ValueError(
+                    "inputs carry Qwen-VL media keys (pixel_values/image_grid_thw/...) but the encoder config has "
+                    "no image_token_id/vision_config.spatial_merge_size; pass vision_spec=VisionTokenSpec(...)."
+                )
+            return split_vlm_inputs(inputs, vision_spec, chunk_size, chunk_patches)
+        sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"cannot split a model input by sample: tensors have different first dimensions {sizes}. "
+                "Pass split_fn=... for this layout."
+            )
+        if chunk_size is None:
+            raise ValueError("chunk_patches applies to Qwen-VL inputs only; give chunk_size for text inputs.")
+        batch = next(iter(sizes.values()))
+        return [
+            {k: v[s : s + chunk_size] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in inputs.items()}
+            for s in range(0, batch, chunk_size)
+        ]
+    raise TypeError(
+        f"cannot split an input of type {type(inputs).__name__}; expected a tensor, a tuple of tensors, a dict "
+        "or a BatchEncoding. Pass split_fn=... to GradCache."
+    )
+
+
+@dataclass
+class RngState:
+    """CPU and accelerator RNG states captured before a chunk's first forward, replayed for its second.
+
+    Like ``RandContext`` in luyug/GradCache and the state that ``torch.utils.checkpoint`` preserves:
+    replaying happens inside ``torch.random.fork_rng``, so the global RNG continues afterwards as if each
+    chunk had been run once.
+    """
+
+    cpu: torch.Tensor
+    device_type: str
+    devices: list[int]
+    device_states: list[torch.Tensor]
+
+    @classmethod
+    def capture(cls, *tensors: torch.Tensor) -> RngState:
+        """Save the CPU state and the states of the accelerators that ``tensors`` live on."""
+        device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cuda")
+        devices, states = get_device_states(*tensors)
+        return cls(torch.get_rng_state(), device_type, devices, states)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the block under the saved states; restore the current ones afterwards."""
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.device_states, device_type=self.device_type)
+            yield
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+
+
+def _vision_spec(model: nn.Module) -> VisionTokenSpec | None:
+    config = getattr(_unwrap(model), "config", None)
+    try:
+        return VisionTokenSpec.from_config(config) if config is not None else None
+    except ValueError:
+        return None  # not a vision-language model: media keys will raise in split_inputs
+
+
+def _call(model: nn.Module, chunk: Any) -> Any:
+    if isinstance(chunk, Mapping):
+        return model(**chunk)
+    if isinstance(chunk, (tuple, list)):
+        return model(*chunk)
+    return model(chunk)
+
+
+def _batch_len(chunk: Any) -> int | None:
+    if isinstance(chunk, Mapping):
+        for key in ("input_ids", "attention_mask", "inputs_embeds"):
+            if isinstance(chunk.get(key), torch.Tensor):
+                return chunk[key].shape[0]
+        return None
+    tensors = _tensors(chunk)
+    return tensors[0].shape[0] if tensors else None
+
+
+class GradCache:
+    """Chunked contrastive training step with the exact full-batch gradient (see module docstring).
+
+    Args:
+        models: One encoder shared by all inputs, or a sequence with one encoder per input (the same module
+            may appear several times). DDP/accelerate/peft wrappers are fine.
+        loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; ``reps[k]`` is ``[B_k, D]`` for input ``k``
+            (the global batch with ``cross_rank=True``).
+        chunk_size: Most samples per chunk (memory knob). ``None`` with ``chunk_patches`` for VLM inputs.
+        split_fn: ``split_fn(inputs, chunk_size) -> list of chunks`` (default :func:`split_inputs`). Chunks
+            of Qwen-VL inputs are validated whatever splits them.
+        rep_fn: ``rep_fn(model_output, chunk) -> [b, D]`` (default: pool ``last_hidden_state`` by
+            ``pooling`` with the chunk's ``attention_mask``; a ``[b, D]`` output is used as is).
+        chunk_patches: For Qwen-VL inputs, most vision patches per chunk (images vary in size).
+        pooling: ``"last"`` (default; left or right padding), ``"mean"`` or ``"cls"``.
+        autocast_dtype: Run encoders and loss under ``torch.autocast`` with this dtype (e.g. bf16).
+        scaler: ``torch.amp.GradScaler`` for fp16; gradients are scaled like ``scaler.scale(loss).backward()``.
+        replay_rng: Replay each chunk's RNG state in the second pass (needed for exact gradients with dropout).
+        no_sync: Use ``model.no_sync()`` (DDP) for all but each model's last chunk.
+        cross_rank: All-gather embeddings over ``process_group`` and compute the global-batch loss.
+        process_group: Group for ``cross_rank`` (default: world).
+        vision_spec: Token ids and merge size for Qwen-VL splitting (default: read from each model's config).
+
+    Raises:
+        ValueError: Bad chunk sizes, a models/inputs count mismatch, or badly split Qwen-VL inputs (at
+            :meth:`step`, before any collective).
+    """
+
+    def __init__(
+        self,
+        models: nn.Module | Sequence[nn.Module],
+        loss_fn: Callable[..., torch.Tensor],
+        chunk_size: int | None = None,
+        split_fn: Callable[[Any, int | None], Sequence[Any]] | None = None,
+        rep_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        chunk_patches: int | None = None,
+        pooling: Pooling = "last",
+        autocast_dtype: torch.dtype | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        replay_rng: bool = True,
+        no_sync: bool = True,
+        cross_rank: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        vision_spec: VisionTokenSpec | None = None,
+    ):
+        if chunk_size is None and chunk_patches is None:
+            raise ValueError("GradCache needs chunk_size (samples per chunk) and/or chunk_patches (Qwen-VL patches).")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+        if pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"unknown pooling {pooling!r}; expected 'last', 'mean' or 'cls'.")
+        self.models = [models] if isinstance(models, nn.Module) else list(models)
+        if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
+            raise TypeError(f"models must be an nn.Module or a sequence of them, got {type(models).__name__}.")
+        self.loss_fn = loss_fn
+        self.chunk_size = chunk_size
+        self.chunk_patches = chunk_patches
+        self.split_fn = split_fn
+        self.rep_fn = rep_fn
+        self.pooling = pooling
+        self.autocast_dtype = autocast_dtype
+        self.scaler = scaler
+        self.replay_rng = replay_rng
+        self.no_sync = no_sync
+        self.cross_rank = cross_rank
+        self.process_group = process_group
+        self.vision_specs = [vision_spec or _vision_spec(m) for m in self.models]
+
+    def __repr__(self) -> str:
+        return (
+            f"GradCache(models={len(self.models)}, chunk_size={self.chunk_size}, chunk_patches={self.chunk_patches}, "
+            f"pooling={self.pooling!r}, autocast_dtype={self.autocast_dtype}, scaler={self.scaler is not None}, "
+            f"replay_rng={self.replay_rng}, cross_rank={self.cross_rank})"
+        )
+
+    # -- pieces ---------------------------------------------------------------------------------------
+
+    def _split(self, inputs: Any, spec: VisionTokenSpec | None) -> list[Any]:
+        if self.split_fn is None:
+            chunks = split_inputs(inputs, self.chunk_size, chunk_patches=self.chunk_patches, vision_spec=spec)
+        else:
+            chunks = list(self.split_fn(inputs, self.chunk_size))
+        if isinstance(inputs, Mapping) and has_media(inputs) and spec is not None:
+            for chunk in chunks:  # also catches a user split_fn that cuts pixel_values by sample count
+                validate_vlm_chunk(chunk, spec)
+        total, parts = _batch_len(inputs), [_batch_len(c) for c in chunks]
+        if total is not None and None not in parts and sum(parts) != total:
+            raise ValueError(f"split_fn returned chunks of {parts} samples for an input of {total} samples.")
+        if not chunks:
+            raise ValueError("split_fn returned no chunks.")
+        return chunks
+
+    def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._device_type(model), dtype=self.autocast_dtype)
+
+    @staticmethod
+    def _device_type(model: nn.Module) -> str:
+        param = next(model.parameters(), None)
+        return param.device.type if param is not None else "cpu"
+
+    def _embed(self, model: nn.Module, chunk: Any) -> torch.Tensor:
+        output = _call(model, chunk)
+        rep = self.rep_fn(output, chunk) if self.rep_fn is not None else default_rep(output, chunk, self.pooling)
+        if not isinstance(rep, torch.Tensor) or rep.ndim < 1:
+            raise TypeError(f"rep_fn must return a [b, D] tensor, got {type(rep).__name__}.")
+        return rep
+
+    def _gather(self, reps: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Leaves for the local reps and the (differentiable) global reps built from them."""
+        from hfpatch.distributed.collectives import all_gather
+
+        leaves = [r.detach().requires_grad_() for r in reps]
+        if not self.cross_rank:
+            return leaves, leaves, 1
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("cross_rank=True needs an initialised torch.distributed process group.")
+        world = dist.get_world_size(self.process_group)
+        counts = torch.tensor([r.shape[0] for r in reps], device=reps[0].device)
+        every = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(every, counts, group=self.process_group)
+        sizes = torch.stack(every).T.tolist()  # [input][rank]
+        # backward="slice": every rank computes the same global loss, so a shard's gradient is its slice.
+        full = [all_gather(leaf, 0, self.process_group, s, backward="slice") for leaf, s in zip(leaves, sizes)]
+        return leaves, full, world
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def step(self, *inputs: Any, **loss_kwargs: Any) -> torch.Tensor:
+        """One GradCache step: accumulate the full-batch gradient into ``.grad``; return the detached loss.
+
+        Args:
+            *inputs: One model input per encoder input (e.g. queries, positives, negatives).
+            **loss_kwargs: Passed to ``loss_fn``.
+        """
+        if len(self.models) not in (1, len(inputs)):
+            raise ValueError(f"GradCache has {len(self.models)} models but step() got {len(inputs)} inputs; "
+                             "give one shared model or one per input.")
+        models = self.models * len(inputs) if len(self.models) == 1 else self.models
+        specs = self.vision_specs * len(inputs) if len(self.models) == 1 else self.vision_specs
+        chunks = [self._split(x, spec) for x, spec in zip(inputs, specs)]
+
+        # 1. Embeddings without a graph; the RNG state before each chunk is kept for the second pass.
+        reps, states = [], []
+        with torch.no_grad():
+            for model, model_chunks in zip(models, chunks):
+                model_reps, model_states = [], []
+                params = [p for p in (next(model.parameters(), None),) if p is not None]
+                for chunk in model_chunks:
+                    model_states.append(RngState.capture(*_tensors(chunk), *params) if self.replay_rng else None)
+                    with self._autocast(model):
+                        rep = self._embed(model, chunk)
+                    model_reps.append(rep.clone() if rep._base is not None else rep)  # don't pin token states
+                reps.append(model_reps)
+                states.append(model_states)
+
+        # 2. Loss on the (gathered) embeddings and its gradient with respect to each local embedding.
+        leaves, full, world = self._gather([torch.cat(r) for r in reps])
+        with self._autocast(models[0]):
+            loss = self.loss_fn(*full, **loss_kwargs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {loss!r:.80}.")
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        grads = []
+        for leaf, model_reps in zip(leaves, reps):
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
+
+        # 3. Re-embed each chunk with a graph under its saved RNG state and back-propagate its cached gradient.
+        last_use = {id(m): k for k, m in enumerate(models)}
+        for k, (model, model_chunks) in enumerate(zip(models, chunks)):
+            for j, chunk in enumerate(model_chunks):
+                final = k == last_use[id(model)] and j == len(model_chunks) - 1
+                with contextlib.ExitStack() as stack:
+                    if self.no_sync and not final and hasattr(model, "no_sync"):
+                        stack.enter_context(model.no_sync())  # DDP: all-reduce only with the last backward
+                    if states[k][j] is not None:
+                        stack.enter_context(states[k][j].replay())
+                    with self._autocast(model):
+                        rep = self._embed(model, chunk)
+                    if rep.shape != reps[k][j].shape:
+                        raise RuntimeError(
+                            f"input {k} chunk {j}: the second forward gave shape {tuple(rep.shape)}, the first "
+                            f"{tuple(reps[k][j].shape)}; the encoder must be deterministic given its inputs and RNG."
+                        )
+                    rep.backward(gradient=grads[k][j].to(rep.dtype))
+        return loss.detach()

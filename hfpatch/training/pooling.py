@@ -1,0 +1,79 @@
+"""Pool token states into one embedding per sample: last-token, mean and CLS, for left or right padding.
+
+>>> import torch
+>>> hidden = torch.arange(8.0).view(2, 4, 1)                  # two samples, four positions
+>>> mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])         # right-padded, left-padded
+>>> pool(hidden, mask, "last").flatten().tolist()             # last real token of each row
+[2.0, 7.0]
+>>> pool(hidden, mask, "cls").flatten().tolist()              # first real token of each row
+[0.0, 5.0]
+>>> pool(hidden, mask, "mean").flatten().tolist()
+[1.0, 6.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["Pooling", "default_rep", "pool"]
+
+Pooling = Literal["last", "mean", "cls"]
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: Pooling = "last") -> torch.Tensor:
+    """Pool ``hidden`` ``[B, L, D]`` to ``[B, D]``.
+
+    Args:
+        hidden: Token states.
+        attention_mask: ``[B, L]``, 1 for real tokens; ``None`` means no padding.
+        mode: ``"last"``: the last real token (what decoder embedders such as Qwen3-Embedding and VLM2Vec use);
+            ``"mean"``: mean over real tokens; ``"cls"``: the first real token (BERT-style encoders).
+            Positions come from the mask, so left and right padding give the same result.
+    """
+    if hidden.ndim != 3:
+        raise ValueError(f"pool expects token states [B, L, D], got shape {tuple(hidden.shape)}.")
+    batch, length, _ = hidden.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, length, dtype=torch.long, device=hidden.device)
+    if attention_mask.shape != (batch, length):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match hidden {tuple(hidden.shape)}."
+        )
+    mask = attention_mask.to(hidden.device).bool()
+    rows = torch.arange(batch, device=hidden.device)
+    if mode == "last":
+        # argmax returns the first maximum: on the flipped mask that is the last real token, for either padding.
+        return hidden[rows, length - 1 - mask.flip(-1).int().argmax(-1)]
+    if mode == "cls":
+        return hidden[rows, mask.int().argmax(-1)]
+    if mode == "mean":
+        weights = mask.to(hidden.dtype).unsqueeze(-1)
+        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+    raise ValueError(f"unknown pooling {mode!r}; expected 'last', 'mean' or 'cls'.")
+
+
+def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tensor:
+    """Turn a model output into ``[B, D]`` embeddings.
+
+    A ``[B, D]`` tensor is returned as is; ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
+    ``ModelOutput``/dict, or the first element of a tuple) are pooled with ``inputs["attention_mask"]`` when
+    the inputs are a mapping that has one.
+    """
+    if isinstance(output, Mapping) or hasattr(output, "last_hidden_state"):
+        hidden = output["last_hidden_state"] if isinstance(output, Mapping) else output.last_hidden_state
+    elif isinstance(output, (tuple, list)):
+        hidden = output[0]
+    else:
+        hidden = output
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(
+            f"cannot find embeddings in a model output of type {type(output).__name__}; expected a tensor, a "
+            "ModelOutput with last_hidden_state, or a tuple. Pass rep_fn=... to GradCache."
+        )
+    if hidden.ndim == 2:
+        return hidden
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    return pool(hidden, mask, mode)

@@ -1,0 +1,101 @@
+"""The planner: a table of valid plans and of invalid ones with their exact error messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from hfpatch.core.config import ModelFacts, ParallelConfig, plan_parallel, resolve_parallel
+
+VALID = [
+    # (parallel, world, facts, expected degrees (data, cfg, ring, ulysses, vae))
+    (1, 1, ModelFacts(num_heads=4), (1, 1, 1, 1, 1)),
+    (2, 2, ModelFacts(num_heads=4, guides=True), (1, 2, 1, 1, 2)),
+    (4, 4, ModelFacts(num_heads=4), (1, 1, 1, 4, 4)),
+    (6, 6, ModelFacts(num_heads=4), (1, 1, 3, 2, 6)),  # Ulysses up to what divides the heads, rest Ring
+    (8, 8, ModelFacts(num_heads=12, guides=True), (1, 2, 1, 4, 8)),
+    (3, 3, ModelFacts(num_heads=4, guides=True), (1, 1, 3, 1, 3)),  # odd: no CFG split possible
+    (5, 5, ModelFacts(num_heads=5), (1, 1, 1, 5, 5)),
+    (4, 4, ModelFacts(), (1, 1, 1, 1, 4)),  # VAE only: every rank splits the VAE
+    (None, 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 2)),  # None = the world size
+    (ParallelConfig(cfg=2, ulysses=2, ring=2), 8, ModelFacts(num_heads=4, guides=True), (1, 2, 2, 2, 8)),
+    (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4), (2, 1, 1, 2, 4)),
+    (ParallelConfig(ulysses=2, vae=1), 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 1)),
+]
+
+
+@pytest.mark.parametrize("parallel, world, facts, expected", VALID)
+def test_resolve_parallel_valid_plans(parallel, world, facts, expected):
+    config = resolve_parallel(parallel, world, facts)
+    assert (config.data, config.cfg, config.ring, config.ulysses, config.vae) == expected
+    assert config.world_size == world
+
+
+INVALID = [
+    (
+        ParallelConfig(ulysses=6),
+        6,
+        ModelFacts(num_heads=4, name="WanTransformer3DModel"),
+        "ulysses=6 exceeds the 4 attention heads of WanTransformer3DModel; use ulysses <= 4 and put the "
+        "remaining ranks into ring",
+    ),
+    (
+        ParallelConfig(cfg=2),
+        2,
+        ModelFacts(num_heads=4, name="WanTransformer3DModel"),
+        "cfg=2 needs a pipeline that runs classifier-free guidance; WanTransformer3DModel does not. "
+        "Use cfg=1 and put the ranks into ulysses/ring.",
+    ),
+    (
+        ParallelConfig(ulysses=2, ring=2),
+        8,
+        ModelFacts(num_heads=4),
+        "ParallelConfig(data=1, cfg=1, ring=2, ulysses=2, vae=4) uses 4 ranks (data*cfg*ring*ulysses) but the "
+        "world size is 8; launch with `torchrun --nproc-per-node 4` or choose degrees that multiply to 8",
+    ),
+    (
+        4,
+        2,
+        ModelFacts(num_heads=4),
+        "ParallelConfig(data=1, cfg=1, ring=1, ulysses=4, vae=4) uses 4 ranks (data*cfg*ring*ulysses) but the "
+        "world size is 2; launch with `torchrun --nproc-per-node 4` or choose degrees that multiply to 2",
+    ),
+    (
+        ParallelConfig(ring=2),
+        2,
+        ModelFacts(name="AutoencoderKLWan"),
+        "ulysses=1, ring=2 need a transformer; AutoencoderKLWan has none. Use ParallelConfig(vae=N) for a VAE.",
+    ),
+]
+
+
+@pytest.mark.parametrize("parallel, world, facts, message", INVALID)
+def test_resolve_parallel_invalid_plans_exact_messages(parallel, world, facts, message):
+    with pytest.raises(ValueError) as info:
+        resolve_parallel(parallel, world, facts)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cfg=3), "ParallelConfig.cfg must be 1 or 2 (cond and uncond), got 3"),
+        (dict(ulysses=0), "ParallelConfig.ulysses must be a positive int, got 0"),
+        (dict(ring=2.0), "ParallelConfig.ring must be a positive int, got 2.0"),
+        (dict(ulysses=2, vae=3), "ParallelConfig.vae=3 must be 1 or data*cfg*ring*ulysses=2"),
+    ],
+)
+def test_parallel_config_rejects_bad_degrees(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        ParallelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.5, "4"])
+def test_plan_rejects_non_positive_int(bad):
+    with pytest.raises((ValueError, TypeError)):
+        resolve_parallel(bad, 1, ModelFacts(num_heads=4))
+
+
+def test_plan_parallel_is_pure_and_deterministic():
+    facts = ModelFacts(num_heads=24, guides=True)
+    assert all(plan_parallel(n, facts) == plan_parallel(n, facts) for n in range(1, 17))
+    assert all(plan_parallel(n, facts).world_size == n for n in range(1, 17))

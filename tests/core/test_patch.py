@@ -1,0 +1,114 @@
+"""Patch primitives: every mutation is undone exactly (identity, not equality), in reverse order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfpatch.core.patch import ABSENT, Patch, PatchError
+
+
+def _snapshot(module: torch.nn.Module) -> dict[str, dict]:
+    """vars() of every submodule plus its parameter/buffer/module stores, by identity."""
+    snap = {}
+    for name, sub in module.named_modules():
+        entries = dict(vars(sub))
+        for store in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+            entries[store + "_items"] = dict(getattr(sub, store))
+        snap[name] = entries
+    return snap
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].keys() == after[name].keys(), f"{name}: keys differ"
+        for key, value in before[name].items():
+            if isinstance(value, dict):
+                assert value.keys() == after[name][key].keys(), f"{name}.{key}"
+                assert all(value[k] is after[name][key][k] for k in value), f"{name}.{key}: objects differ"
+            else:
+                assert after[name][key] is value, f"{name}.{key}: not the same object"
+
+
+def test_set_attr_on_plain_object_restores_absent_and_old_values():
+    class Obj:
+        existing = "class-level"
+
+    obj = Obj()
+    obj.mine = original = object()
+    patch = Patch("t")
+    patch.set_attr(obj, "mine", "new")
+    patch.set_attr(obj, "existing", "instance")  # shadows the class attribute
+    patch.set_attr(obj, "added", 1)
+    assert (obj.mine, obj.existing, obj.added) == ("new", "instance", 1)
+    patch.remove()
+    assert obj.mine is original
+    assert "existing" not in vars(obj) and obj.existing == "class-level"
+    assert not hasattr(obj, "added")
+
+
+def test_module_primitives_remove_restores_identity_of_every_store():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    model[0].register_forward_hook(lambda m, i, o: None)  # a user's own hook must survive
+    before = _snapshot(model)
+    x = torch.randn(4, 3)
+    expected = model(x)
+
+    patch = Patch("t")
+    patch.wrap_method(model[0], "forward", lambda orig: (lambda inp: orig(inp) * 0))
+    patch.set_attr(model, "2", torch.nn.Linear(3, 2))  # replaces a submodule
+    patch.set_attr(model[2], "weight", torch.nn.Parameter(torch.zeros(2, 3)))
+    patch.add_forward_pre_hook(model, lambda m, args, kwargs: ((args[0] + 1,), kwargs))
+    patch.add_forward_hook(model, lambda m, args, kwargs, out: out + 1)
+    freed = []
+    patch.on_remove(model, "cache", lambda: freed.append(True))
+    assert not torch.equal(model(x), expected)
+    assert "Linear" in repr(patch) and "forward" in repr(patch)
+
+    patch.remove()
+    _assert_same(before, _snapshot(model))
+    assert torch.equal(model(x), expected)
+    assert freed == [True]
+
+
+def test_remove_is_idempotent_and_patch_is_dead_afterwards():
+    layer = torch.nn.Linear(2, 2)
+    patch = Patch("t")
+    patch.set_attr(layer, "x", 1)
+    patch.remove()
+    patch.remove()
+    assert not patch.is_active
+    with pytest.raises(PatchError, match="was removed"):
+        patch.set_attr(layer, "x", 2)
+
+
+def test_context_manager_removes_on_exception():
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with Patch("t") as patch:
+            patch.set_attr(layer, "flag", True)
+            raise RuntimeError("boom")
+    assert not hasattr(layer, "flag")
+
+
+def test_swap_processor_requires_processor_attribute():
+    with pytest.raises(PatchError, match="no attention processor"):
+        Patch("t").swap_processor(torch.nn.Linear(2, 2), object())
+
+
+def test_children_removed_first_and_repr_lists_entries():
+    layer = torch.nn.Linear(2, 2)
+    order = []
+    parent, child = Patch("parent"), Patch("child")
+    parent.children.append(child)
+    parent.on_remove(layer, "parent-step", lambda: order.append("parent"))
+    child.on_remove(layer, "child-step", lambda: order.append("child"))
+    text = repr(parent)
+    assert "parent-step" in text and "child: Linear" in text
+    parent.remove()
+    assert order == ["child", "parent"]
+
+
+def test_absent_marker_is_a_singleton():
+    assert type(ABSENT)() is ABSENT and repr(ABSENT) == "ABSENT"

@@ -1,0 +1,44 @@
+"""The rank runner: results by rank, remote errors reported with their rank, no hang on failure."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfpatch.testing.runner import RankError, RankPool, run_ranks
+
+
+def _rank_and_sum():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 waits for rank 1 forever: the runner must not
+    return "unreachable"
+
+
+def test_run_ranks_returns_results_ordered_by_rank():
+    assert run_ranks(3, _rank_and_sum) == [(0, 3.0), (1, 3.0), (2, 3.0)]
+
+
+def test_failing_rank_is_reported_and_others_do_not_hang():
+    pool = RankPool(2, timeout_s=60)
+    try:
+        assert [r for r, _ in pool.run(_rank_and_sum)] == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            pool.run(_fail_on_rank_one)
+        assert time.monotonic() - start < 30, "runner waited for the blocked rank"
+        assert 1 in info.value.failures
+        assert "deliberate failure on rank 1" in info.value.failures[1]
+        # The pool restarts cleanly after a failure.
+        assert pool.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
+    finally:
+        pool.close()
