@@ -1,0 +1,138 @@
+"""USP / Ulysses / Ring attention vs one-process SDPA on the full sequence, forward and backward.
+
+Every rank builds the same full q/k/v (and joint text tokens) from a seed, takes its shard with the shared
+layout (`shard_sequence`, `sp_index`), runs `usp_attention`, and compares with
+`F.scaled_dot_product_attention` on the full unpadded sequence (text concatenated front/back). The
+objective is the sum of the ranks' losses (the documented convention): each rank weights its output shard
+and the joint output with its own weights; the reference loss uses the summed weights. Sharded grads must
+equal the reference shard; joint-input grads must equal the reference after an all-reduce SUM.
+
+Tolerance: fp32, O(1) values; the only difference from the reference is the order of float sums
+(block-wise softmax merge, gradient accumulation around the ring), so 2e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hfpatch.attention import usp_attention
+from hfpatch.attention.layout import group_rank, shard_len, shard_sequence, sp_index
+from hfpatch.core.config import ParallelConfig
+from hfpatch.distributed.collectives import count_comm
+from hfpatch.distributed.runtime import get_mesh
+
+ATOL = 2e-5
+
+# (ring, ulysses, seq, heads, text, joint_position) per world size; batch 2, head dim 8.
+CASES = {
+    1: [(1, 1, 7, 2, 0, "front"), (1, 1, 5, 3, 3, "back")],
+    2: [
+        (1, 2, 9, 3, 0, "front"),  # uneven sequence and heads
+        (1, 2, 8, 4, 3, "front"),
+        (2, 1, 9, 2, 3, "back"),
+        (2, 1, 8, 3, 0, "front"),
+    ],
+    3: [(1, 3, 10, 4, 2, "front"), (3, 1, 10, 2, 2, "back"), (1, 3, 9, 3, 0, "front")],
+    4: [
+        (1, 4, 10, 6, 3, "front"),  # 6 heads over 4: [2, 2, 1, 1]
+        (1, 4, 9, 3, 0, "front"),  # 3 heads over 4: one idle rank
+        (4, 1, 10, 2, 3, "back"),
+        (4, 1, 9, 2, 2, "front"),  # the last ring block is all padding
+        (2, 2, 11, 3, 2, "front"),
+        (2, 2, 8, 4, 0, "back"),
+    ],
+}
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _groups(ring, ulysses):
+    mesh = get_mesh(ParallelConfig(ring=ring, ulysses=ulysses))
+    return mesh, mesh.group("ring"), mesh.group("ulysses")
+
+
+def _reference(q, k, v, joint, position):
+    """SDPA on the full sequence; returns (image_out, joint_out or None), all bshd."""
+    if joint is None:
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        return out, None
+    text = joint[0].shape[1]
+    cat = [torch.cat([j, x] if position == "front" else [x, j], dim=1) for x, j in zip((q, k, v), joint)]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in cat)).transpose(1, 2)
+    if position == "front":
+        return out[:, text:], out[:, :text]
+    return out[:, :-text], out[:, -text:]
+
+
+def _case(ring, ulysses, seq, heads, text, position, seed=0, batch=2, dim=8):
+    world = ring * ulysses
+    mesh, ring_group, ulysses_group = _groups(ring, ulysses)
+    index = sp_index(group_rank(ring_group), group_rank(ulysses_group), ulysses)
+    full = [_randn(batch, seq, heads, dim, seed=seed + i) for i in range(3)]
+    joint = [_randn(batch, text, heads, dim, seed=seed + 3 + i) for i in range(3)] if text else None
+    w_out = _randn(batch, seq, heads, dim, seed=seed + 6)
+    w_joint = [_randn(batch, text, heads, dim, seed=seed + 10 + r) for r in range(world)] if text else None
+
+    q, k, v = (shard_sequence(t, 1, world, index).detach().clone().requires_grad_(True) for t in full)
+    jq, jk, jv = (t.clone().requires_grad_(True) for t in joint) if text else (None, None, None)
+    out, joint_out = usp_attention(
+        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
+        valid_len=seq if seq % world else None, joint_query=jq, joint_key=jk, joint_value=jv,
+        joint_position=position,
+    )  # fmt: skip
+    loss = (out * shard_sequence(w_out, 1, world, index)).sum()
+    if text:
+        loss = loss + (joint_out * w_joint[index]).sum()
+    loss.backward()
+
+    ref_in = [t.clone().requires_grad_(True) for t in full]
+    ref_joint = [t.clone().requires_grad_(True) for t in joint] if text else None
+    ref_out, ref_joint_out = _reference(*ref_in, ref_joint, position)
+    ref_loss = (ref_out * w_out).sum()
+    if text:
+        ref_loss = ref_loss + (ref_joint_out * sum(w_joint)).sum()
+    ref_loss.backward()
+
+    real = max(0, min(shard_len(seq, world), seq - index * shard_len(seq, world)))  # non-padding rows here
+    errors = {
+        "out": (out[:, :real] - shard_sequence(ref_out, 1, world, index)[:, :real]).abs().max().item()
+        if real
+        else 0.0,
+        "out_finite": bool(out.isfinite().all()),
+        "sp_rank_matches_layout": mesh.group("sp") is None or dist.get_rank(mesh.group("sp")) == index,
+    }
+    for name, mine, ref in zip("qkv", (q, k, v), ref_in):
+        errors[f"d{name}"] = (mine.grad - shard_sequence(ref.grad, 1, world, index)).abs().max().item()
+    if text:
+        errors["joint_out"] = (joint_out - ref_joint_out).abs().max().item()
+        for name, mine, ref in zip(("djq", "djk", "djv"), (jq, jk, jv), ref_joint):
+            grad = mine.grad.clone()
+            if world > 1:
+                dist.all_reduce(grad)  # the documented convention: SUM over the sp group
+            errors[name] = (grad - ref.grad).abs().max().item()
+    return errors, (None if joint_out is None else joint_out.detach())
+
+
+def _all_cases(world):
+    return [_case(*case, seed=10 * i) for i, case in enumerate(CASES[world])]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_usp_attention_matches_sdpa_forward_and_backward(rank_pool, world_size):
+    per_rank = rank_pool(world_size).run(_all_cases, world_size)
+    for i, case in enumerate(CASES[world_size]):
+        joint_outs = []
+        for rank in range(world_size):
+            errors, joint_out = per_rank[rank][i]
+            assert errors.pop("out_finite"), f"case {case}, rank {rank}: non-finite output (padded rows?)"
+            assert errors.pop("sp_rank_matches_layout"), f"case {case}, rank {rank}: sp group order != layout"
+            for name, err in errors.items():
+                assert err <= ATOL, f"case (ring, ulysses, seq, heads, text, pos)={case}, rank {rank}: {name} err {err}"
+            joint_outs.append(joint_out)
+        if joint_outs[0] is not None:  # replicated text stream: every rank must continue identically
+            assert all(torch.equal(j, joint_outs[0]) for j in joint_outs), f"case {case}: joint_out differs by rank"

@@ -1,0 +1,259 @@
+"""CFG parallel and data parallel of ``hfpatch.patches.pipeline`` on tiny stock pipelines, gloo ranks, fp32.
+
+The pipeline family is tested alone through a registry that holds only it (the transformer and VAE
+families have their own tests), so these results isolate the batch/CFG splitting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.core.registry import Registry
+from hfpatch.distributed.collectives import count_comm
+from hfpatch.patches.pipeline import PipelineParallel
+from hfpatch.testing import tiny_flux_pipe, tiny_sd3_pipe, tiny_wan_pipe, wan_prompt_embeds
+
+# Splitting a batch changes GEMM shapes, and so the blocking and summation order of the kernels:
+# reassociation error of fp32 accumulation over the tiny widths (<= 64), amplified a little by 2 steps + VAE.
+ATOL = 1e-5
+
+
+def _registry() -> Registry:
+    registry = Registry()
+    registry.register("diffusers.DiffusionPipeline", PipelineParallel)
+    return registry
+
+
+def _wan(pipe: Any, batch: int = 1, guidance: float = 5.0, per_prompt: int = 1) -> torch.Tensor:
+    return pipe(
+        prompt_embeds=wan_prompt_embeds(batch=batch),
+        negative_prompt_embeds=wan_prompt_embeds(batch=batch, seed=2),
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=guidance,
+        num_videos_per_prompt=per_prompt,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+
+
+def _sd3(pipe: Any, batch: int = 1, per_prompt: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    embeds = {
+        "prompt_embeds": torch.randn(batch, 7, 16, generator=gen),
+        "pooled_prompt_embeds": torch.randn(batch, 16, generator=gen),
+        "negative_prompt_embeds": torch.randn(batch, 7, 16, generator=gen),
+        "negative_pooled_prompt_embeds": torch.randn(batch, 16, generator=gen),
+    }
+    return pipe(
+        **embeds,
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        num_images_per_prompt=per_prompt,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+def _sd3_pipe() -> Any:
+    pipe = tiny_sd3_pipe()
+    pipe.vae.register_to_config(shift_factor=0.0)  # tiny_autoencoder_kl has no SD3 shift factor
+    return pipe
+
+
+def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
+    objs = [pipe, *(c for c in pipe.components.values() if c is not None)]
+    return [(obj, dict(vars(obj))) for obj in objs]
+
+
+def _restored(snapshot: list[tuple[Any, dict[str, Any]]]) -> bool:
+    return all(
+        vars(obj).keys() == before.keys() and all(vars(obj)[k] is v for k, v in before.items())
+        for obj, before in snapshot
+    )
+
+
+def _compare(pipe: Any, run: Any, config: ParallelConfig, **kwargs: Any) -> dict[str, Any]:
+    """Reference run, patched run (counting bytes sent), removal; what each rank saw."""
+    reference = run(pipe, **kwargs)
+    snapshot = _snapshot(pipe)
+    patch = hfpatch.apply(pipe, config, registry=_registry())
+    with count_comm() as counter:
+        out = run(pipe, **kwargs)
+    patch.remove()
+    return {
+        "diff": (out - reference).abs().max().item(),
+        "shape": (tuple(out.shape), tuple(reference.shape)),
+        "bytes": counter.bytes_sent,
+        "restored": _restored(snapshot),
+        "plan": patch.plan,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- rank fns
+def _cases_two_ranks() -> dict[str, Any]:
+    cfg2 = ParallelConfig(cfg=2)
+    wan = tiny_wan_pipe()
+    results = {
+        "wan_cfg": _compare(wan, _wan, cfg2),
+        "wan_cfg_no_guidance": _compare(wan, _wan, cfg2, guidance=1.0),
+        "wan_cfg_batch2": _compare(wan, _wan, cfg2, batch=2),
+        "wan_data": _compare(wan, _wan, ParallelConfig(data=2), per_prompt=3),
+        "wan22_cfg": _compare(tiny_wan_pipe(two_transformers=True), _wan, cfg2),
+        "sd3_cfg": _compare(_sd3_pipe(), _sd3, cfg2),
+        "sd3_data": _compare(_sd3_pipe(), _sd3, ParallelConfig(data=2), batch=1, per_prompt=1),
+    }
+
+    # Double apply is a no-op, a different plan raises, progress bar off on rank > 0 and restored.
+    wan.set_progress_bar_config(disable=False, desc="denoise")
+    before = wan._progress_bar_config
+    patch = hfpatch.apply(wan, cfg2, registry=_registry())
+    results["same_again"] = hfpatch.apply(wan, cfg2, registry=_registry()) is patch
+    try:
+        hfpatch.apply(wan, ParallelConfig(data=2), registry=_registry())
+        results["conflict"] = None
+    except ValueError as exc:
+        results["conflict"] = str(exc)
+    results["bar"] = dict(wan._progress_bar_config)
+    results["repr"] = repr(patch)
+
+    # Call patterns other than cond-then-uncond raise instead of returning a placeholder.
+    transformer = wan.transformer
+    args = dict(
+        hidden_states=torch.randn(1, 4, 2, 4, 4),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=wan_prompt_embeds(),
+        return_dict=False,
+    )
+    wan._guidance_scale = 5.0  # what WanPipeline.__call__ sets before its loop
+    errors = []
+    for contexts in (["uncond"], ["cond", "cond"], [None]):
+        try:
+            for name in contexts:
+                if name is None:
+                    transformer(**args)
+                else:
+                    with transformer.cache_context(name):
+                        transformer(**args)
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    results["pattern_errors"] = errors
+    patch.remove()
+    results["bar_restored"] = wan._progress_bar_config is before
+    return results
+
+
+def _cases_four_ranks() -> dict[str, Any]:
+    wan = tiny_wan_pipe()
+    cfg_data = ParallelConfig(data=2, cfg=2)
+    return {
+        # batch 3 over 2 data ranks: uneven [2, 1].
+        "wan_cfg_data": _compare(wan, _wan, cfg_data, batch=3),
+        "wan_data4": _compare(wan, _wan, ParallelConfig(data=4), per_prompt=5),
+        # 2B = 4 rows: the cfg halves [uncond, cond] of 2 images each, 1 per data rank.
+        "sd3_cfg_data": _compare(_sd3_pipe(), _sd3, cfg_data, per_prompt=2),
+    }
+
+
+def _data_batch_too_small() -> str:
+    wan = tiny_wan_pipe()
+    with hfpatch.apply(wan, ParallelConfig(data=2), registry=_registry()):
+        try:
+            _wan(wan)
+        except ValueError as exc:
+            return str(exc)
+    return "no error"
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def two_rank_results(rank_pool) -> list[dict[str, Any]]:
+    return rank_pool(2).run(_cases_two_ranks)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["wan_cfg", "wan_cfg_no_guidance", "wan_cfg_batch2", "wan_data", "wan22_cfg", "sd3_cfg", "sd3_data"],
+)
+def test_pipeline_parallel_two_ranks_equals_unpatched(two_rank_results, case):
+    for rank, results in enumerate(two_rank_results):
+        result = results[case]
+        assert result["shape"][0] == result["shape"][1], (rank, result)
+        assert result["diff"] <= ATOL, (rank, result)
+        assert result["restored"], (rank, case)
+
+
+def test_pipeline_parallel_cfg_sends_one_prediction_per_step(two_rank_results):
+    # Two-call CFG: each rank sends its prediction (1x4x2x4x4 fp32 = 512 B) once per step, 2 steps.
+    for results in two_rank_results:
+        assert results["wan_cfg"]["bytes"] == 2 * 512
+        assert results["wan22_cfg"]["bytes"] == 2 * 512
+        assert results["wan_cfg_no_guidance"]["bytes"] == 0
+
+
+def test_pipeline_parallel_apply_twice_is_noop_and_conflict_raises(two_rank_results):
+    for results in two_rank_results:
+        assert results["same_again"] is True
+        assert "already patched" in results["conflict"]
+        assert "WanTransformer3DModel" in results["repr"] and ".forward (was ABSENT)" in results["repr"]
+
+
+def test_pipeline_parallel_progress_bar_only_on_rank_zero(two_rank_results):
+    assert two_rank_results[0]["bar"] == {"disable": False, "desc": "denoise"}
+    assert two_rank_results[1]["bar"] == {"disable": True, "desc": "denoise"}
+    assert all(results["bar_restored"] for results in two_rank_results)
+
+
+def test_pipeline_parallel_unknown_call_pattern_raises(two_rank_results):
+    for results in two_rank_results:
+        uncond_first, cond_twice, no_context = results["pattern_errors"]
+        assert "uncond call without a cond call" in uncond_first
+        assert "two cond calls in a row" in cond_twice
+        assert "cache_context(None)" in no_context
+
+
+def test_pipeline_parallel_four_ranks_cfg_and_data_equals_unpatched(rank_pool):
+    for rank, results in enumerate(rank_pool(4).run(_cases_four_ranks)):
+        for case, result in results.items():
+            assert result["shape"][0] == result["shape"][1], (rank, case, result)
+            assert result["diff"] <= ATOL, (rank, case, result)
+            assert result["restored"], (rank, case)
+        assert results["wan_cfg_data"]["plan"] == ParallelConfig(data=2, cfg=2)
+
+
+def test_pipeline_parallel_data_batch_smaller_than_ranks_raises(rank_pool):
+    for message in rank_pool(2).run(_data_batch_too_small):
+        assert "data=2" in message and "has batch 1" in message
+
+
+def test_pipeline_parallel_validate_unsupported_cfg_names_supported():
+    with pytest.raises(ValueError, match="cfg=2 is not supported for FluxPipeline.*WanPipeline"):
+        PipelineParallel().validate(tiny_flux_pipe(), ParallelConfig(cfg=2), {})
+
+
+def test_pipeline_parallel_facts_guides_only_for_supported_cfg():
+    family = PipelineParallel()
+    assert family.facts(tiny_wan_pipe()).guides is True
+    assert family.facts(_sd3_pipe()).guides is True
+    assert family.facts(tiny_flux_pipe()).guides is False  # guidance-distilled: plan no cfg degree
+    assert family.facts(tiny_wan_pipe()).num_heads is None
+
+
+def test_pipeline_parallel_single_rank_is_identity():
+    pipe = tiny_wan_pipe()
+    reference = _wan(pipe)
+    snapshot = _snapshot(pipe)
+    with hfpatch.apply(pipe, registry=_registry()) as patch:
+        assert patch.plan == ParallelConfig()
+        assert torch.equal(_wan(pipe), reference)
+    assert _restored(snapshot)
