@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hfpatch.testing.runner import RankPool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models on a 2-core machine that also hosts the rank processes: one intra-op thread is fastest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,15 @@ state. The sharding layout shared by these functions, the model patches and the 
 :mod:`hfpatch.attention.layout`.
 """
 
-from .layout import head_sizes, padded_len, shard_len, shard_positions, shard_sequence, sp_index, unshard_sequence
+from .layout import (
+    head_sizes,
+    padded_len,
+    shard_len,
+    shard_positions,
+    shard_sequence,
+    sp_index,
+    unshard_sequence,
+)
 from .local import AttentionBackend, available_backends, local_attention, register_backend
 from .merge import merge_attention, merge_blocks
 from .ring import ring_attention

@@ -65,7 +65,9 @@ def padded_len(seq_len: int, world: int) -> int:
     (12, 12)
     """
     if seq_len < 1 or world < 1:
-        raise ValueError(f"padded_len needs seq_len >= 1 and world >= 1, got seq_len={seq_len}, world={world}")
+        raise ValueError(
+            f"padded_len needs seq_len >= 1 and world >= 1, got seq_len={seq_len}, world={world}"
+        )
     return -(-seq_len // world) * world
 
 

@@ -4,13 +4,14 @@ If ``(o_i, lse_i)`` is attention of the same queries over key block ``i``, atten
 
     lse = log(sum_i exp(lse_i)),   o = sum_i exp(lse_i - lse) * o_i
 
-which is exact (only the summation order changes the rounding). A block with no keys has ``lse = -inf``
-and weight 0. Accumulators are float32 whatever the block dtype.
+which is exact (only the summation order changes the rounding). Layouts: ``out_bhsd``, ``lse_bhs``.
+Accumulators are float32 (float64 for float64 blocks) whatever the block dtype.
 
 >>> import torch
 >>> from hfpatch.attention.local import local_attention
->>> q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
->>> out, lse = merge_blocks([local_attention(q, k[:, :2], v[:, :2]), local_attention(q, k[:, 2:], v[:, 2:])])
+>>> q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+>>> blocks = [local_attention(q, k[:, :, :2], v[:, :, :2]), local_attention(q, k[:, :, 2:], v[:, :, 2:])]
+>>> out, lse = merge_blocks(blocks)
 >>> ref, ref_lse = local_attention(q, k, v)
 >>> bool(torch.allclose(out, ref, atol=1e-6)), bool(torch.allclose(lse, ref_lse, atol=1e-6))
 (True, True)
@@ -22,6 +23,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .local import accum_dtype
+
 __all__ = ["merge_attention", "merge_blocks"]
 
 Tensor = torch.Tensor
@@ -30,23 +33,23 @@ Tensor = torch.Tensor
 def merge_attention(
     out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Fold one block ``(block_out_bshd, block_lse_bhs)`` into the running ``(out, lse)`` (float32).
+    """Fold one block ``(block_out_bhsd, block_lse_bhs)`` into the running ``(out, lse)``.
 
-    ``out=None`` starts a new accumulation. The running ``out`` is updated in place when it is already a
-    float32 accumulator, so a ring of ``r`` blocks keeps one output buffer alive, not ``r``.
+    ``out=None`` starts a new accumulation (in :func:`~hfpatch.attention.local.accum_dtype`). Memory:
+    the running ``out`` is updated in place and ``block_out`` is *consumed* (it may be overwritten), so
+    merging keeps one accumulator and one block alive, never a list of blocks.
     """
+    acc = accum_dtype(block_out.dtype)
     if out is None or lse is None:
-        return block_out.float(), block_lse.float().clone()
+        return block_out.to(acc), block_lse.to(acc)
     new_lse = torch.logaddexp(lse, block_lse)
-    # Weights per (b, h, s), broadcast over the head dim of the bshd outputs.
-    old_w = (lse - new_lse).exp_().transpose(1, 2).unsqueeze(-1)
-    new_w = (block_lse - new_lse).exp_().transpose(1, 2).unsqueeze(-1)
-    out = out.mul_(old_w) if out.dtype == torch.float32 else out.float() * old_w
-    return out.add_(block_out.float() * new_w), new_lse
+    out = out.mul_((lse - new_lse).exp_().unsqueeze(-1))
+    block = block_out.to(acc).mul_((block_lse - new_lse).exp_().unsqueeze(-1))
+    return out.add_(block), new_lse
 
 
 def merge_blocks(blocks: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Merge ``(out, lse)`` blocks in the given order; returns float32 ``(out_bshd, lse_bhs)``."""
+    """Merge ``(out, lse)`` blocks in the given order (consuming them); returns the accumulated ``(out, lse)``."""
     out: Tensor | None = None
     lse: Tensor | None = None
     for block_out, block_lse in blocks:

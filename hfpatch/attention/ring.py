@@ -20,7 +20,11 @@ Gradient convention (same as :func:`hfpatch.attention.usp.usp_attention`): the o
 ranks' losses. Gradients of the sharded q/k/v are exact shard gradients; gradients of the replicated joint
 q/k/v are this rank's share, and the shares sum over the ring group to the full gradient.
 
+Layout: tensors are ``[B, S, H, D]`` in memory (what DiT processors produce and P2P sends without a copy);
+the kernels get ``[B, H, S, D]`` views of them (:mod:`hfpatch.attention.local`).
+
 Bytes sent per rank: forward ``(r - 1)`` K/V blocks; backward ``(r - 1)`` K/V blocks plus ``r`` dK/dV blocks.
+Extra memory per rank: the K/V block in flight and the output accumulator (plus one block's output).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import ring_shift
 from .layout import group_rank, group_size, valid_prefix
-from .local import local_attention, local_attention_backward
+from .local import accum_dtype, local_attention, local_attention_backward
 from .merge import merge_attention, merge_blocks
 
 __all__ = ["ring_attention"]
@@ -38,15 +42,20 @@ __all__ = ["ring_attention"]
 Tensor = torch.Tensor
 
 
+def _h(x: Tensor) -> Tensor:
+    """The kernels' ``[B, H, S, D]`` view of a ``[B, S, H, D]`` tensor (no copy)."""
+    return x.transpose(1, 2)
+
+
 def _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend):
-    """Returns ``(out float32, lse, joint_out float32 | None, joint_lse | None)``."""
+    """Returns ``(out_bhsd, lse, joint_out_bhsd | None, joint_lse | None)`` in the accumulator dtype."""
     world, me, block = group_size(group), group_rank(group), k.shape[1]
     out = lse = None
     joint_parts: list[tuple[Tensor, Tensor]] = []
     if jk is not None:  # the joint keys take part once, here
-        out, lse = merge_attention(out, lse, *local_attention(q, jk, jv, scale, backend))
+        out, lse = merge_attention(out, lse, *local_attention(_h(q), _h(jk), _h(jv), scale, backend))
         if jq is not None:
-            joint_parts.append(local_attention(jq, jk, jv, scale, backend))
+            joint_parts.append(local_attention(_h(jq), _h(jk), _h(jv), scale, backend))
     by_source: dict[int, tuple[Tensor, Tensor]] = {}
     k_cur, v_cur = k, v
     for step in range(world):
@@ -55,10 +64,10 @@ def _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend):
             (k_next, v_next), wait = ring_shift([k_cur, v_cur], group)
         n = valid_prefix(source * block, block, valid_len)
         if n > 0:
-            k_blk, v_blk = k_cur[:, :n], v_cur[:, :n]
-            out, lse = merge_attention(out, lse, *local_attention(q, k_blk, v_blk, scale, backend))
+            k_blk, v_blk = _h(k_cur[:, :n]), _h(v_cur[:, :n])
+            out, lse = merge_attention(out, lse, *local_attention(_h(q), k_blk, v_blk, scale, backend))
             if jq is not None:
-                by_source[source] = local_attention(jq, k_blk, v_blk, scale, backend)
+                by_source[source] = local_attention(_h(jq), k_blk, v_blk, scale, backend)
         if step < world - 1:
             wait()
             k_cur, v_cur = k_next, v_next
@@ -71,11 +80,13 @@ def _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend):
 
 
 class _RingAttention(torch.autograd.Function):
+    """Ring attention on ``[B, S, H, D]`` tensors (k/v contiguous); backward recomputes block by block."""
+
     @staticmethod
     def forward(ctx, q, k, v, jq, jk, jv, group, valid_len, scale, backend):
         out, lse, joint_out, joint_lse = _ring_forward(q, k, v, jq, jk, jv, group, valid_len, scale, backend)
-        out = out.to(q.dtype)
-        joint_out = None if joint_out is None else joint_out.to(jq.dtype)
+        out = _h(out).to(q.dtype)
+        joint_out = None if joint_out is None else _h(joint_out).to(jq.dtype)
         ctx.save_for_backward(q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse)
         ctx.args = (group, valid_len, scale, backend)
         return out, joint_out
@@ -86,32 +97,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse = ctx.saved_tensors
         group, valid_len, scale, backend = ctx.args
         world, me, block = group_size(group), group_rank(group), k.shape[1]
-        if dout is None:
-            dout = torch.zeros_like(out)
+        acc = accum_dtype(q.dtype)
+        dout = torch.zeros_like(out) if dout is None else dout
         has_joint_q = jq is not None
         if has_joint_q and djoint_out is None:
             djoint_out = torch.zeros_like(joint_out)
 
         def block_grads(k_blk, v_blk):
-            """dq, dk, dv, djq contributions of one K/V block (image and joint queries)."""
-            dq, dk, dv = local_attention_backward(dout, q, k_blk, v_blk, out, lse, scale, backend)
-            dk, dv, djq = dk.float(), dv.float(), None
+            """``[B, H, S, D]`` (dq, dk, dv, djq) contributions of one K/V block (image and joint queries)."""
+            dq, dk, dv = local_attention_backward(
+                _h(dout), _h(q), _h(k_blk), _h(v_blk), _h(out), lse, scale, backend
+            )
+            djq = None
             if has_joint_q:
-                djq, dk2, dv2 = local_attention_backward(
-                    djoint_out, jq, k_blk, v_blk, joint_out, joint_lse, scale, backend
+                djq, dk_j, dv_j = local_attention_backward(
+                    _h(djoint_out), _h(jq), _h(k_blk), _h(v_blk), _h(joint_out), joint_lse, scale, backend
                 )
-                dk.add_(dk2)
-                dv.add_(dv2)
+                dk, dv = dk.to(acc).add_(dk_j), dv.to(acc).add_(dv_j)
             return dq, dk, dv, djq
 
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        djq = torch.zeros(jq.shape, dtype=torch.float32, device=q.device) if has_joint_q else None
+        # Accumulators are [B, S, H, D] in memory, like their tensors; kernels' grads are added through views.
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        djq = torch.zeros(jq.shape, dtype=acc, device=q.device) if has_joint_q else None
         djk = djv = None
         if jk is not None:
-            dq_j, djk, djv, djq_j = block_grads(jk, jv)
-            dq.add_(dq_j)
+            dq_j, djk_h, djv_h, djq_j = block_grads(jk, jv)
+            _h(dq).add_(dq_j)
+            djk, djv = _h(djk_h), _h(djv_h)
             if has_joint_q:
-                djq.add_(djq_j)
+                _h(djq).add_(djq_j)
 
         k_cur, v_cur = k, v
         dkv_cur = None  # (dk, dv) accumulators of the block held now; they travel with it
@@ -122,18 +136,18 @@ class _RingAttention(torch.autograd.Function):
                 (k_next, v_next), wait_kv = ring_shift([k_cur, v_cur], group)
             n = valid_prefix(source * block, block, valid_len)
             grads = block_grads(k_cur[:, :n], v_cur[:, :n]) if n > 0 else None
-            if wait_dkv is not None:  # the accumulators of this block arrive while we computed
+            if wait_dkv is not None:  # the accumulators of this block arrived while we computed
                 wait_dkv()
                 in_flight = None
             if dkv_cur is None:
-                dkv_cur = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                dkv_cur = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
             if grads is not None:
                 dq_b, dk_b, dv_b, djq_b = grads
-                dq.add_(dq_b)
-                dkv_cur[0][:, :n].add_(dk_b)
-                dkv_cur[1][:, :n].add_(dv_b)
+                _h(dq).add_(dq_b)
+                _h(dkv_cur[0][:, :n]).add_(dk_b)
+                _h(dkv_cur[1][:, :n]).add_(dv_b)
                 if has_joint_q:
-                    djq.add_(djq_b)
+                    _h(djq).add_(djq_b)
             if world > 1:  # pass the accumulators on; after r hops they are back at their owner
                 in_flight = dkv_cur  # keep the send buffers alive until the transfer completes
                 dkv_cur, wait_dkv = ring_shift(in_flight, group)
@@ -174,7 +188,7 @@ def ring_attention(
 
     Args:
         query, key, value: ``[B, L, H, D]``, this rank's block (global positions ``[i*L, (i+1)*L)`` for ring
-            index ``i``).
+            index ``i``). ``key``/``value`` are made contiguous for P2P (no copy if they already are).
         group: The ring process group; ``None`` means degree 1 (no communication).
         valid_len: Real tokens in the global sequence; keys at positions ``>= valid_len`` are masked.
         joint_query, joint_key, joint_value: ``[B, S_txt, H, D]`` replicated tokens, or ``None``.
@@ -193,6 +207,8 @@ def ring_attention(
     True
     """
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    if group is not None:
+        key, value = key.contiguous(), value.contiguous()
     return _RingAttention.apply(
         query, key, value, joint_query, joint_key, joint_value, group, valid_len, scale, backend
     )

@@ -28,10 +28,11 @@ Tensor = torch.Tensor
 
 
 def sequence_to_heads(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: int) -> Tensor:
-    """``[B, S_local, H, D]`` -> ``[B, u * S_local, H_r, D]`` (identity when ``group`` is ``None``)."""
+    """``[B, S_local, H, D]`` -> ``[B, u * S_local, H_r, D]``, contiguous (identity when ``group`` is ``None``)."""
     if group is None:
         return x_bshd
-    return all_to_all(x_bshd, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=head_sizes(heads, group_size(group)))
+    sizes = head_sizes(heads, group_size(group))
+    return all_to_all(x_bshd, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
 
 
 def heads_to_sequence(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: int) -> Tensor:
@@ -43,7 +44,7 @@ def heads_to_sequence(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: in
 
 
 def slice_joint_heads(x_bshd: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """This rank's heads of a replicated ``[B, S_txt, H, D]`` tensor (local slice, no communication)."""
+    """This rank's heads of a replicated ``[B, S_txt, H, D]`` tensor (a view; no communication)."""
     if group is None:
         return x_bshd
     sizes = head_sizes(x_bshd.shape[2], group_size(group))
@@ -52,7 +53,10 @@ def slice_joint_heads(x_bshd: Tensor, group: dist.ProcessGroup | None) -> Tensor
 
 
 def gather_joint_heads(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: int) -> Tensor:
-    """All heads of the joint output, identical on every rank (backward: reduce-scatter of the shares)."""
+    """All heads of the joint output, identical on every rank.
+
+    Backward: reduce-scatter of the ranks' gradient shares (see the module docstring).
+    """
     if group is None:
         return x_bshd
     sizes = head_sizes(heads, group_size(group))

@@ -48,7 +48,9 @@ def _check_inputs(query, key, value, joint, joint_position, valid_len, world) ->
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise ValueError(f"usp_attention: q/k/v dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
     if query.shape[1] < 1 or query.shape[2] < 1:
-        raise ValueError(f"usp_attention: need at least one token and one head per rank, got {tuple(query.shape)}")
+        raise ValueError(
+            f"usp_attention: need at least one token and one head per rank, got {tuple(query.shape)}"
+        )
     if joint_position not in _JOINT_POSITIONS:
         raise ValueError(f"usp_attention: joint_position must be 'front' or 'back', got {joint_position!r}")
     given = [t is not None for t in joint]
@@ -64,7 +66,9 @@ def _check_inputs(query, key, value, joint, joint_position, valid_len, world) ->
                     f"got {tuple(t.shape)}"
                 )
             if t.dtype != query.dtype:
-                raise ValueError(f"usp_attention: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
+                raise ValueError(
+                    f"usp_attention: {name} dtype {t.dtype} differs from query dtype {query.dtype}"
+                )
     total = query.shape[1] * world
     if valid_len is not None and not (isinstance(valid_len, int) and 1 <= valid_len <= total):
         raise ValueError(
@@ -136,6 +140,7 @@ def usp_attention(
         q, k, v, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
         scale=scale, backend=backend,
     )  # fmt: skip
+    del q, k, v, jq, jk, jv  # without autograd, free the resharded inputs before resharding the output
     out = heads_to_sequence(out, ulysses_group, heads)
     if joint_out is not None:
         joint_out = gather_joint_heads(joint_out, ulysses_group, heads)

@@ -116,8 +116,11 @@ def _all_to_all(
     gather_sizes: list[int],
 ) -> torch.Tensor:
     world, me = _size(group), _rank(group)
-    pieces = [p.contiguous() for p in x.split(scatter_sizes, dim=scatter_dim)]
-    send = torch.cat([p.reshape(-1) for p in pieces]) if pieces else x.new_empty(0)
+    # No list of pieces outlives the send buffer, and the send buffer is freed before the output is
+    # assembled: at most two copies of x are alive at once (Ulysses reshards q, k, v and out this way).
+    send = torch.cat([p.reshape(-1) for p in x.split(scatter_sizes, dim=scatter_dim)])
+    row = x.numel() // max(x.shape[scatter_dim], 1)  # elements per index along scatter_dim
+    send_numel = [s * row for s in scatter_sizes]
     # What rank i sends me: my scatter piece, with rank i's extent along the gather dim.
     recv_shapes = []
     for i in range(world):
@@ -127,8 +130,9 @@ def _all_to_all(
         recv_shapes.append(shape)
     recv_numel = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = x.new_empty(sum(recv_numel))
-    dist.all_to_all_single(recv, send, recv_numel, [p.numel() for p in pieces], group=group)
-    _record("all_to_all", (send.numel() - pieces[me].numel()) * x.element_size())
+    dist.all_to_all_single(recv, send, recv_numel, send_numel, group=group)
+    _record("all_to_all", (send.numel() - send_numel[me]) * x.element_size())
+    del send
     chunks = [c.view(s) for c, s in zip(recv.split(recv_numel), recv_shapes)]
     return torch.cat(chunks, dim=gather_dim)
 

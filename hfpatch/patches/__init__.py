@@ -9,6 +9,7 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_dit:WanTransformerUSP"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
     ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
+    ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.cogvideox_dit:CogVideoXTransformerUSP"),
     # Block-causal streaming with KV cache.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
     # Patch-parallel VAEs.

@@ -12,23 +12,26 @@ A DiT family declares *where* its token sequence is cut and gathered as a plan, 
 self-attention processors for USP-aware ones that read the per-call geometry from the shared
 :class:`SequenceShard`.
 
-Layout: the sequence of length ``S`` is padded at the end to ``S_pad``, a multiple of ``N`` (the ``sp``
-group size, ``ring * ulysses``), and cut into ``N`` equal shards; shard ``p`` lives on the rank whose index
-in the ``sp`` group is ``p``. Padded tokens are masked as keys inside the attention and trimmed at the
-gather, so they never reach the output; a tensor that is a tuple or list (rotary ``(cos, sin)``, ControlNet
+Layout (:mod:`hfpatch.attention.layout`): the sequence is zero-padded at the end to a multiple of ``N``
+(the ``sp`` group size, ``ring * ulysses``) and cut into ``N`` equal shards; shard ``p`` lives on the rank
+whose index in the ``sp`` group is ``p``. Padded tokens are masked as keys inside the attention and trimmed
+at the gather, so they never reach the output; a tuple or list (rotary ``(cos, sin)``, ControlNet
 residuals) has each of its tensors sharded the same way.
 
 Gradients: the gather's backward is a slice (every rank computes the same loss from the full output), so
 each rank's gradients are its own partial sum. Parameter gradients, and those of every input, equal the
 unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`all_reduce_gradients`.
 
->>> import torch
->>> from hfpatch.patches._sequence_parallel import pad_to_multiple, shard_sequence
->>> x = torch.arange(5.0).view(1, 5)
->>> pad_to_multiple(x, dim=1, multiple=2)
-tensor([[0., 1., 2., 3., 4., 0.]])
->>> [shard_sequence(x, dim=1, rank=r, world=2).tolist() for r in range(2)]
-[[[0.0, 1.0, 2.0]], [[3.0, 4.0, 0.0]]]
+>>> from hfpatch.patches._sequence_parallel import GatherOutput, SplitInput, SplitOutput
+>>> plan = {  # Wan's plan
+...     "": (SplitInput("timestep", dim=1, ndim=2),),      # per-token timesteps [B, S] only
+...     "rope": (SplitOutput(dim=1),),                     # (cos, sin), each [1, S, 1, D]
+...     "blocks.0": (SplitInput("hidden_states", dim=1),),
+...     "proj_out": (GatherOutput(dim=1),),
+... }
+>>> from hfpatch.testing import tiny_wan_transformer
+>>> from hfpatch.patches._sequence_parallel import check_plan
+>>> check_plan(tiny_wan_transformer(), plan)   # every path and argument exists
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from ..attention.layout import shard_len, shard_sequence
 from ..core.config import ModelFacts, ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
@@ -57,8 +60,6 @@ __all__ = [
     "all_reduce_gradients",
     "apply_sequence_plan",
     "check_plan",
-    "pad_to_multiple",
-    "shard_sequence",
     "usp_attention_call",
 ]
 
@@ -100,24 +101,6 @@ Spec = SplitInput | SplitOutput | GatherOutput
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
 
-# ----------------------------------------------------------------------------------------------- pure helpers
-def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """Zero-pad ``x`` at the end of ``dim`` to the next multiple of ``multiple`` (``x`` itself when it divides)."""
-    dim %= x.dim()
-    extra = -x.shape[dim] % multiple
-    if extra == 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
-    return F.pad(x, pad)
-
-
-def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """Shard ``rank`` of ``world`` equal shards of ``x`` zero-padded at the end of ``dim``; differentiable."""
-    padded = pad_to_multiple(x, dim, world)
-    local = padded.shape[dim] // world
-    return padded.narrow(dim, rank * local, local)
-
-
 # ----------------------------------------------------------------------------------------------- state
 class SequenceShard:
     """This rank's place in the sequence split, plus the geometry of the current forward call.
@@ -152,13 +135,13 @@ class SequenceShard:
         length = x.shape[dim]
         if self.valid_len is None:
             self.valid_len = length
-            self.local_len = -(-length // self.world)
+            self.local_len = shard_len(length, self.world)
         elif length != self.valid_len:
             raise ValueError(
                 f"sequence-parallel split at {where!r} got a sequence of {length} tokens but this forward "
                 f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
             )
-        return shard_sequence(x, dim, self.rank, self.world)
+        return shard_sequence(x, dim, self.world, self.rank)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full, unpadded sequence from every rank's shard (identical on every rank)."""
@@ -274,17 +257,16 @@ def apply_sequence_plan(
 class SequenceParallelFamily(PatchFamily):
     """Base of the DiT USP families: a plan, the self-attention modules, and their USP processor.
 
-    A subclass sets ``plan`` and ``stock_processors`` (class names of the processors it knows how to
-    replace) and implements :meth:`attention_modules` and :meth:`make_processor`. :meth:`apply` is a no-op
+    A subclass sets ``plan`` and implements :meth:`attention_modules` (with the class name of the stock
+    processor each one must have) and :meth:`make_processor`. :meth:`apply` is a no-op
     when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call).
     """
 
     role: ClassVar[str] = "transformer"
     plan: ClassVar[SequencePlan] = {}
-    stock_processors: ClassVar[tuple[str, ...]] = ()
 
-    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module]]:
-        """``(path, attention module)`` of every self-attention whose processor is swapped."""
+    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(path, attention module, stock processor class name)`` of every attention to swap."""
         raise NotImplementedError
 
     def make_processor(self, state: SequenceShard, path: str, attention: torch.nn.Module) -> Any:
@@ -298,12 +280,12 @@ class SequenceParallelFamily(PatchFamily):
         if config.sequence_parallel == 1:
             return
         check_plan(target, self.plan)
-        for path, attention in self.attention_modules(target):
+        for path, attention, stock in self.attention_modules(target):
             found = type(attention.processor).__name__
-            if found not in self.stock_processors:
+            if found != stock:
                 raise ValueError(
                     f"{type(target).__name__}.{path} uses attention processor {found}; sequence parallelism "
-                    f"replaces only the stock {' / '.join(self.stock_processors)}. Restore it (e.g. "
+                    f"replaces only the stock {stock}. Restore it (e.g. "
                     "model.set_default_attn_processor() or unload the IP-Adapter) before hfpatch.apply, "
                     "or use ring=ulysses=1."
                 )
@@ -313,7 +295,7 @@ class SequenceParallelFamily(PatchFamily):
             return
         state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
         apply_sequence_plan(target, self.plan, state, patch)
-        for path, attention in self.attention_modules(target):
+        for path, attention, _ in self.attention_modules(target):
             patch.swap_processor(attention, self.make_processor(state, path, attention))
 
 

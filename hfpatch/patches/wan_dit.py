@@ -105,7 +105,6 @@ class WanTransformerUSP(SequenceParallelFamily):
     """USP for ``diffusers.WanTransformer3DModel`` (registered in ``hfpatch.patches.BUILTIN_FAMILIES``)."""
 
     name: ClassVar[str] = "wan_usp"
-    stock_processors: ClassVar[tuple[str, ...]] = ("WanAttnProcessor",)
     plan: ClassVar[SequencePlan] = {
         "": (SplitInput("timestep", dim=1, ndim=2),),  # Wan 2.2 per-token timesteps [B, S]
         "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
@@ -113,8 +112,10 @@ class WanTransformerUSP(SequenceParallelFamily):
         "proj_out": (GatherOutput(dim=1),),
     }
 
-    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module]]:
-        return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(target.blocks)]
+    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str]]:
+        return [
+            (f"blocks.{i}.attn1", block.attn1, "WanAttnProcessor") for i, block in enumerate(target.blocks)
+        ]
 
     def make_processor(self, state: SequenceShard, path: str, attention: torch.nn.Module) -> Any:
         return WanUSPAttnProcessor(state)

@@ -175,25 +175,32 @@ class StreamingCrossAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _rope_forward(state: _CallState, rope: Any, original: Callable) -> Callable:
-    """``rope.forward`` with the temporal positions shifted by the call's ``frame_offset``."""
+def _rope_forward(state: _CallState, rope: Any) -> Callable:
+    """``rope.forward`` at absolute frame positions ``frame_offset + i``, computed on the fly (no max length).
+
+    Same frequencies and layout as ``WanRotaryPosEmbed.forward``; the height/width parts come from its table.
+    """
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = original(hidden_states)  # [1, frames * h * w, 1, head_dim], frames at positions 0..
+        p_t, p_h, p_w = rope.patch_size
+        frames, height, width = (hidden_states.shape[2] // p_t, hidden_states.shape[3] // p_h,
+                                 hidden_states.shape[4] // p_w)
         offset = state.current().frame_offset
-        if offset == 0:
-            return cos, sin
-        frames = hidden_states.shape[2] // rope.patch_size[0]
-        positions = torch.arange(offset, offset + frames)
-        # Same recipe as WanRotaryPosEmbed.__init__ (float64 unless on MPS), for any position: no max length.
+        positions = torch.arange(offset, offset + frames, device=rope.freqs_cos.device)
+        # The dtype recipe of WanRotaryPosEmbed.__init__, so positions inside its table give identical values.
         dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64
         t_cos, t_sin = get_1d_rotary_pos_embed(rope.t_dim, positions, 10000.0, use_real=True,
                                                repeat_interleave_real=True, freqs_dtype=dtype)
-        cos, sin = cos.clone().view(frames, -1, cos.shape[-1]), sin.clone().view(frames, -1, sin.shape[-1])
-        cos[..., : rope.t_dim] = t_cos.to(cos)[:, None]
-        sin[..., : rope.t_dim] = t_sin.to(sin)[:, None]
-        return cos.view(1, -1, 1, cos.shape[-1]), sin.view(1, -1, 1, sin.shape[-1])
+        tables = []
+        for t_part, table in ((t_cos, rope.freqs_cos), (t_sin, rope.freqs_sin)):
+            _, h_part, w_part = table.split([rope.t_dim, rope.h_dim, rope.w_dim], dim=1)
+            shape = (frames, height, width, -1)
+            parts = [t_part.to(table).view(frames, 1, 1, -1).expand(shape),
+                     h_part[:height].view(1, height, 1, -1).expand(shape),
+                     w_part[:width].view(1, 1, width, -1).expand(shape)]
+            tables.append(torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1))
+        return tables[0], tables[1]
 
     return forward
 
@@ -333,6 +340,6 @@ class WanStreamingPatch(PatchFamily):
         for i, block in enumerate(target.blocks):
             patch.swap_processor(block.attn1, StreamingSelfAttnProcessor(state, config, i))
             patch.swap_processor(block.attn2, StreamingCrossAttnProcessor(state, i))
-        patch.wrap_method(target.rope, "forward", lambda orig: _rope_forward(state, target.rope, orig))
+        patch.set_attr(target.rope, "forward", _rope_forward(state, target.rope))
         patch.wrap_method(target.condition_embedder, "forward", lambda orig: _condition_forward(state, orig))
         patch.wrap_method(target, "forward", lambda orig: _transformer_forward(state, config, target, orig))

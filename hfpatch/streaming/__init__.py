@@ -5,17 +5,23 @@ Patch a transformer with ``hfpatch.apply(transformer, streaming=StreamingConfig(
 :class:`StreamingTrainingModel`.
 """
 
+from .convert import convert_diffusers_to_native, convert_native_to_diffusers
 from .kv_cache import CrossAttentionCache, StreamingConfig, StreamingKVCache, visible_frames
 from .pipeline import StreamingOutput, StreamingWanPipeline, recache, warp_denoising_steps
+from .training import ChunkInfo, StreamingTrainingModel
 from .vae import StreamingWanDecoder
 
 __all__ = [
+    "ChunkInfo",
     "CrossAttentionCache",
     "StreamingConfig",
     "StreamingKVCache",
     "StreamingOutput",
+    "StreamingTrainingModel",
     "StreamingWanPipeline",
     "StreamingWanDecoder",
+    "convert_diffusers_to_native",
+    "convert_native_to_diffusers",
     "recache",
     "visible_frames",
     "warp_denoising_steps",

@@ -119,12 +119,13 @@ class StreamingKVCache:
     >>> config = StreamingConfig(num_frame_per_block=2, local_attn_size=4, sink_size=0)
     >>> patch = hfpatch.apply(model, streaming=config)
     >>> cache = StreamingKVCache(config, num_layers=len(model.blocks))
-    >>> x = torch.randn(1, 4, 6, 4, 4)
+    >>> x, prompt = torch.randn(1, 4, 6, 4, 4), wan_prompt_embeds()
     >>> with torch.no_grad():
     ...     for s in range(0, 6, 2):
-    ...         _ = model(x[:, :, s:s + 2], torch.tensor([500]), wan_prompt_embeds(), kv_cache=cache, frame_offset=s)
-    >>> cache.frames(), cache.nbytes   # 4 frames x 4 tokens x 32 channels x fp32, keys and values, 2 layers
-    ([2, 3, 4, 5], 8192)
+    ...         _ = model(x[:, :, s:s + 2], torch.tensor([500]), prompt, kv_cache=cache, frame_offset=s)
+    >>> # k and v x 2 layers x fp32 x 32 channels x (4 frames x 4 tokens + 6 text tokens)
+    >>> cache.frames(), cache.nbytes == 2 * 2 * 4 * 32 * (4 * 4 + 6)
+    ([2, 3, 4, 5], True)
     >>> patch.remove()
     """
 

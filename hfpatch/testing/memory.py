@@ -47,9 +47,10 @@ class MemoryTracker(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, input_ptrs: set[int]) -> None:
         storage = tensor.untyped_storage()
-        if storage in self._seen or storage.device.type == "meta":
+        # A view or in-place result of an untracked (pre-existing) tensor shares its storage: no new memory.
+        if storage in self._seen or storage.device.type == "meta" or storage.data_ptr() in input_ptrs:
             return
         nbytes = storage.nbytes()
         self._seen[storage] = nbytes
@@ -62,9 +63,14 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        input_ptrs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and not t.is_sparse
+        }
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and not leaf.is_sparse:
-                self._track(leaf)
+                self._track(leaf, input_ptrs)
         return out
 
     def reset_peak(self) -> None:

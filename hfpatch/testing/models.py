@@ -372,3 +372,36 @@ def qwen3_vl_inputs(
 
 
 __all__.append("qwen3_vl_inputs")
+
+
+def tiny_cogvideox_transformer(
+    num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``CogVideoXTransformer3DModel`` (5B layout: rotary positions, given as ``image_rotary_emb``).
+
+    ``head_dim`` 16 leaves the 3D rotary table of ``diffusers.models.embeddings.get_3d_rotary_pos_embed``
+    even sizes per axis (4 for time, 6 each for height and width).
+    """
+    from diffusers import CogVideoXTransformer3DModel
+
+    config = dict(
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=16,
+        text_embed_dim=16,
+        num_layers=num_layers,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=True,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(CogVideoXTransformer3DModel(**config), seed)
+
+
+__all__.append("tiny_cogvideox_transformer")

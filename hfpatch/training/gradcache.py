@@ -99,7 +99,7 @@ def split_inputs(
     """
     if isinstance(inputs, torch.Tensor):
         if chunk_size is None:
-            raise ValueError("chunk_patches applies to Qwen-VL inputs only; give chunk_size for tensor inputs.")
+            raise ValueError("chunk_patches applies to inputs with Qwen-VL media only; give chunk_size for tensors.")
         return list(inputs.split(chunk_size))
     if isinstance(inputs, (tuple, list)):
         parts = [split_inputs(x, chunk_size) for x in inputs]
@@ -121,7 +121,8 @@ def split_inputs(
                 "Pass split_fn=... for this layout."
             )
         if chunk_size is None:
-            raise ValueError("chunk_patches applies to Qwen-VL inputs only; give chunk_size for text inputs.")
+            raise ValueError("chunk_patches applies to inputs with Qwen-VL media only; this input has none, so "
+                             "also give chunk_size (samples per chunk).")
         batch = next(iter(sizes.values()))
         return [
             {k: v[s : s + chunk_size] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in inputs.items()}

@@ -113,9 +113,10 @@ def chunked_pixel_loss(
         decode: Latents -> images in ``[-1, 1]``: returns a tensor, an object with ``.sample`` (diffusers
             ``DecoderOutput``) or a tuple whose first element is the images. For example
             ``lambda z: vae.decode(z / vae.config.scaling_factor).sample``, a frozen VAE, or a VAE patched
-            by ``hfpatch.apply`` (patch-parallel decode: every rank of the VAE group must call with the same
-            latents and plan, which the shape-based planning guarantees). Must be deterministic given the
-            RNG state (it is re-run in backward).
+            by ``hfpatch.apply`` (patch-parallel decode: every rank of the VAE group calls with the same
+            latents, and an int or ``"auto"`` chunk size gives every rank the same plan; do not use
+            ``memory_budget_bytes`` there, as uneven shards can measure different bytes per rank). Must be
+            deterministic given the RNG state (it is re-run in backward).
         latents: ``(N, C_lat, *latent_size)`` padded batch, or a list of ``N`` unbatched items
             ``(C_lat, *latent_size_i)`` of different sizes (no padding waste; same-shaped items are batched).
         targets: Ground-truth images in ``[-1, 1]``, ``(N, C, *size)`` or a list of ``(C, *size_i)``, of
@@ -162,6 +163,7 @@ def chunked_pixel_loss(
     torch.Size([4, 4, 16, 16])
     """
     loss_kind = _check_loss(loss)
+    _check_plan_options(chunk_size, memory_budget_bytes)
     groups = _groups(latents, targets, masks)
     denominator = _denominator(groups)
     if reference or os.environ.get(REFERENCE_ENV, "0") == "1":
@@ -265,6 +267,21 @@ def _check_chunk_size(chunk_size: object) -> None:
         raise ValueError(f"chunk_size must be an int >= 1 or 'auto', got {chunk_size!r}")
 
 
+def _check_plan_options(chunk_size: object, memory_budget_bytes: object) -> None:
+    if memory_budget_bytes is None:
+        if chunk_size != "auto":
+            _check_chunk_size(chunk_size)
+        return
+    if chunk_size != "auto":
+        raise ValueError(f"give chunk_size ({chunk_size!r}) or memory_budget_bytes, not both")
+    if (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes <= 0
+    ):
+        raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
+
+
 def _groups(latents: Any, targets: Any, masks: Any) -> list[_Group]:
     if isinstance(latents, torch.Tensor) and isinstance(targets, torch.Tensor):
         if masks is not None and not isinstance(masks, torch.Tensor):
@@ -293,7 +310,7 @@ def _groups(latents: Any, targets: Any, masks: Any) -> list[_Group]:
         if not all(isinstance(t, torch.Tensor) for t in (z, x) + (() if m is None else (m,))):
             raise TypeError(f"item {i}: latents, targets and masks must be tensors")
         _check_batch(z[None], x[None], None if m is None else m[None], item=i)
-        key = (tuple(z.shape), tuple(x.shape), None if m is None else tuple(m.shape))
+        key = (tuple(z.shape), tuple(x.shape), None if m is None else tuple(m.shape), z.dtype, z.device)
         by_shape.setdefault(key, []).append(i)
     return [
         _Group(
@@ -372,17 +389,6 @@ def _plan(
     chunk_size: int | str,
     memory_budget_bytes: int | None,
 ) -> list[int]:
-    if memory_budget_bytes is not None:
-        if chunk_size != "auto":
-            raise ValueError(f"give chunk_size ({chunk_size!r}) or memory_budget_bytes, not both")
-        if (
-            isinstance(memory_budget_bytes, bool)
-            or not isinstance(memory_budget_bytes, int)
-            or memory_budget_bytes <= 0
-        ):
-            raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
-    elif chunk_size != "auto":
-        _check_chunk_size(chunk_size)
     sizes, notes = [], []
     for g in groups:
         megapixels = math.prod(g.item_shape()[1:]) / 1e6
@@ -396,8 +402,8 @@ def _plan(
         size = min(size, len(g))
         sizes.append(size)
         notes.append(
-            f"{len(g)} x {g.item_shape()} ({megapixels:.3g} MP) -> chunk {size} ({why}), "
-            f"{math.ceil(len(g) / size)} chunks"
+            f"{len(g)} x {g.item_shape()} ({megapixels:.3g} MP) -> {math.ceil(len(g) / size)} chunk(s) of {size} "
+            f"({why})"
         )
     logger.debug(
         "pixel loss plan: %s, recompute=%s; %s", loss_kind, torch.is_grad_enabled(), "; ".join(notes)

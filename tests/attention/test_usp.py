@@ -132,7 +132,114 @@ def test_usp_attention_matches_sdpa_forward_and_backward(rank_pool, world_size):
             assert errors.pop("out_finite"), f"case {case}, rank {rank}: non-finite output (padded rows?)"
             assert errors.pop("sp_rank_matches_layout"), f"case {case}, rank {rank}: sp group order != layout"
             for name, err in errors.items():
-                assert err <= ATOL, f"case (ring, ulysses, seq, heads, text, pos)={case}, rank {rank}: {name} err {err}"
+                assert err <= ATOL, (
+                    f"case (ring, ulysses, seq, heads, text, pos)={case}, rank {rank}: {name} err {err}"
+                )
             joint_outs.append(joint_out)
         if joint_outs[0] is not None:  # replicated text stream: every rank must continue identically
-            assert all(torch.equal(j, joint_outs[0]) for j in joint_outs), f"case {case}: joint_out differs by rank"
+            assert all(torch.equal(j, joint_outs[0]) for j in joint_outs), (
+                f"case {case}: joint_out differs by rank"
+            )
+
+
+# ------------------------------------------------------------------------------------------ communication
+COMM_CASES = {2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(1, 4), (4, 1), (2, 2)]}
+
+
+def _comm_case(ring, ulysses, text, batch=1, local=8, heads=12, dim=8):
+    """Bytes this rank sent in forward and backward, with the analytic minimum of each (fp32 = 4 bytes)."""
+    _, ring_group, ulysses_group = _groups(ring, ulysses)
+    q, k, v = (torch.randn(batch, local, heads, dim, requires_grad=True) for _ in range(3))
+    torch.manual_seed(0)  # the joint tensors are replicated: same values on every rank
+    joint = (
+        [torch.randn(batch, text, heads, dim, requires_grad=True) for _ in range(3)] if text else [None] * 3
+    )
+    with count_comm() as fwd:
+        out, joint_out = usp_attention(
+            q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
+            joint_query=joint[0], joint_key=joint[1], joint_value=joint[2],
+        )  # fmt: skip
+    loss = out.sum() + (joint_out.sum() if text else 0)
+    with count_comm() as bwd:
+        loss.backward()
+    shard = q.numel() * 4  # bytes of one local [B, S_local, H, D] tensor; a ring block has the same size
+    joint_heads = batch * text * (heads // ulysses) * dim * 4
+    a2a = 4 * (ulysses - 1) * shard // ulysses  # q, k, v in; out back (backward: their grads)
+    analytic_fwd = {
+        "all_to_all": a2a,
+        "ring": (ring - 1) * 2 * shard,
+        "all_gather": (ulysses - 1) * joint_heads,
+    }
+    # Backward: K/V go round again (r - 1 hops) and the dK/dV accumulators make r hops home (none if r = 1).
+    ring_bwd = (2 * ring - 1) * 2 * shard if ring > 1 else 0
+    analytic_bwd = {
+        "all_to_all": a2a,
+        "ring": ring_bwd,
+        "reduce_scatter": (ulysses - 1) * joint_heads,
+    }
+    drop_zero = lambda d: {key: val for key, val in d.items() if val}  # noqa: E731
+    return (drop_zero(fwd.by_op), drop_zero(analytic_fwd), drop_zero(bwd.by_op), drop_zero(analytic_bwd))
+
+
+def _comm_and_error_cases(world):
+    results = [_comm_case(r, u, text) for r, u in COMM_CASES[world] for text in (0, 3)]
+    return results, _error_cases(world) if world == 2 else None
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_usp_attention_bytes_sent_equal_analytic_minimum(rank_pool, world_size):
+    per_rank = rank_pool(world_size).run(_comm_and_error_cases, world_size)
+    cases = [(r, u, text) for r, u in COMM_CASES[world_size] for text in (0, 3)]
+    for rank, (results, _) in enumerate(per_rank):
+        for case, (fwd, analytic_fwd, bwd, analytic_bwd) in zip(cases, results):
+            # Every byte is payload: the counts equal the analytic minimum exactly (well within 5%).
+            assert fwd == analytic_fwd, (
+                f"(ring, ulysses, text)={case}, rank {rank}: forward {fwd} vs {analytic_fwd}"
+            )
+            assert bwd == analytic_bwd, (
+                f"(ring, ulysses, text)={case}, rank {rank}: backward {bwd} vs {analytic_bwd}"
+            )
+
+
+# ------------------------------------------------------------------------------------------ errors
+ERROR_CASES = {
+    "shape": (dict(key=torch.zeros(1, 5, 2, 8)), "same [B, S_local, H, D] shape"),
+    "joint_partial": (
+        dict(joint_query=torch.zeros(1, 3, 2, 8)),
+        "all of joint_query, joint_key, joint_value",
+    ),
+    "joint_heads": (
+        dict(
+            joint_query=torch.zeros(1, 3, 1, 8),
+            joint_key=torch.zeros(1, 3, 1, 8),
+            joint_value=torch.zeros(1, 3, 1, 8),
+        ),
+        "joint_query must be [B=1, S_txt, H=2, D=8]",
+    ),
+    "position": (dict(joint_position="middle"), "joint_position must be 'front' or 'back'"),
+    "valid_len": (dict(valid_len=9), "valid_len must be an int in [1, 8]"),
+    "rank3": (dict(query=torch.zeros(4, 2, 8)), "query must be a [B, S_local, H, D] tensor"),
+}
+
+
+def _error_cases(world):
+    """Each bad call must raise the same ValueError on every rank before any collective (or it would hang)."""
+    _, ring_group, ulysses_group = _groups(1, world)
+    messages = {}
+    for name, (overrides, _) in ERROR_CASES.items():
+        args = dict(query=torch.zeros(1, 4, 2, 8), key=torch.zeros(1, 4, 2, 8), value=torch.zeros(1, 4, 2, 8))
+        args.update(overrides)
+        try:
+            usp_attention(**args, ulysses_group=ulysses_group, ring_group=ring_group)
+        except ValueError as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = "no error"
+    return messages
+
+
+def test_usp_attention_bad_inputs_raise_before_communication(rank_pool):
+    per_rank = rank_pool(2).run(_comm_and_error_cases, 2)
+    for rank, (_, messages) in enumerate(per_rank):
+        for name, (_, expected) in ERROR_CASES.items():
+            assert expected in messages[name], f"rank {rank}, case {name}: {messages[name]!r}"

@@ -21,6 +21,18 @@ from hfpatch.training.pixel_loss import REFERENCE_ENV, _auto_chunk_size, _seed_v
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
+# The attention key bias has an exactly zero gradient (softmax is shift-invariant along keys): both sides
+# are round-off (~1e-10), so it is checked against the gradients' overall scale instead of its own.
+ZERO_GRAD_PARAMS = ("to_k.bias",)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny convs on shared, oversubscribed cores: OpenMP spin-waiting makes them up to 100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -58,8 +70,12 @@ def _assert_same_step(actual, expected, what: str) -> None:
     _assert_rel(loss, ref_loss, LOSS_RTOL, f"{what} loss")
     _assert_rel(grads, ref_grads, GRAD_RTOL, f"{what} latent grad")
     assert params.keys() == ref_params.keys()
+    overall = max(g.abs().max() for g in ref_params.values()) if ref_params else None
     for name in ref_params:
-        _assert_rel(params[name], ref_params[name], GRAD_RTOL, f"{what} grad of {name}")
+        if name.endswith(ZERO_GRAD_PARAMS):
+            assert (params[name] - ref_params[name]).abs().max() <= GRAD_RTOL * overall, f"{what} {name}"
+        else:
+            _assert_rel(params[name], ref_params[name], GRAD_RTOL, f"{what} grad of {name}")
 
 
 def _padded_masks(n: int, size: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -97,7 +113,9 @@ def _kl_list(with_masks: bool, seed: int = 1):
     sizes = [(12, 16), (8, 20), (12, 16), (16, 8), (8, 20)]  # three shapes, two of them repeated
     latents = [torch.randn(4, h, w, generator=gen) for h, w in sizes]
     targets = [torch.rand(3, 2 * h, 2 * w, generator=gen) * 2 - 1 for h, w in sizes]
-    masks = [(torch.rand(1, 2 * h, 2 * w, generator=gen) > 0.3).float() for h, w in sizes] if with_masks else None
+    masks = (
+        [(torch.rand(1, 2 * h, 2 * w, generator=gen) > 0.3).float() for h, w in sizes] if with_masks else None
+    )
     return latents, targets, masks
 
 
@@ -110,7 +128,9 @@ def _wan_inputs(version: str, kind: str, seed: int = 2):
         return latents, targets, _padded_masks(3, (5, 2 * factor, 2 * factor), gen)
     shapes = [(2, 2, 2), (1, 2, 1), (2, 2, 2)]  # (latent frames, h, w): video, image, video
     latents = [torch.randn(4, *s, generator=gen) for s in shapes]
-    targets = [torch.rand(3, 1 + 4 * (t - 1), h * factor, w * factor, generator=gen) * 2 - 1 for t, h, w in shapes]
+    targets = [
+        torch.rand(3, 1 + 4 * (t - 1), h * factor, w * factor, generator=gen) * 2 - 1 for t, h, w in shapes
+    ]
     return latents, targets, None
 
 
@@ -147,7 +167,9 @@ def _wan_reference(version: str, kind: str, loss: str):
 @pytest.mark.parametrize("version", ["2.1", "2.2"])
 def test_chunked_pixel_loss_wan_vae_matches_one_shot_reference(version, kind, loss, chunk_size):
     vae = _wan_vae(version)
-    step = _run(chunked_pixel_loss, vae, _decode(vae), *_wan_inputs(version, kind), chunk_size=chunk_size, loss=loss)
+    step = _run(
+        chunked_pixel_loss, vae, _decode(vae), *_wan_inputs(version, kind), chunk_size=chunk_size, loss=loss
+    )
     assert step[2], "the Wan decoder's parameters should receive gradients"
     _assert_same_step(step, _wan_reference(version, kind, loss), f"wan {version} {kind} chunk={chunk_size}")
 
@@ -213,8 +235,11 @@ def test_chunked_pixel_loss_no_grad_matches_reference():
 
 
 def test_chunked_pixel_loss_bf16_autocast_close_to_fp32():
-    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 2e-3 per op); through the decoder's ~15 layers
-    # the loss and gradients drift by about 1e-2 relative, so 5e-2 is a loose but meaningful bound.
+    # bf16 rounds to 2^-9 relative (~2e-3). The loss averages thousands of rounded pixels: measured 5e-4 off
+    # fp32, bound 5e-3. Gradients of this random-weight decoder are far noisier in bf16 (~11% norm error,
+    # measured, the same for the reference), so chunking is checked against the bf16 reference instead:
+    # same bf16 arithmetic but batch-size dependent kernels, measured 4e-3 norm error, bound 2e-2. That
+    # agreement also shows the backward recompute replays the forward's autocast.
     vae = _kl_vae()
     latents, targets, masks = _kl_padded()
     fp32 = _run(chunked_pixel_loss, vae, _decode(vae), latents, targets, masks, chunk_size=2)
@@ -222,10 +247,17 @@ def test_chunked_pixel_loss_bf16_autocast_close_to_fp32():
         bf16 = _run(chunked_pixel_loss, vae, _decode(vae), latents, targets, masks, chunk_size=2)
         bf16_ref = _run(chunked_pixel_loss, vae, _decode(vae), latents, targets, masks, reference=True)
     assert bf16[0].dtype == torch.float32  # the error is reduced in fp32
-    for actual, what in [(bf16, "bf16 chunked vs fp32"), (bf16_ref, "bf16 reference vs fp32")]:
-        _assert_rel(actual[0], fp32[0], 5e-2, f"{what} loss")
-        _assert_rel(actual[1], fp32[1], 5e-2, f"{what} latent grad")
-    _assert_rel(bf16[1], bf16_ref[1], 5e-2, "bf16 chunked vs bf16 reference latent grad")
+
+    def norm_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+        return ((actual - expected).norm() / expected.norm()).item()
+
+    assert norm_error(bf16[0], fp32[0]) <= 5e-3
+    assert norm_error(bf16[0], bf16_ref[0]) <= 1e-3
+    assert norm_error(bf16[1], bf16_ref[1]) <= 2e-2
+    assert norm_error(bf16[1], fp32[1]) <= norm_error(bf16_ref[1], fp32[1]) + 2e-2
+    for name, grad in bf16_ref[2].items():
+        if not name.endswith(ZERO_GRAD_PARAMS):
+            assert norm_error(bf16[2][name], grad) <= 2e-2, name
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -253,8 +285,9 @@ def test_chunked_pixel_loss_memory_chunk1_bounded_seed_variant_not():
     seed_forward, seed_step = _step_peaks(_seed_variant_pixel_loss, decode, latents, targets, chunk_size=1)
     ours_forward, ours_step = _step_peaks(chunked_pixel_loss, decode, latents, targets, chunk_size=1)
     ours_auto_forward, ours_auto = _step_peaks(chunked_pixel_loss, decode, latents, targets)  # auto: chunk 4
-    # Measured: one-shot 39.2 MB; seed variant 37.9 MB (0.97x: every chunk's graph is alive at backward);
-    # chunk 1 with recompute 5.4 MB (0.14x), chunk 4 ("auto") 19.7 MB (0.50x).
+    # Measured (MiB): one-shot 36.9; seed variant 35.6 (0.96x: every chunk's graph is alive at backward,
+    # its forward alone already peaks at 35.6); chunk 1 with recompute 4.7 (0.13x, forward 0.8); chunk 4
+    # ("auto") 18.3 (0.50x).
     assert ours_step <= 0.3 * one_shot, (ours_step, one_shot)
     assert seed_step >= 0.9 * one_shot, (seed_step, one_shot)
     assert seed_forward >= 0.9 * one_shot, "the seed's forward already holds all chunks' activations"
@@ -291,7 +324,7 @@ def test_chunked_pixel_loss_auto_plan_per_shape_group_logged(caplog):
             chunked_pixel_loss(decode, latents, targets)
     assert decode.batches == [2, 2, 1]  # auto -> 4, capped by each group's size
     plan = [r.getMessage() for r in caplog.records if "pixel loss plan" in r.getMessage()]
-    assert len(plan) == 1 and "chunk 2 (auto)" in plan[0] and "2 x (3, 24, 32)" in plan[0], plan
+    assert len(plan) == 1 and "1 chunk(s) of 2 (auto)" in plan[0] and "2 x (3, 24, 32)" in plan[0], plan
 
 
 def test_chunked_pixel_loss_fixed_chunks_decode_in_order():
@@ -324,8 +357,9 @@ def test_chunked_pixel_loss_reference_switch_decodes_one_shot(switch, monkeypatc
     if switch == "environment":
         monkeypatch.setenv(REFERENCE_ENV, "1")
     decode = _Recorder(vae)
-    loss = chunked_pixel_loss(decode, latents.requires_grad_(True), targets, masks, chunk_size=1,
-                              reference=switch == "argument")
+    loss = chunked_pixel_loss(
+        decode, latents.requires_grad_(True), targets, masks, chunk_size=1, reference=switch == "argument"
+    )
     loss.backward()
     assert decode.batches == [5]  # one decode of the whole batch, nothing recomputed
 
@@ -345,16 +379,40 @@ def _identity_decode(z: torch.Tensor) -> torch.Tensor:
         (lambda: ([torch.zeros(4, 8, 8)] * 2, [torch.zeros(3, 8, 8)]), {}, "2 latents, 1 targets"),
         (lambda: ([], []), {}, "no items"),
         (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 1, 8, 8)), {}, "same number of size dims"),
-        (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.zeros(2, 1, 8, 8)), {}, "all empty"),
-        (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.ones(2, 1, 8, 4)), {}, "does not fit"),
-        (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.ones(2, 2, 8, 8)), {}, "1 or 3 channels"),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.zeros(2, 1, 8, 8)),
+            {},
+            "all empty",
+        ),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.ones(2, 1, 8, 4)),
+            {},
+            "does not fit",
+        ),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8), torch.ones(2, 2, 8, 8)),
+            {},
+            "1 or 3 channels",
+        ),
         (lambda: ([torch.zeros(4, 8, 8)], [torch.zeros(3, 8, 8)], [torch.ones(1, 4, 8)]), {}, "item 0: mask"),
         (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 16, 16)), {}, "decode returned images of shape"),
         (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)), {"loss": "huber"}, "unknown pixel loss"),
         (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)), {"chunk_size": 0}, "chunk_size must be"),
-        (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)), {"chunk_size": 2, "memory_budget_bytes": 10},
-         "not both"),
-        (lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)), {"memory_budget_bytes": -1}, "positive int"),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)),
+            {"chunk_size": "4", "reference": True},
+            "chunk_size must be",
+        ),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)),
+            {"chunk_size": 2, "memory_budget_bytes": 10},
+            "not both",
+        ),
+        (
+            lambda: (torch.zeros(2, 4, 8, 8), torch.zeros(2, 3, 8, 8)),
+            {"memory_budget_bytes": -1},
+            "positive int",
+        ),
     ],
 )
 def test_chunked_pixel_loss_bad_inputs_raise_value_error(make_args, kwargs, match):

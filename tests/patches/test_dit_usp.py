@@ -1,0 +1,372 @@
+"""Sequence-parallel DiT transformers (``hfpatch.patches.*_dit``) vs the unpatched stock models, gloo, fp32.
+
+Every rank builds the same tiny model and inputs from fixed seeds, runs the unpatched model (the
+reference), applies ``hfpatch.apply(model, parallel=ParallelConfig(ulysses=u, ring=r))`` and runs again.
+Token counts are 25 (or 12) so that most world sizes leave padding. Many cases run per ``pool.run``.
+
+Tolerances: sharding changes only the order of floating-point reductions (online-softmax merge across ring
+steps, shorter GEMMs, gradient contributions summed over ranks), so the patched model may differ from the
+unpatched one by fp32 rounding only. Each case measures that rounding scale on the unpatched model itself
+(fp32 vs fp64, same weights and inputs; for gradients, the worst tensor's) and allows ``NOISE_FACTOR``
+times it: tiny random models can be
+ill-conditioned (SD3 without qk-norm amplifies fp32 rounding to ~1e-5 in the output and ~1e-3 in some
+gradients on its own), and a fixed tolerance would either hide bugs in the others or fail on it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.core.registry import Registry
+from hfpatch.distributed.runtime import get_mesh
+from hfpatch.patches._sequence_parallel import all_reduce_gradients
+
+NOISE_FACTOR = 10  # patched-vs-unpatched error <= 10 x the unpatched model's own fp32-vs-fp64 error
+NOISE_FLOOR = 1e-6  # relative; below this both errors are at the level of single roundings
+FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
+
+
+# ----------------------------------------------------------------------------------------------- cases
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed))
+
+
+def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
+    """(tiny stock model, forward kwargs, name of the sharded input) for ``family``."""
+    from hfpatch import testing
+
+    if family in ("wan21", "wan22"):
+        model = testing.tiny_wan_transformer()
+        if family == "wan21":  # 1 x 5 x 5 = 25 tokens, batch 2
+            x = _randn(2, 4, 1, 10, 10, seed=1)
+            timestep = torch.tensor([500, 20])
+        else:  # Wan 2.2 expand_timesteps: one timestep per token, 2 x 2 x 3 = 12 tokens
+            x = _randn(1, 4, 2, 4, 6, seed=1)
+            timestep = torch.randint(0, 1000, (1, 12), generator=_gen(2))
+        kwargs = dict(
+            hidden_states=x, timestep=timestep, encoder_hidden_states=_randn(x.shape[0], 6, 16, seed=3)
+        )
+        return model, kwargs, "hidden_states"
+    if family == "flux":  # 5 x 5 = 25 image tokens, 7 text tokens
+        model = testing.tiny_flux_transformer()
+        grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
+        kwargs = dict(
+            hidden_states=_randn(1, 25, 16, seed=1),
+            encoder_hidden_states=_randn(1, 7, 16, seed=2),
+            pooled_projections=_randn(1, 16, seed=3),
+            timestep=torch.tensor([0.7]),
+            img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
+            txt_ids=torch.zeros(7, 3),
+        )
+        return model, kwargs, "hidden_states"
+    if family in ("sd3", "sd35"):  # 5 x 5 = 25 image tokens, 7 text tokens
+        overrides = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if family == "sd35" else {}
+        model = testing.tiny_sd3_transformer(**overrides)
+        kwargs = dict(
+            hidden_states=_randn(1, 4, 10, 10, seed=1),
+            encoder_hidden_states=_randn(1, 7, 16, seed=2),
+            pooled_projections=_randn(1, 16, seed=3),
+            timestep=torch.tensor([700]),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "cogvideox":  # 1 x 5 x 5 = 25 video tokens, 6 text tokens, rotary positions
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        model = testing.tiny_cogvideox_transformer()
+        rotary = get_3d_rotary_pos_embed(16, ((0, 0), (5, 5)), (5, 5), 1, use_real=True)
+        kwargs = dict(
+            hidden_states=_randn(1, 1, 4, 10, 10, seed=1),
+            encoder_hidden_states=_randn(1, 6, 16, seed=2),
+            timestep=torch.tensor([300]),
+            image_rotary_emb=tuple(t.float() for t in rotary),
+        )
+        return model, kwargs, "hidden_states"
+    raise ValueError(family)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
+    """Max abs difference relative to ``scale`` (default: the reference's largest magnitude)."""
+    scale = ref.abs().max().item() if scale is None else scale
+    return (out.double() - ref.double()).abs().max().item() / scale
+
+
+def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale."""
+
+    def cast(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.double()
+        if isinstance(v, tuple):
+            return tuple(cast(x) for x in v)
+        return v
+
+    return copy.deepcopy(model).double(), {k: cast(v) for k, v in kwargs.items()}
+
+
+# ----------------------------------------------------------------------------------------------- rank functions
+def forward_cases(
+    cases: list[tuple[str, int, int]],
+) -> dict[tuple[str, int, int], tuple[float, float, torch.Tensor]]:
+    """Per case ``(family, ulysses, ring)``: (error vs unpatched, unpatched fp32 noise, patched output)."""
+    results = {}
+    for family, ulysses, ring in cases:
+        model, kwargs, _ = build(family)
+        model64, kwargs64 = _double(model, kwargs)
+        with torch.no_grad():
+            ref = model(**kwargs).sample
+            noise = _rel(ref, model64(**kwargs64).sample)
+            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
+                out = model(**kwargs).sample
+        assert out.shape == ref.shape and out.dtype == ref.dtype, (family, out.shape, ref.shape)
+        results[(family, ulysses, ring)] = (_rel(out, ref), noise, out)
+    return results
+
+
+def _grads(
+    model: torch.nn.Module, kwargs: dict[str, Any], weight: torch.Tensor, group=None
+) -> dict[str, torch.Tensor]:
+    """Gradients of a fixed linear loss; with ``group``, summed over it (the documented convention)."""
+    model.zero_grad(set_to_none=True)
+    inputs = {k: v.clone().requires_grad_(True) for k, v in kwargs.items() if k in _GRAD_INPUTS}
+    out = model(**{**kwargs, **inputs}).sample
+    (out * weight).sum().backward()
+    all_reduce_gradients([model, *inputs.values()], group)
+    grads = {f"param:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads.update({f"input:{k}": v.grad for k, v in inputs.items()})
+    return grads
+
+
+_GRAD_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
+
+
+def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """Per case: gradient errors after the documented SUM over the ``sp`` group, and the fp32 noise."""
+    results = {}
+    for family, ulysses, ring in cases:
+        model, kwargs, _ = build(family)
+        model.train()
+        model64, kwargs64 = _double(model, kwargs)
+        weight = _randn(*model(**kwargs).sample.shape, seed=7)
+        ref = _grads(model, kwargs, weight)
+        ref64 = _grads(model64, kwargs64, weight.double())
+        config = ParallelConfig(ulysses=ulysses, ring=ring)
+        with hfpatch.apply(model, parallel=config):
+            got = _grads(model, kwargs, weight, get_mesh(config).group("sp"))
+        # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
+        # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
+        floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+        scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
+        results[(family, ulysses, ring)] = {
+            "keys_match": set(got) == set(ref),
+            "errors": {name: _rel(got[name], ref[name], scales[name]) for name in ref},
+            # The unpatched model's own rounding scale for its gradients (its worst tensor).
+            "noise": max(_rel(ref[name], ref64[name], scales[name]) for name in ref),
+            "n_params": sum(k.startswith("param:") for k in ref),
+        }
+    return results
+
+
+def _snapshot(model: torch.nn.Module) -> list[tuple[Any, dict[str, Any], dict[str, tuple]]]:
+    """vars() of every submodule and processor, plus the contents of every hook dict (same objects)."""
+    snap = []
+    for module in model.modules():
+        hooks = {
+            k: tuple(v.items())
+            for k, v in vars(module).items()
+            if k.startswith("_forward") and isinstance(v, dict)
+        }
+        snap.append((module, dict(vars(module)), hooks))
+        processor = getattr(module, "processor", None)
+        if processor is not None:
+            snap.append((processor, dict(vars(processor)), {}))
+    return snap
+
+
+def _same(before: list, after: list) -> bool:
+    if len(before) != len(after):
+        return False
+    for (obj_b, vars_b, hooks_b), (obj_a, vars_a, hooks_a) in zip(before, after):
+        if obj_b is not obj_a or vars_b.keys() != vars_a.keys():
+            return False
+        if any(vars_b[k] is not vars_a[k] for k in vars_b) or hooks_b != hooks_a:
+            return False
+    return True
+
+
+def lifecycle_cases(families: list[str]) -> dict[str, dict[str, Any]]:
+    """remove() restores identity, double apply returns the live patch, a different plan raises."""
+    world = dist.get_world_size()
+    results = {}
+    for family in families:
+        model, kwargs, _ = build(family)
+        before = _snapshot(model)
+        config = ParallelConfig(ulysses=world)
+        patch = hfpatch.apply(model, parallel=config)
+        swapped = sum("processor" in line for line in patch.entries())
+        again = hfpatch.apply(model, parallel=config)
+        try:
+            hfpatch.apply(model, parallel=ParallelConfig(ring=world))
+            conflict = None
+        except ValueError as exc:
+            conflict = str(exc)
+        with torch.no_grad():
+            model(**kwargs)  # hooks ran and left no state on the model
+        patch.remove()
+        results[family] = {
+            "identity": _same(before, _snapshot(model)),
+            "again_is_patch": again is patch,
+            "conflict": conflict,
+            "swapped": swapped,
+            "repr": repr(patch),
+        }
+    return results
+
+
+def error_cases() -> dict[str, str]:
+    """Errors raised before any collective (the same message on every rank)."""
+    from diffusers import UNet2DModel
+
+    from hfpatch.patches.cogvideox_dit import CogVideoXTransformerUSP
+    from hfpatch.patches.flux_dit import FluxTransformerUSP
+    from hfpatch.patches.sd3_dit import SD3TransformerUSP
+    from hfpatch.patches.wan_dit import WanTransformerUSP
+    from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
+
+    world = dist.get_world_size()
+    registry = Registry()
+    for key, family in [
+        ("diffusers.WanTransformer3DModel", WanTransformerUSP),
+        ("diffusers.FluxTransformer2DModel", FluxTransformerUSP),
+        ("diffusers.SD3Transformer2DModel", SD3TransformerUSP),
+        ("diffusers.CogVideoXTransformer3DModel", CogVideoXTransformerUSP),
+    ]:
+        registry.register(key, family)
+    messages: dict[str, str] = {}
+
+    def expect(name: str, error: type[Exception], fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except error as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = "no error"
+
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(4,),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D",),
+        up_block_types=("UpBlock2D",),
+        norm_num_groups=2,
+    )
+    expect("unsupported", TypeError, lambda: hfpatch.apply(unet, parallel=world, registry=registry))
+    wide = tiny_wan_transformer(num_heads=1, head_dim=16)
+    expect(
+        "too_many_ulysses", ValueError, lambda: hfpatch.apply(wide, parallel=ParallelConfig(ulysses=world))
+    )
+    flux = tiny_flux_transformer()
+    flux.transformer_blocks[0].attn.processor = _CustomProcessor()
+    before = _snapshot(flux)
+    expect("custom_processor", ValueError, lambda: hfpatch.apply(flux, parallel=ParallelConfig(ring=world)))
+    messages["untouched_after_error"] = str(_same(before, _snapshot(flux)))
+    return messages
+
+
+class _CustomProcessor:
+    """Stands for an IP-Adapter or user processor the USP patch must not silently replace."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("not called")
+
+
+# ----------------------------------------------------------------------------------------------- tests
+def _configs(world: int) -> list[tuple[int, int]]:
+    configs = [(world, 1), (1, world)]  # Ulysses only, Ring only
+    if world == 4:
+        configs.append((2, 2))
+    return configs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world):
+    cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
+    results = rank_pool(world).run(forward_cases, cases)
+    for case in cases:
+        for error, noise, _ in (rank_result[case] for rank_result in results):
+            assert error <= NOISE_FACTOR * noise + NOISE_FLOOR, (case, error, noise)
+        outputs = [rank_result[case][2] for rank_result in results]
+        assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
+            f"{case}: ranks returned different outputs"
+        )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_pool, world):
+    cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
+    if world == 4:
+        cases = [(family, u, r) for family in FAMILIES for u, r in [(2, 2), (1, 4)]]
+    results = rank_pool(world).run(backward_cases, cases)
+    for rank, rank_result in enumerate(results):
+        for case in cases:
+            result = rank_result[case]
+            assert result["keys_match"] and result["n_params"] > 10, (rank, case)
+            for name, error in result["errors"].items():
+                assert error <= NOISE_FACTOR * result["noise"] + NOISE_FLOOR, (
+                    rank,
+                    case,
+                    name,
+                    error,
+                    result["noise"],
+                )
+
+
+def test_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
+    results = rank_pool(2).run(lifecycle_cases, list(FAMILIES))
+    expected_swaps = {"wan21": 2, "wan22": 2, "flux": 2, "sd3": 2, "sd35": 3, "cogvideox": 2}
+    for rank_result in results:
+        for family, result in rank_result.items():
+            assert result["identity"], family
+            assert result["again_is_patch"], family
+            assert result["conflict"] is not None and "already patched" in result["conflict"], family
+            assert result["swapped"] == expected_swaps[family], (family, result["repr"])
+
+
+def test_usp_errors_unsupported_class_heads_and_custom_processor_raise_before_collectives(rank_pool):
+    results = rank_pool(2).run(error_cases)
+    assert results[0] == results[1]
+    messages = results[0]
+    for name in (
+        "CogVideoXTransformer3DModel",
+        "FluxTransformer2DModel",
+        "SD3Transformer2DModel",
+        "WanTransformer3DModel",
+    ):
+        assert name in messages["unsupported"], messages["unsupported"]
+    assert "UNet2DModel" in messages["unsupported"]
+    assert "ulysses=2 exceeds the 1 attention heads" in messages["too_many_ulysses"]
+    assert (
+        "transformer_blocks.0.attn uses attention processor _CustomProcessor" in messages["custom_processor"]
+    )
+    assert messages["untouched_after_error"] == "True"
+
+
+def test_usp_degree_one_patches_nothing():
+    from hfpatch.testing import tiny_flux_transformer
+
+    model = tiny_flux_transformer()
+    with hfpatch.apply(model) as patch:
+        assert not any("processor" in line or "hook" in line for line in patch.entries())

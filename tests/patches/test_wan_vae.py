@@ -1,0 +1,151 @@
+"""Height-split AutoencoderKLWan (Wan 2.1 and 2.2 forms) vs the unpatched stock VAE, on gloo ranks.
+
+Every rank builds the same tiny VAE and inputs from fixed seeds, computes the unpatched reference, applies
+the patch, and compares. Latent height 5 divides none of the world sizes 2, 3, 4 (uneven shards). Tolerances:
+the split changes only the order of floating-point sums (conv windows are assembled from the same values;
+attention softmax and the concatenation of halo rows are exact), so fp32 results agree to ~1e-6 on O(1)
+outputs; 1e-5 leaves room for reassociation in attention and gradient accumulation, nothing more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfpatch
+from hfpatch.distributed.collectives import count_comm
+from hfpatch.patches._vae_common import all_reduce_gradients, analytic_halo_bytes
+from hfpatch.testing import tiny_wan_vae
+from hfpatch.testing.memory import track_memory
+
+ATOL = 1e-5  # fp32 reassociation only (see module docstring)
+LATENT_H, LATENT_W = 5, 2
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _vae(version: str) -> torch.nn.Module:
+    if version not in _MODELS:
+        _MODELS[version] = tiny_wan_vae(version)
+    return _MODELS[version]
+
+
+def _scale(version: str) -> int:
+    return 8 if version == "2.1" else 16
+
+
+def _latents(frames: int, height: int = LATENT_H, width: int = LATENT_W, seed: int = 1) -> torch.Tensor:
+    return torch.randn(1, 4, frames, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _pixels(version: str, frames: int, seed: int = 2) -> torch.Tensor:
+    s = _scale(version)
+    shape = (1, 3, frames, LATENT_H * s, LATENT_W * s)
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def _run(vae, kind: str, x: torch.Tensor) -> torch.Tensor:
+    return vae.decode(x).sample if kind == "decode" else vae.encode(x).latent_dist.mean
+
+
+def _fidelity(cases: list[tuple[str, str, int]]) -> list[float]:
+    """Max |patched - unpatched| for (version, "encode"|"decode", frames) cases; decode frames are pixel frames."""
+    errors = []
+    for version, kind, frames in cases:
+        vae = _vae(version)
+        x = _latents(1 + (frames - 1) // 4) if kind == "decode" else _pixels(version, frames)
+        with torch.no_grad():
+            reference = _run(vae, kind, x)
+            with hfpatch.apply(vae):
+                out = _run(vae, kind, x)
+        assert out.shape == reference.shape, (out.shape, reference.shape)
+        errors.append((out - reference).abs().max().item())
+    return errors
+
+
+FIDELITY_CASES = [(v, k, f) for v in ("2.1", "2.2") for k in ("decode", "encode") for f in (1, 9, 13)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_wan_vae_precise_split_uneven_heights_equals_unpatched(rank_pool, world):
+    results = rank_pool(world).run(_fidelity, FIDELITY_CASES)
+    for rank_errors in results:
+        for case, err in zip(FIDELITY_CASES, rank_errors):
+            assert err < ATOL, (world, case, err)
+
+
+def _params(vae) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in vae.named_parameters() if p.grad is not None}
+
+
+def _gradients(cases: list[tuple[str, str, int]]) -> list[tuple[float, float, int]]:
+    """(max input-grad error, max relative parameter-grad error, parameters with grads) per case.
+
+    Every rank computes the same loss from the full output (the replicated-loss contract).
+    """
+    results = []
+    for version, kind, frames in cases:
+        vae = _vae(version)
+        x = _latents(1 + (frames - 1) // 4) if kind == "decode" else _pixels(version, frames)
+        weight = None
+        grads = []
+        for patched in (False, True):
+            vae.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_(True)
+            patch = hfpatch.apply(vae) if patched else None
+            out = _run(vae, kind, leaf)
+            if weight is None:
+                weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+            (out * weight).sum().backward()
+            if patched:
+                all_reduce_gradients(vae)  # the documented reduction: SUM over the VAE ranks
+                patch.remove()
+            grads.append((leaf.grad, _params(vae)))
+        (gx_ref, gp_ref), (gx, gp) = grads
+        # Parameter gradients sum over every position and frame: compare relative to their largest entry.
+        param_err = max((gp[n] - gp_ref[n]).abs().max().item() / gp_ref[n].abs().max().item() for n in gp_ref)
+        results.append(((gx - gx_ref).abs().max().item(), param_err, len(gp)))
+        vae.zero_grad(set_to_none=True)
+    return results
+
+
+GRADIENT_CASES = [("2.1", "decode", 5), ("2.1", "encode", 5), ("2.2", "decode", 5), ("2.2", "encode", 5)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_wan_vae_gradients_after_sum_reduction_equal_unpatched(rank_pool, world):
+    results = rank_pool(world).run(_gradients, GRADIENT_CASES)
+    n_params = sum(1 for p in _vae("2.1").parameters())
+    for rank_results in results:
+        for case, (input_err, param_err, with_grad) in zip(GRADIENT_CASES, rank_results):
+            assert input_err < ATOL and param_err < ATOL, (world, case, input_err, param_err)
+            assert with_grad > n_params // 3, (case, with_grad)  # the decoder or encoder half has grads
+
+
+def _memory_and_bytes(latent_h: int, latent_w: int, frames: int) -> dict[str, float]:
+    """Peak activation bytes of a decode (unpatched vs split, local shard output) and halo bytes sent."""
+    vae = _vae("2.1")
+    z = _latents(frames, latent_h, latent_w)
+    with torch.no_grad():
+        with track_memory() as mem:
+            vae.decode(z)
+        unpatched = mem.peak_bytes
+        analytic = analytic_halo_bytes(vae, lambda: vae.decode(z), dist.get_rank(), dist.get_world_size())
+        with hfpatch.apply(vae, vae_output="shard"):
+            with track_memory() as mem, count_comm() as comm:
+                vae.decode(z)
+    return {
+        "unpatched": unpatched,
+        "patched": mem.peak_bytes,
+        "halo": comm.by_op.get("halo", 0),
+        "analytic": analytic,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_wan_vae_decode_memory_and_halo_bytes_match_analytic(rank_pool, world):
+    results = rank_pool(world).run(_memory_and_bytes, 16, 4, 2)
+    for rank, r in enumerate(results):
+        # Acceptance bound: one shard's activations plus halo rows and the gathered attention keys/values.
+        assert r["patched"] <= 1.3 / world * r["unpatched"], (world, rank, r)
+        assert r["analytic"] > 0 and abs(r["halo"] - r["analytic"]) <= 0.01 * r["analytic"], (world, rank, r)

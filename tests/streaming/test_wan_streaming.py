@@ -1,0 +1,245 @@
+"""Block-causal streaming patch for WanTransformer3DModel: cached forward vs full block-causal forward (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.patches.wan_streaming import WanStreamingPatch
+from hfpatch.streaming import StreamingConfig, StreamingKVCache
+from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+
+# Same weights and inputs on both sides; only the set/order of keys in the softmax sums may differ, so
+# the error is fp32 reassociation: 1e-5 absolute on outputs of magnitude ~4.
+ATOL = 1e-5
+
+CONFIGS = {
+    "global": StreamingConfig(num_frame_per_block=2),
+    "window_sink": StreamingConfig(num_frame_per_block=2, local_attn_size=6, sink_size=2),
+    "window_no_sink": StreamingConfig(num_frame_per_block=3, local_attn_size=6),
+    "frame_blocks": StreamingConfig(num_frame_per_block=1, local_attn_size=4, sink_size=1),
+}
+
+# Sink frames plus the last (local_attn_size - sink_size) frames stay cached; the rest were evicted.
+CACHED_AFTER_12_FRAMES = {
+    "global": list(range(12)),
+    "window_sink": [0, 1, 8, 9, 10, 11],
+    "window_no_sink": [6, 7, 8, 9, 10, 11],
+    "frame_blocks": [0, 9, 10, 11],
+}
+
+
+def _inputs(frames: int = 12, batch: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 4, frames, 4, 4, generator=gen)
+    timestep = torch.randint(0, 1000, (batch, frames), generator=gen).float()
+    return x, timestep, wan_prompt_embeds(batch=batch)
+
+
+def _cached(model, config, x, timestep, prompt, offset: int = 0):
+    cache = StreamingKVCache(config, len(model.blocks))
+    n = config.num_frame_per_block
+    outs = []
+    for s in range(0, x.shape[2], n):
+        outs.append(
+            model(x[:, :, s : s + n], timestep[:, s : s + n], prompt, kv_cache=cache, frame_offset=offset + s).sample
+        )
+    return torch.cat(outs, dim=2), cache
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_wan_transformer()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_forward_block_by_block_equals_block_causal_full_forward(model, name):
+    config = CONFIGS[name]
+    x, timestep, prompt = _inputs(batch=2)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        full = model(x, timestep, prompt).sample
+        cached, cache = _cached(model, config, x, timestep, prompt)
+        whole_input_cached = model(x, timestep, prompt, kv_cache=StreamingKVCache(config, len(model.blocks))).sample
+    torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
+    torch.testing.assert_close(whole_input_cached, full, atol=ATOL, rtol=0)
+    assert cache.frames() == CACHED_AFTER_12_FRAMES[name]
+
+
+def test_cached_forward_with_frame_offset_equals_full_forward_at_that_offset(model):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs(frames=8)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        full = model(x, timestep, prompt, frame_offset=70).sample  # past rope_max_seq_len=64: no length limit
+        cached, _ = _cached(model, config, x, timestep, prompt, offset=70)
+        at_zero = model(x, timestep, prompt).sample
+    torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
+    # Rotary attention sees relative positions only: shifting every frame by 70 changes nothing, which
+    # also checks the positions computed past the stock table.
+    torch.testing.assert_close(full, at_zero, atol=ATOL, rtol=0)
+
+
+def test_cached_forward_without_rope_offset_breaks_equality(model, monkeypatch):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs()
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        full = model(x, timestep, prompt).sample
+        cached, _ = _cached(model, config, x, timestep, prompt)
+        torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
+        # The stock rope restarts temporal positions at 0 in every call (undone before the patch is removed).
+        with monkeypatch.context() as m:
+            m.setattr(model.rope, "forward", type(model.rope).forward.__get__(model.rope))
+            no_offset, _ = _cached(model, config, x, timestep, prompt)
+    first_block = slice(0, config.num_frame_per_block)
+    torch.testing.assert_close(no_offset[:, :, first_block], full[:, :, first_block], atol=ATOL, rtol=0)
+    assert (no_offset - full).abs().max() > 1e-2
+
+
+def _rope_at(model, frames: int, offset: int):
+    from hfpatch.patches.wan_streaming import _Call
+
+    state = model.blocks[0].attn1.processor.state
+    state.call = _Call(frame_offset=offset, num_frames=frames, tokens_per_frame=4, prompt=None, cache=None)
+    try:
+        return model.rope(torch.zeros(1, 4, frames, 4, 4))
+    finally:
+        state.call = None
+
+
+def test_rope_with_offset_equals_stock_table_rows_and_has_no_length_limit(model):
+    stock = tiny_wan_transformer().rope  # rope_max_seq_len=64
+    ref_cos, ref_sin = stock(torch.zeros(1, 4, 64, 4, 4))
+    with hfpatch.apply(model, streaming=CONFIGS["global"]):
+        cos, sin = _rope_at(model, frames=3, offset=5)
+        long_cos, long_sin = _rope_at(model, frames=70, offset=0)
+    assert torch.equal(cos, ref_cos[:, 5 * 4 : 8 * 4]) and torch.equal(sin, ref_sin[:, 5 * 4 : 8 * 4])
+    assert long_cos.shape == (1, 70 * 4, 1, 8)
+    assert torch.equal(long_cos[:, : 64 * 4], ref_cos) and torch.equal(long_sin[:, : 64 * 4], ref_sin)
+
+
+def test_single_block_patched_forward_equals_stock_forward(model):
+    x, _, prompt = _inputs(frames=6)
+    stock_model = tiny_wan_transformer()
+    with torch.no_grad():
+        reference = stock_model(x, torch.tensor([321.0]), prompt).sample
+        with hfpatch.apply(model, streaming=StreamingConfig(num_frame_per_block=6)):
+            scalar = model(x, torch.tensor([321.0]), prompt).sample
+            per_frame = model(x, torch.full((1, 6), 321.0), prompt).sample
+    torch.testing.assert_close(scalar, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(per_frame, reference, atol=ATOL, rtol=0)
+
+
+def test_block_causal_forward_later_frames_do_not_change_earlier_blocks(model):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs()
+    y = x.clone()
+    y[:, :, 6:] += 1.0
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        a, b = model(x, timestep, prompt).sample, model(y, timestep, prompt).sample
+    assert torch.equal(a[:, :, :6], b[:, :, :6]) and (a[:, :, 6:] - b[:, :, 6:]).abs().max() > 1e-2
+
+
+def test_kv_cache_bytes_constant_once_allocated_and_analytic(model):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs(frames=16)
+    sizes = []
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        cache = StreamingKVCache(config, len(model.blocks))
+        for s in range(0, 16, 2):
+            model(x[:, :, s : s + 2], timestep[:, s : s + 2], prompt, kv_cache=cache, frame_offset=s)
+            sizes.append(cache.nbytes)
+    inner = model.config.num_attention_heads * model.config.attention_head_dim
+    self_attn = 2 * len(model.blocks) * config.cache_frames * 4 * inner * 4  # k+v, layers, frames, tokens, fp32
+    cross = 2 * len(model.blocks) * prompt.shape[1] * inner * 4
+    assert sizes == [self_attn + cross] * len(sizes)
+    assert cache.frames() == [0, 1, 12, 13, 14, 15]
+
+
+def test_cross_attention_cache_reused_per_prompt_tensor(model):
+    config = CONFIGS["global"]
+    x, timestep, prompt = _inputs(frames=4)
+    other = wan_prompt_embeds(seed=7)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        cache = StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=cache)
+        first = cache.cross[0].key
+        model(x[:, :, 2:], timestep[:, 2:], prompt, kv_cache=cache, frame_offset=2)
+        assert cache.cross[0].key is first and cache.cross[0].source is prompt
+        cache.reset()
+        model(x[:, :, :2], timestep[:, :2], other, kv_cache=cache)
+        assert cache.cross[0].source is other and not torch.equal(cache.cross[0].key, first)
+
+
+def test_cached_forward_skipped_block_raises(model):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs(frames=6)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        cache = StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=cache)
+        with pytest.raises(ValueError, match=r"frames \[2, 3\] are visible .* but not cached"):
+            model(x[:, :, 4:6], timestep[:, 4:6], prompt, kv_cache=cache, frame_offset=4)
+
+
+def test_forward_misaligned_offset_or_timestep_raises(model):
+    x, timestep, prompt = _inputs(frames=4)
+    with hfpatch.apply(model, streaming=CONFIGS["global"]), torch.no_grad():
+        with pytest.raises(ValueError, match="multiples of 2"):
+            model(x, timestep, prompt, frame_offset=1)
+        with pytest.raises(ValueError, match="multiples of 2"):
+            model(x[:, :, :3], timestep[:, :3], prompt)
+        with pytest.raises(ValueError, match=r"per frame \[batch, num_frames\] = \[1, 4\]"):
+            model(x, timestep[:, :3], prompt)
+
+
+def test_streaming_config_invalid_window_raises():
+    with pytest.raises(ValueError, match="local_attn_size=4 must be -1 .* at least sink_size \\+ num_frame_per_block = 5"):
+        StreamingConfig(num_frame_per_block=3, local_attn_size=4, sink_size=2)
+
+
+def test_apply_without_streaming_leaves_model_untouched(model):
+    processors = [b.attn1.processor for b in model.blocks]
+    with hfpatch.apply(model) as patch:
+        assert [b.attn1.processor for b in model.blocks] == processors
+        assert "forward" not in vars(model) and not any("processor" in e for e in patch.entries())
+
+
+def test_apply_wrong_streaming_type_raises_before_mutation(model):
+    before = dict(vars(model))
+    with pytest.raises(TypeError, match="streaming must be an hfpatch.streaming.StreamingConfig or None, got str"):
+        hfpatch.apply(model, streaming="yes")
+    assert dict(vars(model)) == before
+
+
+def test_validate_streaming_with_sequence_parallel_raises(model):
+    with pytest.raises(ValueError, match="streaming with sequence parallel is not supported yet"):
+        WanStreamingPatch().validate(model, ParallelConfig(ulysses=2), {"streaming": CONFIGS["global"]})
+
+
+def test_validate_image_to_video_transformer_raises():
+    i2v = tiny_wan_transformer(image_dim=8, added_kv_proj_dim=32)
+    with pytest.raises(ValueError, match="text-to-video WanTransformer3DModel only"):
+        hfpatch.apply(i2v, streaming=CONFIGS["global"])
+
+
+def test_apply_twice_same_options_returns_live_patch_different_raises(model):
+    with hfpatch.apply(model, streaming=CONFIGS["global"]) as patch:
+        assert hfpatch.apply(model, streaming=CONFIGS["global"]) is patch
+        with pytest.raises(ValueError, match="already patched"):
+            hfpatch.apply(model, streaming=CONFIGS["window_sink"])
+
+
+def test_remove_restores_every_submodule_by_identity():
+    model = tiny_wan_transformer()
+    before = {name: dict(vars(m)) for name, m in model.named_modules()}
+    x, timestep, prompt = _inputs(frames=4)
+    patch = hfpatch.apply(model, streaming=CONFIGS["window_sink"])
+    assert "streaming" in repr(patch) and "processor" in repr(patch)
+    with torch.no_grad():
+        _cached(model, CONFIGS["window_sink"], x, timestep, prompt)
+    patch.remove()
+    after = {name: dict(vars(m)) for name, m in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name in before:
+        assert after[name].keys() == before[name].keys(), name
+        assert all(after[name][k] is v for k, v in before[name].items()), name

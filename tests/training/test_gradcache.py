@@ -1,0 +1,302 @@
+"""GradCache vs the full-batch loss: parameter gradients, RNG replay, LoRA, AMP, DDP cross-rank negatives, Trainer.
+
+Reference = one forward/backward of the whole batch through the stock model. Tolerance for fp32 gradients:
+max |diff| <= 1e-5 * max |g_ref| (~80 fp32 ulps of the largest gradient): chunking changes only the
+grouping of matmuls and of the per-chunk gradient sums (reassociation), measured at <= 6e-7 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfpatch.testing import qwen3_vl_inputs, tiny_bert, tiny_qwen3_vl
+from hfpatch.training import GradCache, GradCacheTrainer, VisionTokenSpec, split_inputs
+from hfpatch.training.pooling import default_rep, pool
+from hfpatch.training.trainer import info_nce
+
+REL_TOL = 1e-5
+# Batch of 6: images of different sizes, a sample with two images, one with none, one with a video.
+MEDIA = [
+    [("image", (1, 4, 4))],
+    [("image", (1, 2, 4)), ("image", (1, 2, 2))],
+    [],
+    [("video", (2, 2, 2))],
+    [("image", (1, 4, 2))],
+    [("image", (1, 2, 6))],
+]
+
+
+def _docs(seed: int = 1) -> dict:
+    return qwen3_vl_inputs(MEDIA, seed=seed)
+
+
+def _queries(seed: int = 2, padding: str = "right") -> dict:
+    return qwen3_vl_inputs([[]] * len(MEDIA), text_len=5, seed=seed, padding=padding)
+
+
+def _text(n: int = 6, length: int = 7, seed: int = 3) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (n, length), generator=gen)
+    mask = torch.ones_like(ids)
+    for i in range(n):
+        mask[i, length - i % 3 :] = 0  # right padding of 0-2 tokens
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def _take_grads(*models: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for k, model in enumerate(models):
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grads[f"{k}.{name}"] = p.grad.clone()
+        model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _max_diff(got: dict, ref: dict) -> tuple[float, float]:
+    assert set(got) == set(ref), f"different parameters got gradients: {set(got) ^ set(ref)}"
+    return max((got[n] - ref[n]).abs().max().item() for n in ref), max(g.abs().max().item() for g in ref.values())
+
+
+def _assert_grads_close(got: dict, ref: dict, rel: float = REL_TOL) -> float:
+    diff, scale = _max_diff(got, ref)
+    print(f"max |grad diff| = {diff:.3e} (max |grad| = {scale:.3e})")
+    assert diff <= rel * scale, f"max |grad diff| {diff:.3e} > {rel} * {scale:.3e}"
+    return diff
+
+
+def _full_batch(models, inputs, loss_fn=info_nce) -> tuple[torch.Tensor, dict]:
+    models = models if isinstance(models, (list, tuple)) else [models] * len(inputs)
+    loss = loss_fn(*[default_rep(m(**x), x) for m, x in zip(models, inputs)])
+    loss.backward()
+    return loss.detach(), _take_grads(*dict.fromkeys(models))
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return tiny_qwen3_vl()
+
+
+@pytest.mark.parametrize("chunk_size, chunk_patches", [(1, None), (2, None), (3, None), (4, 20)])
+def test_gradcache_qwen3_vl_chunks_match_full_batch(qwen, chunk_size, chunk_patches):
+    queries, docs = _queries(), _docs()
+    ref_loss, ref = _full_batch(qwen, [queries, docs])
+    loss = GradCache(qwen, info_nce, chunk_size, chunk_patches=chunk_patches).step(queries, docs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    _assert_grads_close(_take_grads(qwen), ref)
+
+
+def _chunked_reference(models, inputs, chunk_size, loss_fn=info_nce) -> dict:
+    """The big-batch loss computed by embedding the same chunks in the same order *with* a graph: it draws
+    the same dropout masks as GradCache's first pass, so it is the exact target with dropout on."""
+    reps = []
+    for model, x in zip(models, inputs):
+        spec = VisionTokenSpec.from_config(model.config) if "pixel_values" in x else None
+        reps.append(torch.cat([default_rep(model(**c), c) for c in split_inputs(x, chunk_size, vision_spec=spec)]))
+    loss_fn(*reps).backward()
+    return _take_grads(*models)
+
+
+def test_gradcache_dropout_replay_matches_reference_without_replay_differs():
+    # Separate encoders: a BERT query tower and a Qwen3-VL document tower, both with dropout 0.1.
+    bert, vl = tiny_bert(dropout=0.1).train(), tiny_qwen3_vl(attention_dropout=0.1).train()
+    inputs = [_text(), _docs()]
+    torch.manual_seed(7)
+    ref = _chunked_reference([bert, vl], inputs, 2)
+    after_ref = torch.get_rng_state()
+
+    torch.manual_seed(7)
+    GradCache([bert, vl], info_nce, 2).step(*inputs)
+    assert torch.equal(torch.get_rng_state(), after_ref), "replay must leave the RNG where one pass leaves it"
+    _assert_grads_close(_take_grads(bert, vl), ref)
+
+    torch.manual_seed(7)
+    GradCache([bert, vl], info_nce, 2, replay_rng=False).step(*inputs)
+    diff, scale = _max_diff(_take_grads(bert, vl), ref)
+    print(f"without RNG replay: max |grad diff| = {diff:.3e} (max |grad| = {scale:.3e})")
+    assert diff > 1e-2 * scale, "dropout masks differ between the passes without replay: gradients must differ"
+
+
+def test_gradcache_lora_with_gradient_checkpointing_matches_full_batch():
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model(checkpointing: bool):
+        model = tiny_qwen3_vl()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        torch.manual_seed(0)  # LoRA A is drawn from the global RNG
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"]))
+        with torch.no_grad():  # LoRA B starts at zero, which would leave A without gradient
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        return model.train()
+
+    queries, docs = _queries(), _docs()
+    _, ref = _full_batch(lora_model(False), [queries, docs])
+    assert ref and all("lora_" in n for n in ref), "only LoRA parameters train"
+    model = lora_model(True)
+    assert model.base_model.model.language_model.gradient_checkpointing
+    GradCache(model, info_nce, 2).step(queries, docs)
+    _assert_grads_close(_take_grads(model), ref)
+
+
+def test_gradcache_naive_pixel_split_raises(qwen):
+    def dim0_split(x, chunk_size):  # what a generic split does: every tensor by sample count
+        return [{k: v[s : s + chunk_size] for k, v in x.items()} for s in range(0, 6, chunk_size)]
+
+    with pytest.raises(ValueError, match="'pixel_values' has 2 rows but its 'image_grid_thw' .* gives 24 patches"):
+        GradCache(qwen, info_nce, 2, split_fn=dim0_split).step(_queries(), _docs())
+
+    def grid_rows_by_sample(x, chunk_size):  # pixels follow the grids, but grid rows are taken one per sample
+        patches = [0] + x["image_grid_thw"].prod(-1).cumsum(0).tolist()
+        chunks, n, images = [], len(x["input_ids"]), len(x["image_grid_thw"])
+        for s in range(0, n, chunk_size):
+            i, e = min(s, images), min(s + chunk_size, images)
+            chunk = {k: x[k][s : s + chunk_size] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+            chunk.update(image_grid_thw=x["image_grid_thw"][i:e], pixel_values=x["pixel_values"][patches[i] : patches[e]])
+            chunks.append(chunk)
+        return chunks
+
+    docs = qwen3_vl_inputs(MEDIA[:3], seed=1)  # images only; sample 1 has two
+    with pytest.raises(ValueError, match="chunk has 7 image placeholder tokens but its .image_grid_thw. .* needs 6"):
+        GradCache(qwen, info_nce, 2, split_fn=grid_rows_by_sample).step(docs, docs)
+
+
+def test_gradcache_autocast_bf16_matches_plain_autocast():
+    bert = tiny_bert()
+    inputs = [_text(seed=3), _text(seed=4)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref = _full_batch(bert, inputs)
+    loss = GradCache(bert, info_nce, 2, autocast_dtype=torch.bfloat16).step(*inputs)
+    # bf16 (8-bit mantissa) rounds activations; chunking changes which products are rounded together.
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+    _assert_grads_close(_take_grads(bert), ref, rel=3e-2)
+
+
+def test_gradcache_fp16_grad_scaler_scales_gradients_like_plain_step():
+    bert = tiny_bert()
+    inputs = [_text(seed=3), _text(seed=4)]
+    _, ref32 = _full_batch(bert, inputs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    GradCache(bert, info_nce, 2, autocast_dtype=torch.float16, scaler=scaler).step(*inputs)
+    got = {n: g / scaler.get_scale() for n, g in _take_grads(bert).items()}
+    # fp16 (11-bit mantissa) activations vs the fp32 reference; the scale must be exactly the scaler's.
+    _assert_grads_close(got, ref32, rel=2e-2)
+
+
+def test_gradcache_tensor_inputs_separate_models_uneven_chunks():
+    torch.manual_seed(0)
+    towers = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)) for _ in range(2)]
+    q, p = torch.randn(7, 8), torch.randn(7, 8)
+    info_nce(towers[0](q), towers[1](p)).backward()
+    ref = _take_grads(*towers)
+    GradCache(towers, info_nce, 3).step(q, p)  # chunks of 3, 3, 1
+    _assert_grads_close(_take_grads(*towers), ref)
+
+
+def test_gradcache_wrong_model_count_raises():
+    towers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    with pytest.raises(ValueError, match="3 models but step\\(\\) got 2 inputs"):
+        GradCache(towers, info_nce, 2).step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_pool_left_and_right_padding_agree():
+    bert = tiny_bert()
+    right = _text()
+    left = {k: torch.stack([torch.roll(v[i], int((1 - right["attention_mask"][i]).sum())) for i in range(6)])
+            for k, v in right.items()}  # same tokens, padding moved to the left
+    for mode in ("last", "mean", "cls"):
+        # BERT's absolute positions shift with left padding, so compare pooling on the same token states.
+        hidden = bert(**right).last_hidden_state
+        shifted = torch.stack([torch.roll(hidden[i], int((1 - right["attention_mask"][i]).sum()), 0) for i in range(6)])
+        torch.testing.assert_close(pool(shifted, left["attention_mask"], mode), pool(hidden, right["attention_mask"], mode))
+    lengths = right["attention_mask"].sum(1)
+    assert torch.equal(pool(hidden, right["attention_mask"], "last"), hidden[torch.arange(6), lengths - 1])
+
+
+def test_gradcache_trainer_step_matches_full_batch_sgd_update(tmp_path):
+    from transformers import TrainingArguments
+
+    queries, positives = _text(seed=3), _text(seed=4)
+    rows = [{"query": {k: v[i] for k, v in queries.items()}, "positive": {k: v[i] for k, v in positives.items()}}
+            for i in range(6)]
+
+    def collate(batch):
+        return {side: {k: torch.stack([r[side][k] for r in batch]) for k in batch[0][side]} for side in ("query", "positive")}
+
+    ref_model = tiny_bert()
+    _, ref = _full_batch(ref_model, [queries, positives])
+    lr = 0.5
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=6, max_steps=1, optim="sgd", learning_rate=lr,
+                             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none",
+                             remove_unused_columns=False, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    GradCacheTrainer(model=model, args=args, train_dataset=rows, data_collator=collate, chunk_size=2).train()
+    # Batch order is shuffled, but the InfoNCE batch loss is invariant to permuting query/positive pairs.
+    got = {f"0.{n}": (before[n] - p.detach()) / lr for n, p in model.named_parameters()}
+    _assert_grads_close({n: got[n] for n in ref}, ref)
+
+
+def test_gradcache_trainer_requires_remove_unused_columns_false(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="remove_unused_columns=False"):
+        GradCacheTrainer(model=tiny_bert(), args=args, chunk_size=2)
+
+
+# -- world size 2: DDP, no_sync, cross-rank negatives ----------------------------------------------------
+
+
+def _docs_first_info_nce(docs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    return info_nce(queries, docs)
+
+
+def _ddp_cross_rank_case(layouts: list[tuple[list[int], bool]], ref: dict[str, torch.Tensor]) -> list[dict]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    queries, docs = _queries(), _docs()
+    results = []
+    for sizes, docs_first in layouts:
+        # Text-only query chunks leave the vision tower unused in some backwards: find_unused_parameters.
+        # forward_sync_buffers=False: ranks with different chunk counts run different numbers of forwards.
+        ddp = DistributedDataParallel(tiny_qwen3_vl(), find_unused_parameters=True, forward_sync_buffers=False)
+        spec = VisionTokenSpec.from_config(ddp.module.config)
+        # Rank r owns the r-th block of `sizes` samples of both inputs (rank-major global order).
+        local = [split_inputs(x, sizes[0], vision_spec=spec)[rank] for x in (queries, docs)]  # sizes[0] >= sizes[1]
+        assert local[0]["input_ids"].shape[0] == sizes[rank]
+        allreduces = []
+
+        def hook(state, bucket, allreduces=allreduces):
+            allreduces.append(bucket.index())
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        if docs_first:  # the last chunk is then text-only: vision-tower grads come only from no_sync chunks
+            loss = GradCache(ddp, _docs_first_info_nce, 2, cross_rank=True).step(local[1], local[0])
+        else:
+            loss = GradCache(ddp, info_nce, 2, cross_rank=True).step(*local)
+        diff, scale = _max_diff(_take_grads(ddp.module), ref)
+        results.append(dict(diff=diff, scale=scale, loss=loss.item(), allreduces=len(allreduces),
+                            buckets=len(set(allreduces))))
+    return results
+
+
+def test_gradcache_cross_rank_ddp_world_size_2_matches_single_process(rank_pool):
+    ref_loss, ref = _full_batch(tiny_qwen3_vl(), [_queries(), _docs()])  # one process, the whole batch
+    layouts = [([3, 3], False), ([4, 2], False), ([4, 2], True)]
+    per_rank = rank_pool(2).run(_ddp_cross_rank_case, layouts, ref)
+    for layout, r0, r1 in zip(layouts, *per_rank):
+        print(f"layout {layout}: max |grad diff| rank0 {r0['diff']:.3e} rank1 {r1['diff']:.3e} (max |grad| {r0['scale']:.3e})")
+        for r in (r0, r1):
+            assert r["diff"] <= REL_TOL * r["scale"]
+            assert abs(r["loss"] - ref_loss.item()) <= 1e-5, "every rank returns the global-batch loss"
+            assert r["allreduces"] == r["buckets"], "no_sync: one all-reduce per bucket per step, not per chunk"
