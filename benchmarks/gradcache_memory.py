@@ -5,8 +5,8 @@ the batch. For batch sizes 8, 32 and 128 (chunk 4) it records
 
 - peak live tensor bytes of one training step (``hfpatch.testing.memory``; parameters, inputs and the
   already allocated ``.grad`` buffers excluded, so the figure is activations + temporaries), and
-- the median time of a step (no tracker), for the plain step and for GradCache, as process CPU time with one
-  torch thread (stable on a shared machine) and as wall time.
+- the time of a step (no tracker), for the plain step and for GradCache: the minimum over repeats of the
+  process CPU time with one torch thread (the least noisy estimate on a shared machine), and of wall time.
 
 Writes ``benchmarks/results/gradcache_memory.json`` and ``.png``. Runs on CPU in about two minutes.
 
@@ -16,8 +16,8 @@ Writes ``benchmarks/results/gradcache_memory.json`` and ``.png``. Runs on CPU in
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -36,22 +36,50 @@ def small_qwen3_vl() -> torch.nn.Module:
     """A stock ``Qwen3VLModel`` a little larger than ``tiny_qwen3_vl`` so that compute, not Python, dominates."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
-                                 "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64,
-                  deepstack_visual_indexes=[1])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=120, video_token_id=121,
-                           vision_start_token_id=122, vision_end_token_id=123)
+    text = dict(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [8, 12, 12],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=512,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=256,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[1],
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
+    )
     torch.manual_seed(0)
     return Qwen3VLModel(config).train()
 
 
 def batch(size: int) -> tuple[dict, dict]:
-    queries = qwen3_vl_inputs([[]] * size, text_len=16, seed=1)
-    docs = qwen3_vl_inputs([[("image", (1, 8, 8))]] * size, text_len=16, seed=2)
+    queries = qwen3_vl_inputs([[]] * size, text_len=32, seed=1)
+    docs = qwen3_vl_inputs([[("image", (1, 8, 8))]] * size, text_len=32, seed=2)
     return queries, docs
 
 
@@ -61,11 +89,16 @@ def plain_step(model: torch.nn.Module, queries: dict, docs: dict) -> torch.Tenso
     return loss.detach()
 
 
-def measure(model, step, inputs, repeats: int) -> tuple[int, float, float]:
+def measure(model, step, inputs, repeats: int, track: bool = True) -> tuple[int, float, float]:
+    """Peak tracked bytes (0 when not ``track``), minimum CPU time and minimum wall time of ``step(*inputs)``."""
     step(*inputs)  # warm-up; also allocates .grad, which the tracker then does not count
     model.zero_grad(set_to_none=False)
-    with track_memory() as mem:
-        step(*inputs)
+    gc.collect()  # free garbage from earlier runs before counting
+    peak = 0
+    if track:
+        with track_memory() as mem:
+            step(*inputs)
+        peak = mem.peak_bytes
     cpu, wall = [], []
     for _ in range(repeats):
         model.zero_grad(set_to_none=False)
@@ -73,7 +106,7 @@ def measure(model, step, inputs, repeats: int) -> tuple[int, float, float]:
         step(*inputs)
         cpu.append(time.process_time() - start_cpu)
         wall.append(time.perf_counter() - start_wall)
-    return mem.peak_bytes, statistics.median(cpu), statistics.median(wall)
+    return peak, min(cpu), min(wall)
 
 
 def main() -> None:
@@ -81,6 +114,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--chunk", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep-batch", type=int, default=32, help="batch for the chunk-size time sweep")
+    parser.add_argument("--sweep-chunks", type=int, nargs="+", default=[4, 8, 16])
     args = parser.parse_args()
     torch.set_num_threads(1)  # CPU time of one thread measures work; threads on a busy machine spin-wait
 
@@ -89,30 +124,64 @@ def main() -> None:
     rows = []
     for size in args.batch_sizes:
         inputs = batch(size)
-        plain_peak, plain_time, plain_wall = measure(model, lambda q, d: plain_step(model, q, d), inputs, args.repeats)
+        plain_peak, plain_time, plain_wall = measure(
+            model, lambda q, d: plain_step(model, q, d), inputs, args.repeats
+        )
         gc_peak, gc_time, gc_wall = measure(model, cache.step, inputs, args.repeats)
-        rows.append(dict(batch=size, plain_peak_bytes=plain_peak, gradcache_peak_bytes=gc_peak,
-                         plain_step_s=plain_time, gradcache_step_s=gc_time,
-                         plain_step_wall_s=plain_wall, gradcache_step_wall_s=gc_wall))
-        print(f"batch {size:4d}: peak plain {plain_peak / 2**20:7.2f} MiB, GradCache {gc_peak / 2**20:6.2f} MiB | "
-              f"step plain {plain_time * 1e3:7.1f} ms, GradCache {gc_time * 1e3:7.1f} ms "
-              f"({gc_time / plain_time:.2f}x)", flush=True)
+        rows.append(
+            dict(
+                batch=size,
+                plain_peak_bytes=plain_peak,
+                gradcache_peak_bytes=gc_peak,
+                plain_step_s=plain_time,
+                gradcache_step_s=gc_time,
+                plain_step_wall_s=plain_wall,
+                gradcache_step_wall_s=gc_wall,
+            )
+        )
+        print(
+            f"batch {size:4d}: peak plain {plain_peak / 2**20:7.2f} MiB, GradCache {gc_peak / 2**20:6.2f} MiB | "
+            f"step plain {plain_time * 1e3:7.1f} ms, GradCache {gc_time * 1e3:7.1f} ms "
+            f"({gc_time / plain_time:.2f}x)",
+            flush=True,
+        )
+    sweep = []
+    inputs = batch(args.sweep_batch)
+    _, plain_time, _ = measure(model, lambda q, d: plain_step(model, q, d), inputs, args.repeats, track=False)
+    for chunk in args.sweep_chunks:
+        _, gc_time, _ = measure(
+            model, GradCache(model, info_nce, chunk).step, inputs, args.repeats, track=False
+        )
+        sweep.append(
+            dict(batch=args.sweep_batch, chunk=chunk, plain_step_s=plain_time, gradcache_step_s=gc_time)
+        )
+        print(
+            f"batch {args.sweep_batch} chunk {chunk:3d}: GradCache / plain step time {gc_time / plain_time:.2f}x"
+        )
     base = rows[0]
     summary = dict(
         chunk=args.chunk,
-        gradcache_peak_vs_smallest_batch=[r["gradcache_peak_bytes"] / base["gradcache_peak_bytes"] for r in rows],
+        gradcache_peak_vs_smallest_batch=[
+            r["gradcache_peak_bytes"] / base["gradcache_peak_bytes"] for r in rows
+        ],
         plain_peak_vs_smallest_batch=[r["plain_peak_bytes"] / base["plain_peak_bytes"] for r in rows],
         step_time_ratio=[r["gradcache_step_s"] / r["plain_step_s"] for r in rows],
+        step_time_ratio_by_chunk={r["chunk"]: r["gradcache_step_s"] / r["plain_step_s"] for r in sweep},
     )
     RESULTS.mkdir(exist_ok=True)
-    out = dict(model="Qwen3VLModel (text 128x2, vision 64x2), query text + 8x8-patch image docs, InfoNCE, fp32 CPU",
-               torch_threads=torch.get_num_threads(), rows=rows, summary=summary)
+    out = dict(
+        model="Qwen3VLModel (text 128x2, vision 64x2), query text + 8x8-patch image docs, InfoNCE, fp32 CPU",
+        torch_threads=torch.get_num_threads(),
+        rows=rows,
+        chunk_sweep=sweep,
+        summary=summary,
+    )
     (RESULTS / "gradcache_memory.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=2))
-    plot(rows, args.chunk, RESULTS / "gradcache_memory.png")
+    plot(rows, sweep, args.chunk, RESULTS / "gradcache_memory.png")
 
 
-def plot(rows: list[dict], chunk: int, path: Path) -> None:
+def plot(rows: list[dict], sweep: list[dict], chunk: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,16 +190,26 @@ def plot(rows: list[dict], chunk: int, path: Path) -> None:
     sizes = [r["batch"] for r in rows]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
     ax_mem.plot(sizes, [r["plain_peak_bytes"] / 2**20 for r in rows], "o-", label="plain step")
-    ax_mem.plot(sizes, [r["gradcache_peak_bytes"] / 2**20 for r in rows], "s-", label=f"GradCache (chunk {chunk})")
-    ax_mem.set(xscale="log", yscale="log", xlabel="batch size", ylabel="peak live tensor MiB",
-               title="Peak activation memory of one step")
+    ax_mem.plot(
+        sizes, [r["gradcache_peak_bytes"] / 2**20 for r in rows], "s-", label=f"GradCache (chunk {chunk})"
+    )
+    ax_mem.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size",
+        ylabel="peak live tensor MiB",
+        title="Peak activation memory of one step",
+    )
     ax_mem.set_xticks(sizes, [str(s) for s in sizes])
     ax_mem.legend()
-    ratios = [r["gradcache_step_s"] / r["plain_step_s"] for r in rows]
-    ax_time.bar([str(s) for s in sizes], ratios, color="tab:orange")
+    labels = [f"B={r['batch']}\nchunk {chunk}" for r in rows] + [
+        f"B={r['batch']}\nchunk {r['chunk']}" for r in sweep
+    ]
+    ratios = [r["gradcache_step_s"] / r["plain_step_s"] for r in rows + sweep]
+    ax_time.bar(labels, ratios, color=["tab:orange"] * len(rows) + ["tab:green"] * len(sweep))
     ax_time.axhline(1.4, color="gray", ls="--", label="1.4x target")
-    ax_time.set(xlabel="batch size", ylabel="GradCache / plain step CPU time",
-               title="Step time overhead (CPU, 1 thread)")
+    ax_time.set(ylabel="GradCache / plain step CPU time", title="Step time overhead (CPU, 1 thread)")
+    ax_time.tick_params(axis="x", labelsize=8)
     ax_time.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -42,7 +42,8 @@ def _best_of(fn, repeats: int) -> tuple[float, float]:
 
 def run(num_blocks: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # one thread: less scheduler noise on a shared CPU, and no growth from parallelism
+    # One thread: less scheduler noise on a shared CPU, and the CPU time of a call is its cost.
+    torch.set_num_threads(1)
     config = StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3)
     model = tiny_wan_transformer(num_heads=4, head_dim=16, num_layers=2)
     patch = hfpatch.apply(model, streaming=config)
@@ -60,13 +61,20 @@ def run(num_blocks: int, repeats: int) -> dict:
             s = block * n
             x = latents[:, :, s : s + n]
             step = torch.tensor([500.0])
-            wall, cpu = _best_of(lambda: model(x, step, prompt, kv_cache=cache, frame_offset=s), repeats)
+            wall, cpu = _best_of(
+                lambda x=x, step=step, s=s: model(x, step, prompt, kv_cache=cache, frame_offset=s), repeats
+            )
             model(x, torch.tensor([0.0]), prompt, kv_cache=cache, frame_offset=s)  # context pass: clean K/V
-            row = {"blocks": block + 1, "cache_bytes": cache.nbytes, "cached_s": cpu, "cached_wall_s": wall,
-                   "cached_frames": len(cache.frames())}
+            row = {
+                "blocks": block + 1,
+                "cache_bytes": cache.nbytes,
+                "cached_s": cpu,
+                "cached_wall_s": wall,
+                "cached_frames": len(cache.frames()),
+            }
             if block + 1 in uncached_at:
                 ts = torch.cat([torch.zeros(1, s), torch.full((1, n), 500.0)], dim=1)
-                wall, cpu = _best_of(lambda: model(latents[:, :, : s + n], ts, prompt), repeats)
+                wall, cpu = _best_of(lambda s=s, ts=ts: model(latents[:, :, : s + n], ts, prompt), repeats)
                 row["uncached_s"], row["uncached_wall_s"] = cpu, wall
             rows.append(row)
             print(row, flush=True)
@@ -83,9 +91,17 @@ def run(num_blocks: int, repeats: int) -> dict:
         "uncached_last_s": rows[uncached_at[-1] - 1]["uncached_s"],
     }
     return {
-        "config": {"streaming": vars(config), "model": "tiny_wan_transformer(heads=4, head_dim=16, layers=2)",
-                   "tokens_per_frame": (height // 2) * (width // 2), "repeats": repeats},
-        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "config": {
+            "streaming": vars(config),
+            "model": "tiny_wan_transformer(heads=4, head_dim=16, layers=2)",
+            "tokens_per_frame": (height // 2) * (width // 2),
+            "repeats": repeats,
+        },
+        "machine": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+        },
         "summary": summary,
         "rows": rows,
     }
@@ -101,9 +117,15 @@ def plot(result: dict, path: Path) -> None:
     blocks = [r["blocks"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(blocks, [r["cache_bytes"] / 1024 for r in rows], label="StreamingKVCache.nbytes")
-    ax1.plot(blocks, [r["cached_frames"] for r in rows], "--", label="cached frames")
-    ax1.set(xlabel="generated blocks", ylabel="KiB / frames", title="KV cache size (window 12, sink 3)")
-    ax1.legend()
+    ax1.set(xlabel="generated blocks", ylabel="KiB", title="KV cache (window 12 frames, sink 3)")
+    ax1.set_ylim(bottom=0)
+    frames_ax = ax1.twinx()
+    frames_ax.plot(
+        blocks, [r["cached_frames"] for r in rows], "--", color="tab:orange", label="cached frames"
+    )
+    frames_ax.set(ylabel="cached frames")
+    frames_ax.set_ylim(bottom=0)
+    fig.legend(loc="lower center", bbox_to_anchor=(0.27, 0.2))
     ax2.plot(blocks, [1e3 * r["cached_s"] for r in rows], label="cached: one block")
     un = [r for r in rows if "uncached_s" in r]
     ax2.plot([r["blocks"] for r in un], [1e3 * r["uncached_s"] for r in un], "o-", label="uncached recompute")

@@ -40,13 +40,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--chunk-size", type=int, default=4)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of all weights")
-    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in the second pass")
+    parser.add_argument(
+        "--lora", action="store_true", help="train a LoRA adapter (peft) instead of all weights"
+    )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="gradient checkpointing in the second pass"
+    )
     args = parser.parse_args()
 
     # Text-only query chunks do not use the vision tower: DDP must allow unused parameters.
-    accelerator = Accelerator(mixed_precision=args.mixed_precision,
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
     model = tiny_qwen3_vl()
     if args.checkpointing:
         model.activation_checkpointing_enable()
@@ -56,18 +62,24 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    loader = torch.utils.data.DataLoader(range(args.steps * args.batch_size * accelerator.num_processes),
-                                         batch_size=args.batch_size, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(
+        range(args.steps * args.batch_size * accelerator.num_processes),
+        batch_size=args.batch_size,
+        collate_fn=collate,
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     # accelerate already wraps forward in autocast for bf16/fp16; GradCache needs the fp16 scaler only.
-    cache = GradCache(model, info_nce, args.chunk_size, scaler=accelerator.scaler,
-                      cross_rank=accelerator.num_processes > 1)
+    cache = GradCache(
+        model, info_nce, args.chunk_size, scaler=accelerator.scaler, cross_rank=accelerator.num_processes > 1
+    )
     for step, (queries, docs) in enumerate(loader):
         loss = cache.step(queries, docs)  # fills .grad with the gradient of the whole (global) batch
         optimizer.step()
         optimizer.zero_grad()
-        accelerator.print(f"step {step}: loss {loss.item():.4f} over {len(queries['input_ids']) * accelerator.num_processes} pairs")
+        accelerator.print(
+            f"step {step}: loss {loss.item():.4f} over {len(queries['input_ids']) * accelerator.num_processes} pairs"
+        )
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ head is still computed by exactly one rank, so the result is exact; the cost is 
 
 Replicated joint tokens need no communication on the way in (each rank slices its heads); their output
 heads are all-gathered at the end. Under the sum-of-losses gradient convention (see
-:func:`hfpatch.attention.usp.usp_attention`) the adjoint of that all-gather is a reduce-scatter and the
+:mod:`hfpatch.attention.usp`) the adjoint of that all-gather is a reduce-scatter and the
 adjoint of the slice is zero-padding, so no gradient is lost or double counted.
 
-Bytes sent per rank and all-to-all: ``(u - 1) / u`` of the local tensor (the analytic minimum).
+Bytes sent per rank and all-to-all: ``(u - 1) / u`` of the local tensor when ``u`` divides the heads (the
+analytic minimum; with uneven heads the ranks' shares differ, the total is the same).
 """
 
 from __future__ import annotations

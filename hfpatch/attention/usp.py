@@ -8,15 +8,20 @@
 Axes of degree 1 (``None`` groups) skip their communication entirely; with both ``None`` this is plain
 local attention. The sharding layout is :mod:`hfpatch.attention.layout`.
 
-Gradient convention (sum of losses). The objective is the SUM over ranks of each rank's loss (a rank that
-computes the loss from a gathered output with a ``"slice"`` backward, as every rank does identically, fits
-this: each rank's share is the dependence through its own shard). Then:
+Gradient convention (sum of losses). The objective is the SUM over ranks of each rank's loss, where a rank's
+loss depends on the model only through what the rank computes for its own shard. That is the case when
+every rank computes the same loss from an output gathered with a ``"slice"`` backward (the gradient of a
+rank's shard is its slice of the loss gradient). Then:
 
 - ``query``/``key``/``value`` (sharded) get exactly their shard of the full gradient (padded rows: 0);
 - the replicated ``joint_*`` inputs get this rank's *share*; the shares sum over the sp group to the full
-  gradient, and everything computed replicated upstream inherits the same rule;
+  gradient, and everything computed replicated upstream inherits the same rule (no extra communication:
+  the joint output's all-gather has a reduce-scatter backward, the joint head slice a zero-padding one);
 - hence parameter gradients (and gradients of any replicated input) must be all-reduced with SUM over the
   ``"sp"`` group (ring x ulysses) to equal the single-process gradients.
+
+A loss term on a replicated output (say the text tokens) is seen in full by every rank: count it on one
+rank only, or scale it by ``1 / sp_size``.
 """
 
 from __future__ import annotations
@@ -60,10 +65,15 @@ def _check_inputs(query, key, value, joint, joint_position, valid_len, world) ->
         jq = joint[0]
         b, _, h, d = query.shape
         for name, t in zip(("joint_query", "joint_key", "joint_value"), joint):
-            if t.dim() != 4 or t.shape != jq.shape or (t.shape[0], t.shape[2], t.shape[3]) != (b, h, d):
+            if (
+                t.dim() != 4
+                or t.shape != jq.shape
+                or (t.shape[0], t.shape[2], t.shape[3]) != (b, h, d)
+                or t.shape[1] < 1
+            ):
                 raise ValueError(
-                    f"usp_attention: {name} must be [B={b}, S_txt, H={h}, D={d}] like the other joint tensors, "
-                    f"got {tuple(t.shape)}"
+                    f"usp_attention: {name} must be [B={b}, S_txt >= 1, H={h}, D={d}] like the other joint "
+                    f"tensors, got {tuple(t.shape)} (pass joint_*=None for no joint tokens)"
                 )
             if t.dtype != query.dtype:
                 raise ValueError(

@@ -108,7 +108,9 @@ class SequenceShard:
     One instance per patched model, shared by its hooks and attention processors. ``valid_len`` (real
     tokens in the full sequence) and ``local_len`` (tokens per shard, padding included) are set by the
     first split of each forward and checked by every later one, so a plan that cuts two tensors of
-    different lengths fails loudly instead of mis-aligning them.
+    different lengths fails loudly instead of mis-aligning them. Gradient checkpointing is fine (a
+    recomputed block re-cuts the same shard), as long as no forward of another length runs between a
+    forward and its backward.
 
     Attributes:
         group: The ``sp`` process group (ring x ulysses).
@@ -334,8 +336,10 @@ def all_reduce_gradients(tensors: Iterable[torch.Tensor | torch.nn.Module], grou
     After ``loss.backward()`` on a sequence-parallel model every rank holds partial gradients (its shard's
     contribution); their SUM over the ``sp`` group is the unpatched gradient, for parameters and for the
     model's inputs alike. The group is ``hfpatch.distributed.runtime.get_mesh(patch.plan).group("sp")``
-    (``None`` when there is no sequence parallelism: nothing to do). Under DDP over the ``data`` axis, run
-    this before the optimizer step; DDP averages over ``data`` on its own.
+    (``None`` when there is no sequence parallelism: nothing to do). Call it once before the optimizer
+    step (it is linear, so gradient accumulation is fine). With DDP over the ``data`` axis only, DDP
+    averages over ``data`` on its own; DDP over all ranks would average the sp shares instead of summing
+    them (scale the loss by the ``sp`` size and skip this function).
     """
     if group is None:
         return

@@ -21,7 +21,10 @@ generated in full, then sliced), and every rank returns the full output.
   unevenly where it does not divide, and the outputs are all-gathered.
 
 Sequence parallelism of the transformer (its own family, mesh axes ``"ring"``/``"ulysses"``) runs inside
-these calls unchanged: the data and cfg groups are orthogonal to the sequence-parallel group.
+these calls unchanged: the data and cfg groups are orthogonal to the sequence-parallel group. The wrapper
+replaces the transformer's ``forward`` (per object), so module hooks on submodules run only where the
+transformer really computes; a forward hook on the transformer itself would see the cfg-rank-1 placeholder
+of the two-call pattern before it is filled.
 
 >>> import hfpatch, torch
 >>> from hfpatch.testing import tiny_wan_pipe

@@ -51,12 +51,20 @@ class _Call:
     """What the processors of one transformer call need (set by the patched ``forward``)."""
 
     frame_offset: int
-    num_frames: int
     tokens_per_frame: int
     prompt: torch.Tensor  # the encoder_hidden_states given to forward (cross-attention cache key)
     cache: StreamingKVCache | None
-    read_slots: list[int] | None = None  # cached frames this block sees (cache mode)
-    write_slots: list[int] | None = None
+    # Cache mode: token positions in the cache buffers to read (earlier visible frames) and to write.
+    read_index: torch.Tensor | None = None
+    write_index: torch.Tensor | None = None
+    # No-cache mode: per query block, (first token, end token, key token positions within the input).
+    blocks: list[tuple[int, int, torch.Tensor]] | None = None
+
+
+def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor:
+    """Token positions of whole frames (frame ``f`` covers ``[f * tokens_per_frame, (f + 1) * tokens_per_frame)``)."""
+    frame = torch.tensor(frames, dtype=torch.long)[:, None]
+    return (frame * tokens_per_frame + torch.arange(tokens_per_frame)).flatten().to(device)
 
 
 class _CallState:
@@ -85,7 +93,9 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def _attend(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2))
+    out = F.scaled_dot_product_attention(
+        q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2)
+    )
     return out.transpose(1, 2)
 
 
@@ -124,23 +134,18 @@ class StreamingSelfAttnProcessor:
         cache = call.cache
         if self.layer == 0:
             cache.ensure_allocated(k, call.tokens_per_frame)
-        read = cache.token_index(call.read_slots, k.device)
-        write = cache.token_index(call.write_slots, k.device)
         keys, values = cache.keys[self.layer], cache.values[self.layer]
-        k_all = torch.cat([keys.index_select(1, read), k], dim=1)
-        v_all = torch.cat([values.index_select(1, read), v], dim=1)
-        keys.index_copy_(1, write, k.detach())
-        values.index_copy_(1, write, v.detach())
+        k_all = torch.cat([keys.index_select(1, call.read_index), k], dim=1)
+        v_all = torch.cat([values.index_select(1, call.read_index), v], dim=1)
+        keys.index_copy_(1, call.write_index, k.detach())
+        values.index_copy_(1, call.write_index, v.detach())
         return _attend(q, k_all, v_all)
 
     def _block_causal(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n, tpf, first = self.config.num_frame_per_block, call.tokens_per_frame, call.frame_offset
-        outs = []
-        for s in range(first, first + call.num_frames, n):
-            seen = torch.tensor(visible_frames(self.config, first, s + n), device=q.device) - first
-            index = (seen[:, None] * tpf + torch.arange(tpf, device=q.device)).flatten()
-            q_block = q[:, (s - first) * tpf : (s - first + n) * tpf]
-            outs.append(_attend(q_block, k.index_select(1, index), v.index_select(1, index)))
+        outs = [
+            _attend(q[:, start:end], k.index_select(1, index), v.index_select(1, index))
+            for start, end, index in call.blocks
+        ]
         return torch.cat(outs, dim=1)
 
 
@@ -184,21 +189,27 @@ def _rope_forward(state: _CallState, rope: Any) -> Callable:
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p_t, p_h, p_w = rope.patch_size
-        frames, height, width = (hidden_states.shape[2] // p_t, hidden_states.shape[3] // p_h,
-                                 hidden_states.shape[4] // p_w)
+        frames, height, width = (
+            hidden_states.shape[2] // p_t,
+            hidden_states.shape[3] // p_h,
+            hidden_states.shape[4] // p_w,
+        )
         offset = state.current().frame_offset
         positions = torch.arange(offset, offset + frames, device=rope.freqs_cos.device)
         # The dtype recipe of WanRotaryPosEmbed.__init__, so positions inside its table give identical values.
         dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64
-        t_cos, t_sin = get_1d_rotary_pos_embed(rope.t_dim, positions, 10000.0, use_real=True,
-                                               repeat_interleave_real=True, freqs_dtype=dtype)
+        t_cos, t_sin = get_1d_rotary_pos_embed(
+            rope.t_dim, positions, 10000.0, use_real=True, repeat_interleave_real=True, freqs_dtype=dtype
+        )
         tables = []
         for t_part, table in ((t_cos, rope.freqs_cos), (t_sin, rope.freqs_sin)):
             _, h_part, w_part = table.split([rope.t_dim, rope.h_dim, rope.w_dim], dim=1)
             shape = (frames, height, width, -1)
-            parts = [t_part.to(table).view(frames, 1, 1, -1).expand(shape),
-                     h_part[:height].view(1, height, 1, -1).expand(shape),
-                     w_part[:width].view(1, 1, width, -1).expand(shape)]
+            parts = [
+                t_part.to(table).view(frames, 1, 1, -1).expand(shape),
+                h_part[:height].view(1, height, 1, -1).expand(shape),
+                w_part[:width].view(1, 1, width, -1).expand(shape),
+            ]
             tables.append(torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1))
         return tables[0], tables[1]
 
@@ -214,14 +225,19 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
         tpf = state.current().tokens_per_frame
         per_frame = timestep.view(-1, timestep_seq_len)[:, ::tpf].flatten()
         temb, proj, text, image = original(
-            per_frame, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=timestep_seq_len // tpf
+            per_frame,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            timestep_seq_len=timestep_seq_len // tpf,
         )
         return temb.repeat_interleave(tpf, dim=1), proj.repeat_interleave(tpf, dim=1), text, image
 
     return forward
 
 
-def _transformer_forward(state: _CallState, config: StreamingConfig, model: Any, original: Callable) -> Callable:
+def _transformer_forward(
+    state: _CallState, config: StreamingConfig, model: Any, original: Callable
+) -> Callable:
     """The transformer ``forward`` with ``frame_offset`` and ``kv_cache`` (cache mode runs block by block)."""
 
     def forward(
@@ -252,8 +268,16 @@ def _transformer_forward(state: _CallState, config: StreamingConfig, model: Any,
             )
         if timestep.ndim > 2:
             raise ValueError(f"timestep must be [batch] or [batch, num_frames], got {list(timestep.shape)}")
+        if model.gradient_checkpointing and torch.is_grad_enabled():
+            raise ValueError(
+                "the streaming patch does not support gradient checkpointing yet (the recomputation in backward "
+                "runs outside the forward that carries frame positions and the cache); call "
+                "transformer.disable_gradient_checkpointing() or run under torch.no_grad()"
+            )
         if state.call is not None:
-            raise RuntimeError("the streaming Wan transformer is not re-entrant (a forward is already running)")
+            raise RuntimeError(
+                "the streaming Wan transformer is not re-entrant (a forward is already running)"
+            )
 
         if kv_cache is not None and frames > n:
             # Block-causal: a block never depends on later blocks, so running block by block is exact.
@@ -261,23 +285,56 @@ def _transformer_forward(state: _CallState, config: StreamingConfig, model: Any,
             for s in range(0, frames, n):
                 ts = timestep[:, s : s + n] if timestep.ndim == 2 else timestep
                 outs.append(
-                    forward(hidden_states[:, :, s : s + n], ts, encoder_hidden_states, encoder_hidden_states_image,
-                            False, attention_kwargs, frame_offset=frame_offset + s, kv_cache=kv_cache)[0]
+                    forward(
+                        hidden_states[:, :, s : s + n],
+                        ts,
+                        encoder_hidden_states,
+                        encoder_hidden_states_image,
+                        False,
+                        attention_kwargs,
+                        frame_offset=frame_offset + s,
+                        kv_cache=kv_cache,
+                    )[0]
                 )
             output = torch.cat(outs, dim=2)
             return (output,) if not return_dict else _output(output)
 
-        p_t, p_h, p_w = model.config.patch_size
+        _, p_h, p_w = model.config.patch_size  # the temporal patch size is 1 (checked in validate)
         tokens_per_frame = (height // p_h) * (width // p_w)
         if timestep.ndim == 2:
-            timestep = timestep.repeat_interleave(tokens_per_frame * p_t, dim=1)
-        call = _Call(frame_offset, frames // p_t, tokens_per_frame, encoder_hidden_states, kv_cache)
+            timestep = timestep.repeat_interleave(tokens_per_frame, dim=1)  # the stock per-token path
+        call = _Call(frame_offset, tokens_per_frame, encoder_hidden_states, kv_cache)
+        device = hidden_states.device
         if kv_cache is not None:
-            call.read_slots, call.write_slots = kv_cache.plan_block(frame_offset, frames)
+            read, write = kv_cache.plan_block(frame_offset, frames)
+            call.read_index = _token_index(read, tokens_per_frame, device)
+            call.write_index = _token_index(write, tokens_per_frame, device)
+        else:
+            call.blocks = [
+                (
+                    s * tokens_per_frame,
+                    (s + n) * tokens_per_frame,
+                    _token_index(
+                        [
+                            f - frame_offset
+                            for f in visible_frames(config, frame_offset, frame_offset + s + n)
+                        ],
+                        tokens_per_frame,
+                        device,
+                    ),
+                )
+                for s in range(0, frames, n)
+            ]
         state.call = call
         try:
-            result = original(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
-                              return_dict, attention_kwargs)
+            result = original(
+                hidden_states,
+                timestep,
+                encoder_hidden_states,
+                encoder_hidden_states_image,
+                return_dict,
+                attention_kwargs,
+            )
         finally:
             state.call = None
         if kv_cache is not None:
@@ -323,9 +380,14 @@ class WanStreamingPatch(PatchFamily):
                 f"got added_kv_proj_dim={cfg.added_kv_proj_dim}, image_dim={cfg.image_dim}"
             )
         if cfg.patch_size[0] != 1:
-            raise ValueError(f"streaming needs a temporal patch size of 1, got patch_size={tuple(cfg.patch_size)}")
-        fused = [i for i, b in enumerate(target.blocks) if getattr(b.attn1, "fused_projections", False)
-                 or getattr(b.attn2, "fused_projections", False)]
+            raise ValueError(
+                f"streaming needs a temporal patch size of 1, got patch_size={tuple(cfg.patch_size)}"
+            )
+        fused = [
+            i
+            for i, b in enumerate(target.blocks)
+            if getattr(b.attn1, "fused_projections", False) or getattr(b.attn2, "fused_projections", False)
+        ]
         if fused:
             raise ValueError(
                 f"blocks {fused} have fused QKV projections; call transformer.unfuse_qkv_projections() "

@@ -71,8 +71,13 @@ _PREFIXES = ("base_model.model.", "model.", "module.", "diffusion_model.")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
 
-def _rename(key: str, modules: dict[str, str], params: dict[str, str], block_modules: dict[str, str],
-            block_params: dict[str, str]) -> str | None:
+def _rename(
+    key: str,
+    modules: dict[str, str],
+    params: dict[str, str],
+    block_modules: dict[str, str],
+    block_params: dict[str, str],
+) -> str | None:
     """Rename one key with the given tables, or ``None`` if no rule matches."""
     prefix, rest = "", key
     match = re.match(r"^(blocks\.\d+\.)(.+)$", key)
@@ -120,7 +125,9 @@ def _merge_lora(state: dict[str, torch.Tensor], lora_alpha: float | None) -> dic
             out[key.replace(".base_layer.", ".")] = value
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"} or f"{module}.weight" not in out:
-            raise ValueError(f"LoRA of {module!r} needs lora_A, lora_B and a base weight; found {sorted(pair)}")
+            raise ValueError(
+                f"LoRA of {module!r} needs lora_A, lora_B and a base weight; found {sorted(pair)}"
+            )
         a, b = pair["A"], pair["B"]
         scale = 1.0 if lora_alpha is None else lora_alpha / a.shape[0]
         base = out[f"{module}.weight"]
@@ -128,8 +135,9 @@ def _merge_lora(state: dict[str, torch.Tensor], lora_alpha: float | None) -> dic
     return out
 
 
-def convert_native_to_diffusers(checkpoint: Mapping[str, torch.Tensor], lora_alpha: float | None = None
-                                ) -> dict[str, torch.Tensor]:
+def convert_native_to_diffusers(
+    checkpoint: Mapping[str, torch.Tensor], lora_alpha: float | None = None
+) -> dict[str, torch.Tensor]:
     """Native (Self-Forcing / LongLive) Wan generator state dict -> ``WanTransformer3DModel`` state dict.
 
     Args:
@@ -167,7 +175,9 @@ def convert_diffusers_to_native(state_dict: Mapping[str, torch.Tensor]) -> dict[
 
     out, unknown = {}, []
     for key, value in state_dict.items():
-        new = _rename(key, invert(_TOP_MODULES), invert(_TOP_PARAMS), invert(_BLOCK_MODULES), invert(_BLOCK_PARAMS))
+        new = _rename(
+            key, invert(_TOP_MODULES), invert(_TOP_PARAMS), invert(_BLOCK_MODULES), invert(_BLOCK_PARAMS)
+        )
         if new is None:
             unknown.append(key)
         else:

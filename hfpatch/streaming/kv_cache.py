@@ -210,11 +210,6 @@ class StreamingKVCache:
             self._slot_frames[self.slot(frame)] = frame
 
     # -------------------------------------------------------------------------------- buffer access
-    def token_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
-        """Token positions in the buffers of the given frame slots."""
-        per_frame = torch.arange(self.tokens_per_frame, device=device)
-        return (torch.tensor(slots, dtype=torch.long, device=device)[:, None] * self.tokens_per_frame + per_frame).flatten()
-
     def ensure_allocated(self, key: torch.Tensor, tokens_per_frame: int) -> None:
         """Allocate the buffers for keys shaped like ``key`` ([B, tokens, H, D]) on first use; check later calls."""
         if self.keys is None:

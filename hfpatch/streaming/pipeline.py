@@ -63,7 +63,9 @@ class StreamingOutput:
     prompt_index: int
 
 
-def warp_denoising_steps(steps: Sequence[float], shift: float, num_train_timesteps: int = 1000) -> list[float]:
+def warp_denoising_steps(
+    steps: Sequence[float], shift: float, num_train_timesteps: int = 1000
+) -> list[float]:
     """Shift timesteps like ``FlowMatchEulerDiscreteScheduler(shift=...)`` (Self-Forcing's ``warp_denoising_step``).
 
     >>> warp_denoising_steps([1000, 750, 500, 250], shift=5.0)
@@ -76,7 +78,9 @@ def warp_denoising_steps(steps: Sequence[float], shift: float, num_train_timeste
     return out
 
 
-def _renoise(x0: torch.Tensor, t: float, generator: torch.Generator | None, num_train_timesteps: int) -> torch.Tensor:
+def _renoise(
+    x0: torch.Tensor, t: float, generator: torch.Generator | None, num_train_timesteps: int
+) -> torch.Tensor:
     """Flow-matching forward process ``(1 - sigma) x0 + sigma * noise`` at timestep ``t``."""
     if t == 0:
         return x0
@@ -112,7 +116,9 @@ def _schedule(prompts: PromptSchedule) -> list[tuple[int, torch.Tensor]]:
     if not schedule or schedule[0][0] != 0:
         raise ValueError(f"a prompt schedule must start at block 0, got starts {[b for b, _ in schedule]}")
     if len({b for b, _ in schedule}) != len(schedule):
-        raise ValueError(f"a prompt schedule has one prompt per start block, got starts {[b for b, _ in schedule]}")
+        raise ValueError(
+            f"a prompt schedule has one prompt per start block, got starts {[b for b, _ in schedule]}"
+        )
     return schedule
 
 
@@ -127,8 +133,14 @@ class StreamingWanPipeline:
         patch: The patch to undo in :meth:`remove` (set by :meth:`from_pipe`).
     """
 
-    def __init__(self, transformer: Any, vae: Any, config: StreamingConfig, num_train_timesteps: int = 1000,
-                 patch: Any = None) -> None:
+    def __init__(
+        self,
+        transformer: Any,
+        vae: Any,
+        config: StreamingConfig,
+        num_train_timesteps: int = 1000,
+        patch: Any = None,
+    ) -> None:
         self.transformer, self.vae, self.config = transformer, vae, config
         self.num_train_timesteps = num_train_timesteps
         self.patch = patch
@@ -140,7 +152,9 @@ class StreamingWanPipeline:
         import hfpatch
 
         if getattr(pipe, "transformer_2", None) is not None:
-            raise ValueError("StreamingWanPipeline supports one transformer; this WanPipeline has transformer_2")
+            raise ValueError(
+                "StreamingWanPipeline supports one transformer; this WanPipeline has transformer_2"
+            )
         patch = hfpatch.apply(pipe.transformer, streaming=config)
         return cls(pipe.transformer, pipe.vae, config, pipe.scheduler.config.num_train_timesteps, patch)
 
@@ -149,20 +163,34 @@ class StreamingWanPipeline:
         if self.patch is not None:
             self.patch.remove()
 
-    def _denoise_block(self, x: torch.Tensor, prompt: torch.Tensor, offset: int, steps: Sequence[float],
-                       generator: torch.Generator | None, context: torch.Tensor | None,
-                       context_noise: float) -> torch.Tensor:
+    def _denoise_block(
+        self,
+        x: torch.Tensor,
+        prompt: torch.Tensor,
+        offset: int,
+        steps: Sequence[float],
+        generator: torch.Generator | None,
+        context: torch.Tensor | None,
+        context_noise: float,
+    ) -> torch.Tensor:
         """Few-step denoising of one block; ``context`` (uncached reference mode) holds all earlier frames."""
         batch, n = x.shape[0], x.shape[2]
         for i, t in enumerate(steps):
             if context is None:
-                v = self.transformer(x, torch.full((batch,), float(t)), prompt, kv_cache=self.cache,
-                                     frame_offset=offset).sample
+                v = self.transformer(
+                    x, torch.full((batch,), float(t)), prompt, kv_cache=self.cache, frame_offset=offset
+                ).sample
             else:
-                ts = torch.cat([torch.full((batch, context.shape[2]), float(context_noise)),
-                                torch.full((batch, n), float(t))], dim=1)
-                v = self.transformer(torch.cat([context, x], 2), ts, prompt,
-                                     frame_offset=offset - context.shape[2]).sample[:, :, -n:]
+                ts = torch.cat(
+                    [
+                        torch.full((batch, context.shape[2]), float(context_noise)),
+                        torch.full((batch, n), float(t)),
+                    ],
+                    dim=1,
+                )
+                v = self.transformer(
+                    torch.cat([context, x], 2), ts, prompt, frame_offset=offset - context.shape[2]
+                ).sample[:, :, -n:]
             x0 = x - (t / self.num_train_timesteps) * v
             if i + 1 < len(steps):
                 x = _renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
@@ -201,7 +229,9 @@ class StreamingWanPipeline:
         """
         schedule = _schedule(prompt_embeds)
         if not use_cache and len(schedule) > 1:
-            raise ValueError("use_cache=False is a reference for a single prompt; prompt switches need the cache")
+            raise ValueError(
+                "use_cache=False is a reference for a single prompt; prompt switches need the cache"
+            )
         if output_type not in ("pt", "latent"):
             raise ValueError(f"output_type must be 'pt' or 'latent', got {output_type!r}")
         n = self.config.num_frame_per_block
@@ -230,11 +260,18 @@ class StreamingWanPipeline:
             prompt = schedule[prompt_index][1]
             noise = torch.randn(shape, generator=generator).to(self.transformer.device, dtype)
             context = None if use_cache or not history else torch.cat(history, 2)
-            x0 = self._denoise_block(noise, prompt, offset, denoising_step_list, generator, context, context_noise)
+            x0 = self._denoise_block(
+                noise, prompt, offset, denoising_step_list, generator, context, context_noise
+            )
             context_input = _renoise(x0, context_noise, generator, self.num_train_timesteps)
             if use_cache:
-                self.transformer(context_input, torch.full((batch,), float(context_noise)), prompt,
-                                 kv_cache=self.cache, frame_offset=offset)
+                self.transformer(
+                    context_input,
+                    torch.full((batch,), float(context_noise)),
+                    prompt,
+                    kv_cache=self.cache,
+                    frame_offset=offset,
+                )
             history.append(context_input)
             if keep is not None:
                 history = history[-keep:]
@@ -244,7 +281,9 @@ class StreamingWanPipeline:
                 frames = (decoder.decode(z) / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
             yield StreamingOutput(block, offset, x0, frames, prompt_index)
 
-    def _recache(self, history: list[torch.Tensor], prompt: torch.Tensor, offset: int, context_noise: float) -> None:
+    def _recache(
+        self, history: list[torch.Tensor], prompt: torch.Tensor, offset: int, context_noise: float
+    ) -> None:
         """Rebuild the cache under ``prompt`` from the last frames, so the next block sees sink + window."""
         n = self.config.num_frame_per_block
         # The next block sees at most cache_frames - n earlier frames: recache that many (whole blocks).
@@ -255,8 +294,9 @@ class StreamingWanPipeline:
         frames = torch.cat(history[-blocks:], 2)
         recache(self.transformer, self.cache, frames, prompt, offset - blocks * n, context_noise)
 
-    def __call__(self, prompt_embeds: PromptSchedule, num_blocks: int, height: int, width: int,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, prompt_embeds: PromptSchedule, num_blocks: int, height: int, width: int, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Generate the whole video; returns ``(latents [B, C, F, h, w], frames [B, f, 3, H, W] or None)``."""
         outs = list(self.stream(prompt_embeds, num_blocks, height, width, **kwargs))
         latents = torch.cat([o.latents for o in outs], 2)

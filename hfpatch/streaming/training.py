@@ -129,14 +129,19 @@ class StreamingTrainingModel:
         """``size`` ints in ``[low, high)``, identical on every rank (drawn on all, broadcast from rank 0)."""
         values = torch.randint(low, high, (size,), generator=self._shared)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            device = self.transformer.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            device = (
+                self.transformer.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            )
             values = values.to(device)
-            dist.broadcast(values, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            dist.broadcast(
+                values, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+            )
         return values.cpu().tolist()
 
     # ---------------------------------------------------------------------------------- sequence
-    def setup_sequence(self, prompt_embeds: torch.Tensor, latent_shape: tuple[int, int, int],
-                       max_length: int) -> None:
+    def setup_sequence(
+        self, prompt_embeds: torch.Tensor, latent_shape: tuple[int, int, int], max_length: int
+    ) -> None:
         """Start a new sequence of at most ``max_length`` frames (reset the cache and overlap).
 
         Args:
@@ -145,9 +150,15 @@ class StreamingTrainingModel:
             max_length: Frames of this sequence (draw it with :meth:`shared_randint` to vary it across steps).
         """
         if max_length < self.chunk_size:
-            raise ValueError(f"max_length={max_length} must hold at least one chunk ({self.chunk_size} frames)")
+            raise ValueError(
+                f"max_length={max_length} must hold at least one chunk ({self.chunk_size} frames)"
+            )
         self.cache.reset()
-        self.prompt_embeds, self.latent_shape, self.max_length = prompt_embeds, tuple(latent_shape), max_length
+        self.prompt_embeds, self.latent_shape, self.max_length = (
+            prompt_embeds,
+            tuple(latent_shape),
+            max_length,
+        )
         self.current_length = 0
         self.previous_frames = None
 
@@ -156,8 +167,9 @@ class StreamingTrainingModel:
         """True when fewer than ``min_new_frames`` frames fit before ``max_length`` (start a new sequence)."""
         return self.prompt_embeds is None or self.current_length + self.min_new_frames > self.max_length
 
-    def generate_next_chunk(self, requires_grad: bool, generator: torch.Generator | None = None
-                            ) -> tuple[torch.Tensor, ChunkInfo]:
+    def generate_next_chunk(
+        self, requires_grad: bool, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, ChunkInfo]:
         """Generate the next chunk of the sequence; see the module docstring.
 
         Args:
@@ -192,14 +204,16 @@ class StreamingTrainingModel:
         chunk = torch.cat(parts + [new_frames], dim=2)
         mask = torch.zeros(chunk.shape[0], self.chunk_size, dtype=torch.bool, device=chunk.device)
         mask[:, overlap:] = True
-        info = ChunkInfo(self.current_length - overlap, new, mask, exits,
-                         [self.denoising_step_list[e] for e in exits])
+        info = ChunkInfo(
+            self.current_length - overlap, new, mask, exits, [self.denoising_step_list[e] for e in exits]
+        )
         self.current_length += new
         self.previous_frames = chunk.detach()
         return chunk, info
 
-    def _generate_block(self, offset: int, exit_step: int, requires_grad: bool,
-                        generator: torch.Generator | None) -> torch.Tensor:
+    def _generate_block(
+        self, offset: int, exit_step: int, requires_grad: bool, generator: torch.Generator | None
+    ) -> torch.Tensor:
         """Few-step denoising of one block; a graph only at ``exit_step``; then the context pass."""
         batch = self.prompt_embeds.shape[0]
         device, dtype = self.transformer.device, self.transformer.dtype
@@ -209,13 +223,23 @@ class StreamingTrainingModel:
         for i, t in enumerate(steps[: exit_step + 1]):
             grad = requires_grad and i == exit_step
             with torch.enable_grad() if grad else torch.no_grad():
-                v = self.transformer(x, torch.full((batch,), t, device=device), self.prompt_embeds,
-                                     kv_cache=self.cache, frame_offset=offset).sample
+                v = self.transformer(
+                    x,
+                    torch.full((batch,), t, device=device),
+                    self.prompt_embeds,
+                    kv_cache=self.cache,
+                    frame_offset=offset,
+                ).sample
                 x0 = x - (t / self.num_train_timesteps) * v
             if i < exit_step:
                 x = _renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
         with torch.no_grad():
             context = _renoise(x0.detach(), self.context_noise, generator, self.num_train_timesteps)
-            self.transformer(context, torch.full((batch,), self.context_noise, device=device), self.prompt_embeds,
-                             kv_cache=self.cache, frame_offset=offset)
+            self.transformer(
+                context,
+                torch.full((batch,), self.context_noise, device=device),
+                self.prompt_embeds,
+                kv_cache=self.cache,
+                frame_offset=offset,
+            )
         return x0

@@ -70,7 +70,9 @@ class StreamingWanDecoder:
         outs = []
         for i in range(x.shape[2]):
             outs.append(
-                self.vae.decoder(x[:, :, i : i + 1], feat_cache=self._feat_map, feat_idx=[0], first_chunk=self._first)
+                self.vae.decoder(
+                    x[:, :, i : i + 1], feat_cache=self._feat_map, feat_idx=[0], first_chunk=self._first
+                )
             )
             self._first = False
         out = torch.cat(outs, dim=2)

@@ -28,7 +28,12 @@ Mixed precision and distribution:
   ``scaler.scale(loss).backward()`` in a plain step; then call ``scaler.step(optimizer); scaler.update()``
   as usual (an overflow in any chunk shows up as inf in ``.grad`` and the scaler skips the step).
 - DDP: every chunk except the last one of each model runs under ``model.no_sync()``, so gradients are
-  all-reduced once per step. Models prepared by ``accelerate`` (or ``Trainer``) already autocast in forward.
+  all-reduced once per step (gradients accumulated under ``no_sync`` are included in that all-reduce).
+  Two DDP settings matter: ``find_unused_parameters=True`` when some chunks skip parameters (text-only
+  chunks of a VLM never touch the vision tower), and ``broadcast_buffers=False`` (``forward_sync_buffers``)
+  when ranks may run different numbers of chunks (uneven batches, ``chunk_patches``), because DDP
+  broadcasts buffers in every forward. Models prepared by ``accelerate`` (or ``Trainer``) already autocast
+  in forward, so leave ``autocast_dtype`` unset there.
 - Cross-rank negatives (``cross_rank=True``): after step 1 the embeddings of all ranks are all-gathered and
   **every rank computes the loss of the global batch** (rank-major order: rank 0's samples first). The
   local embedding gradients are the rows of ``dL_global/dr`` for the local samples, **multiplied by the
@@ -99,7 +104,9 @@ def split_inputs(
     """
     if isinstance(inputs, torch.Tensor):
         if chunk_size is None:
-            raise ValueError("chunk_patches applies to inputs with Qwen-VL media only; give chunk_size for tensors.")
+            raise ValueError(
+                "chunk_patches applies to inputs with Qwen-VL media only; give chunk_size for tensors."
+            )
         return list(inputs.split(chunk_size))
     if isinstance(inputs, (tuple, list)):
         parts = [split_inputs(x, chunk_size) for x in inputs]
@@ -121,11 +128,16 @@ def split_inputs(
                 "Pass split_fn=... for this layout."
             )
         if chunk_size is None:
-            raise ValueError("chunk_patches applies to inputs with Qwen-VL media only; this input has none, so "
-                             "also give chunk_size (samples per chunk).")
+            raise ValueError(
+                "chunk_patches applies to inputs with Qwen-VL media only; this input has none, so "
+                "also give chunk_size (samples per chunk)."
+            )
         batch = next(iter(sizes.values()))
         return [
-            {k: v[s : s + chunk_size] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in inputs.items()}
+            {
+                k: v[s : s + chunk_size] if isinstance(v, torch.Tensor) and v.ndim > 0 else v
+                for k, v in inputs.items()
+            }
             for s in range(0, batch, chunk_size)
         ]
     raise TypeError(
@@ -176,6 +188,42 @@ def _vision_spec(model: nn.Module) -> VisionTokenSpec | None:
         return None  # not a vision-language model: media keys will raise in split_inputs
 
 
+def _frozen_vision_encoder(model: nn.Module) -> nn.Module:
+    """The Qwen-VL base model (the module with ``get_image_features`` and a ``visual`` tower) inside ``model``
+    (peft/DDP wrappers included), checked to have a frozen tower."""
+    for module in model.modules():
+        visual = getattr(module, "visual", None)
+        if isinstance(visual, nn.Module) and callable(getattr(module, "get_image_features", None)):
+            trainable = [n for n, p in visual.named_parameters() if p.requires_grad]
+            if trainable:
+                raise ValueError(
+                    f"reuse_frozen_vision=True but the vision tower of {type(module).__name__} has trainable "
+                    f"parameters ({trainable[:3]}...); their gradients would be lost. Freeze the tower "
+                    "(requires_grad_(False)) or leave reuse_frozen_vision off."
+                )
+            return module
+    raise ValueError(
+        f"reuse_frozen_vision=True needs a Qwen2-VL/Qwen2.5-VL/Qwen3-VL model (a module with get_image_features "
+        f"and a visual tower); {type(model).__name__} has none."
+    )
+
+
+def _with_vision_features(encoder: nn.Module, chunk: Mapping[str, Any]) -> dict[str, Any]:
+    """``chunk`` with pixels replaced by the vision tower's outputs, as the model's ``mm_encoder_outputs``."""
+    features = {}
+    if chunk.get("pixel_values") is not None:
+        features["image"] = encoder.get_image_features(
+            chunk["pixel_values"], chunk["image_grid_thw"], return_dict=True
+        )
+    if chunk.get("pixel_values_videos") is not None:
+        features["video"] = encoder.get_video_features(
+            chunk["pixel_values_videos"], chunk["video_grid_thw"], return_dict=True
+        )
+    out = {k: v for k, v in chunk.items() if k not in ("pixel_values", "pixel_values_videos")}
+    out["mm_encoder_outputs"] = features  # every present modality: the model computes (and stores) nothing
+    return out
+
+
 def _call(model: nn.Module, chunk: Any) -> Any:
     if isinstance(chunk, Mapping):
         return model(**chunk)
@@ -216,6 +264,11 @@ class GradCache:
         cross_rank: All-gather embeddings over ``process_group`` and compute the global-batch loss.
         process_group: Group for ``cross_rank`` (default: world).
         vision_spec: Token ids and merge size for Qwen-VL splitting (default: read from each model's config).
+        reuse_frozen_vision: For Qwen-VL models whose vision tower is frozen (e.g. LoRA on the language model
+            only), run the tower once in the first pass and feed its outputs (``mm_encoder_outputs``) to the
+            second pass instead of the pixels. Saves the tower's second forward and its activations; costs
+            keeping the tower outputs (merged image tokens x hidden, plus deepstack features) of the whole
+            batch until the step ends.
 
     Raises:
         ValueError: Bad chunk sizes, a models/inputs count mismatch, or badly split Qwen-VL inputs (at
@@ -239,16 +292,21 @@ class GradCache:
         cross_rank: bool = False,
         process_group: dist.ProcessGroup | None = None,
         vision_spec: VisionTokenSpec | None = None,
+        reuse_frozen_vision: bool = False,
     ):
         if chunk_size is None and chunk_patches is None:
-            raise ValueError("GradCache needs chunk_size (samples per chunk) and/or chunk_patches (Qwen-VL patches).")
+            raise ValueError(
+                "GradCache needs chunk_size (samples per chunk) and/or chunk_patches (Qwen-VL patches)."
+            )
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
         if pooling not in ("last", "mean", "cls"):
             raise ValueError(f"unknown pooling {pooling!r}; expected 'last', 'mean' or 'cls'.")
         self.models = [models] if isinstance(models, nn.Module) else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
-            raise TypeError(f"models must be an nn.Module or a sequence of them, got {type(models).__name__}.")
+            raise TypeError(
+                f"models must be an nn.Module or a sequence of them, got {type(models).__name__}."
+            )
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
         self.chunk_patches = chunk_patches
@@ -262,6 +320,9 @@ class GradCache:
         self.cross_rank = cross_rank
         self.process_group = process_group
         self.vision_specs = [vision_spec or _vision_spec(m) for m in self.models]
+        self.vision_encoders = [
+            _frozen_vision_encoder(m) if reuse_frozen_vision else None for m in self.models
+        ]
 
     def __repr__(self) -> str:
         return (
@@ -299,7 +360,11 @@ class GradCache:
 
     def _embed(self, model: nn.Module, chunk: Any) -> torch.Tensor:
         output = _call(model, chunk)
-        rep = self.rep_fn(output, chunk) if self.rep_fn is not None else default_rep(output, chunk, self.pooling)
+        rep = (
+            self.rep_fn(output, chunk)
+            if self.rep_fn is not None
+            else default_rep(output, chunk, self.pooling)
+        )
         if not isinstance(rep, torch.Tensor) or rep.ndim < 1:
             raise TypeError(f"rep_fn must return a [b, D] tensor, got {type(rep).__name__}.")
         return rep
@@ -319,7 +384,9 @@ class GradCache:
         dist.all_gather(every, counts, group=self.process_group)
         sizes = torch.stack(every).T.tolist()  # [input][rank]
         # backward="slice": every rank computes the same global loss, so a shard's gradient is its slice.
-        full = [all_gather(leaf, 0, self.process_group, s, backward="slice") for leaf, s in zip(leaves, sizes)]
+        full = [
+            all_gather(leaf, 0, self.process_group, s, backward="slice") for leaf, s in zip(leaves, sizes)
+        ]
         return leaves, full, world
 
     # -- the step ---------------------------------------------------------------------------------------
@@ -332,20 +399,28 @@ class GradCache:
             **loss_kwargs: Passed to ``loss_fn``.
         """
         if len(self.models) not in (1, len(inputs)):
-            raise ValueError(f"GradCache has {len(self.models)} models but step() got {len(inputs)} inputs; "
-                             "give one shared model or one per input.")
+            raise ValueError(
+                f"GradCache has {len(self.models)} models but step() got {len(inputs)} inputs; "
+                "give one shared model or one per input."
+            )
         models = self.models * len(inputs) if len(self.models) == 1 else self.models
         specs = self.vision_specs * len(inputs) if len(self.models) == 1 else self.vision_specs
+        encoders = self.vision_encoders * len(inputs) if len(self.models) == 1 else self.vision_encoders
         chunks = [self._split(x, spec) for x, spec in zip(inputs, specs)]
 
         # 1. Embeddings without a graph; the RNG state before each chunk is kept for the second pass.
         reps, states = [], []
         with torch.no_grad():
-            for model, model_chunks in zip(models, chunks):
+            for model, encoder, model_chunks in zip(models, encoders, chunks):
                 model_reps, model_states = [], []
                 params = [p for p in (next(model.parameters(), None),) if p is not None]
-                for chunk in model_chunks:
-                    model_states.append(RngState.capture(*_tensors(chunk), *params) if self.replay_rng else None)
+                for j, chunk in enumerate(model_chunks):
+                    if encoder is not None and isinstance(chunk, Mapping) and has_media(chunk):
+                        with self._autocast(model):  # before the RNG capture: replay starts after the tower
+                            chunk = model_chunks[j] = _with_vision_features(encoder, chunk)
+                    model_states.append(
+                        RngState.capture(*_tensors(chunk), *params) if self.replay_rng else None
+                    )
                     with self._autocast(model):
                         rep = self._embed(model, chunk)
                     model_reps.append(rep.clone() if rep._base is not None else rep)  # don't pin token states

@@ -37,7 +37,9 @@ from .pooling import Pooling, default_rep
 __all__ = ["GradCacheTrainer", "info_nce"]
 
 
-def info_nce(query: torch.Tensor, positive: torch.Tensor, *negatives: torch.Tensor, temperature: float = 0.05):
+def info_nce(
+    query: torch.Tensor, positive: torch.Tensor, *negatives: torch.Tensor, temperature: float = 0.05
+):
     """InfoNCE over in-batch negatives (and optional extra negatives): query ``i`` should pick positive ``i``."""
     q = nn.functional.normalize(query.float(), dim=-1)
     docs = nn.functional.normalize(torch.cat([positive, *negatives]).float(), dim=-1)
@@ -71,7 +73,15 @@ class GradCacheTrainer(Trainer):
         pooling: Pooling = "last",
         **kwargs: Any,
     ):
-        gradcache_keys = {"split_fn", "rep_fn", "replay_rng", "no_sync", "cross_rank", "process_group", "vision_spec"}
+        gradcache_keys = {
+            "split_fn",
+            "rep_fn",
+            "replay_rng",
+            "no_sync",
+            "cross_rank",
+            "process_group",
+            "vision_spec",
+        }
         self.gradcache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in gradcache_keys}
         super().__init__(*args, **kwargs)
         if self.args.remove_unused_columns:
@@ -90,8 +100,10 @@ class GradCacheTrainer(Trainer):
     def _batch_inputs(self, inputs: dict[str, Any]) -> list[Any]:
         missing = [k for k in self.input_keys if k not in inputs]
         if missing:
-            raise ValueError(f"batch has keys {sorted(inputs)} but input_keys asks for {missing}; "
-                             "set input_keys=... to the collator's entries.")
+            raise ValueError(
+                f"batch has keys {sorted(inputs)} but input_keys asks for {missing}; "
+                "set input_keys=... to the collator's entries."
+            )
         return [inputs[k] for k in self.input_keys]
 
     def training_step(

@@ -124,3 +124,17 @@ def test_usp_attention_degree_one_joint_back_equals_sdpa():
     )  # fmt: skip
     ref = _sdpa_bshd(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1))
     assert (torch.cat([out, joint_out], 1) - ref).abs().max() <= 1e-6
+
+
+def test_ring_attention_bfloat16_accumulates_in_float32():
+    q, k, v = (t.requires_grad_(True) for t in _qkv(sq=6, sk=6, layout="bshd"))
+    ref = _sdpa_bshd(q, k, v)
+    ref.sum().backward()
+    low = [t.detach().bfloat16().requires_grad_(True) for t in (q, k, v)]
+    out, _ = ring_attention(*low, group=None, valid_len=None)
+    out.float().sum().backward()
+    assert out.dtype == low[0].grad.dtype == torch.bfloat16
+    # bf16 inputs carry ~3 significant digits; softmax statistics and accumulators are float32: 3e-2.
+    assert (out.float() - ref).abs().max() <= 3e-2
+    for mine, full in zip(low, (q, k, v)):
+        assert (mine.grad.float() - full.grad).abs().max() <= 3e-2

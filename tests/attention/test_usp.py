@@ -38,7 +38,7 @@ CASES = {
     3: [(1, 3, 10, 4, 2, "front"), (3, 1, 10, 2, 2, "back"), (1, 3, 9, 3, 0, "front")],
     4: [
         (1, 4, 10, 6, 3, "front"),  # 6 heads over 4: [2, 2, 1, 1]
-        (1, 4, 9, 3, 0, "front"),  # 3 heads over 4: one idle rank
+        (1, 4, 9, 3, 2, "back"),  # 3 heads over 4: one idle rank
         (4, 1, 10, 2, 3, "back"),
         (4, 1, 9, 2, 2, "front"),  # the last ring block is all padding
         (2, 2, 11, 3, 2, "front"),
@@ -178,7 +178,13 @@ def _comm_case(ring, ulysses, text, batch=1, local=8, heads=12, dim=8):
         "reduce_scatter": (ulysses - 1) * joint_heads,
     }
     drop_zero = lambda d: {key: val for key, val in d.items() if val}  # noqa: E731
-    return (drop_zero(fwd.by_op), drop_zero(analytic_fwd), drop_zero(bwd.by_op), drop_zero(analytic_bwd))
+    # Communication pattern: one P2P round per ring hop (forward r-1; backward r-1 K/V + r dK/dV).
+    hops = (fwd.calls.get("ring", 0), bwd.calls.get("ring", 0))
+    expected_hops = (ring - 1, 2 * ring - 1 if ring > 1 else 0)
+    return (
+        drop_zero(fwd.by_op), drop_zero(analytic_fwd), drop_zero(bwd.by_op), drop_zero(analytic_bwd),
+        hops, expected_hops,
+    )  # fmt: skip
 
 
 def _comm_and_error_cases(world):
@@ -191,7 +197,7 @@ def test_usp_attention_bytes_sent_equal_analytic_minimum(rank_pool, world_size):
     per_rank = rank_pool(world_size).run(_comm_and_error_cases, world_size)
     cases = [(r, u, text) for r, u in COMM_CASES[world_size] for text in (0, 3)]
     for rank, (results, _) in enumerate(per_rank):
-        for case, (fwd, analytic_fwd, bwd, analytic_bwd) in zip(cases, results):
+        for case, (fwd, analytic_fwd, bwd, analytic_bwd, hops, expected_hops) in zip(cases, results):
             # Every byte is payload: the counts equal the analytic minimum exactly (well within 5%).
             assert fwd == analytic_fwd, (
                 f"(ring, ulysses, text)={case}, rank {rank}: forward {fwd} vs {analytic_fwd}"
@@ -199,6 +205,7 @@ def test_usp_attention_bytes_sent_equal_analytic_minimum(rank_pool, world_size):
             assert bwd == analytic_bwd, (
                 f"(ring, ulysses, text)={case}, rank {rank}: backward {bwd} vs {analytic_bwd}"
             )
+            assert hops == expected_hops, f"(ring, ulysses, text)={case}, rank {rank}: ring hops {hops}"
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -214,7 +221,7 @@ ERROR_CASES = {
             joint_key=torch.zeros(1, 3, 1, 8),
             joint_value=torch.zeros(1, 3, 1, 8),
         ),
-        "joint_query must be [B=1, S_txt, H=2, D=8]",
+        "joint_query must be [B=1, S_txt >= 1, H=2, D=8]",
     ),
     "position": (dict(joint_position="middle"), "joint_position must be 'front' or 'back'"),
     "valid_len": (dict(valid_len=9), "valid_len must be an int in [1, 8]"),

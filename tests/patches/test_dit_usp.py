@@ -44,8 +44,17 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
-    """(tiny stock model, forward kwargs, name of the sharded input) for ``family``."""
+    """(tiny stock model, forward kwargs, name of the sharded input) for ``family``.
+
+    A ``_gc`` suffix turns on the model's gradient checkpointing: blocks are recomputed in backward, so the
+    split hook on the first block runs again on the full input and must cut the same shard.
+    """
     from hfpatch import testing
+
+    if family.endswith("_gc"):
+        model, kwargs, name = build(family.removesuffix("_gc"))
+        model.enable_gradient_checkpointing()
+        return model, kwargs, name
 
     if family in ("wan21", "wan22"):
         model = testing.tiny_wan_transformer()
@@ -317,6 +326,8 @@ def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world)
 @pytest.mark.parametrize("world", [2, 4])
 def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
+    if world == 2:
+        cases += [("wan22_gc", 1, 2), ("flux_gc", 2, 1), ("cogvideox_gc", 1, 2)]
     if world == 4:
         cases = [(family, u, r) for family in FAMILIES for u, r in [(2, 2), (1, 4)]]
     results = rank_pool(world).run(backward_cases, cases)

@@ -89,6 +89,9 @@ def _restored(snapshot: list[tuple[Any, dict[str, Any], bool]]) -> bool:
     )
 
 
+_REFERENCES: dict[tuple, tuple[Any, torch.Tensor]] = {}
+
+
 def _compare(
     pipe: Any, run: Any, parallel: int | ParallelConfig, all_families: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
@@ -96,7 +99,10 @@ def _compare(
 
     ``all_families``: apply with the default registry (transformer USP and VAE families too), end to end.
     """
-    reference = run(pipe, **kwargs)
+    key = (id(pipe), run, tuple(sorted(kwargs.items())))
+    if key not in _REFERENCES:  # the unpatched output, once per pipe and arguments (pipe kept alive: id)
+        _REFERENCES[key] = (pipe, run(pipe, **kwargs))
+    reference = _REFERENCES[key][1]
     snapshot = _snapshot(pipe)
     patch = hfpatch.apply(pipe, parallel, registry=None if all_families else _registry())
     with count_comm() as counter:
@@ -114,18 +120,30 @@ def _compare(
 # ----------------------------------------------------------------------------------------------- rank fns
 def _cases_two_ranks() -> dict[str, Any]:
     cfg2 = ParallelConfig(cfg=2)
-    wan = tiny_wan_pipe()
+    wan, sd3 = tiny_wan_pipe(), _sd3_pipe()
     results = {
         "wan_cfg": _compare(wan, _wan, cfg2),
         "wan_cfg_no_guidance": _compare(wan, _wan, cfg2, guidance=1.0),
         "wan_data": _compare(wan, _wan, ParallelConfig(data=2), per_prompt=3),
         "wan22_cfg": _compare(tiny_wan_pipe(two_transformers=True), _wan, cfg2),
-        "sd3_cfg": _compare(_sd3_pipe(), _sd3, cfg2),
-        "sd3_data": _compare(_sd3_pipe(), _sd3, ParallelConfig(data=2), batch=1, per_prompt=1),
+        "sd3_cfg": _compare(sd3, _sd3, cfg2),
+        "sd3_data": _compare(sd3, _sd3, ParallelConfig(data=2)),
         # End to end: parallel=2 plans cfg=2, the VAE family splits the decode over both ranks.
         "wan_auto": _compare(wan, _wan, 2, all_families=True),
-        "sd3_auto": _compare(_sd3_pipe(), _sd3, 2, all_families=True),
+        "sd3_auto": _compare(sd3, _sd3, 2, all_families=True),
     }
+
+    # A direct transformer call with return_dict=True gets the stock output type back, batch split over data.
+    inputs = dict(
+        hidden_states=torch.randn(3, 4, 2, 4, 4, generator=torch.Generator().manual_seed(3)),
+        timestep=torch.tensor([500.0, 300.0, 100.0]),
+        encoder_hidden_states=wan_prompt_embeds(batch=3),
+    )
+    with torch.no_grad():
+        expected = wan.transformer(**inputs).sample
+        with hfpatch.apply(wan, ParallelConfig(data=2), registry=_registry()):
+            got = wan.transformer(**inputs)
+    results["return_dict"] = (type(got).__name__, (got.sample - expected).abs().max().item())
 
     # Double apply is a no-op, a different plan raises, progress bar off on rank > 0 and restored.
     wan.set_progress_bar_config(disable=False, desc="denoise")
@@ -232,6 +250,15 @@ def test_pipeline_parallel_auto_plan_two_ranks_is_cfg(two_rank_results):
     for results in two_rank_results:
         assert results["wan_auto"]["plan"] == ParallelConfig(cfg=2)
         assert results["sd3_auto"]["plan"] == ParallelConfig(cfg=2)
+
+
+def test_pipeline_parallel_direct_call_return_dict_keeps_output_type(two_rank_results):
+    for results in two_rank_results:
+        name, diff = results["return_dict"]
+        assert name == "Transformer2DModelOutput"
+        assert (
+            diff <= 1e-4
+        )  # batch 3 split [2, 1]: reassociation on outputs of magnitude ~50 (see SPLIT_ATOL)
 
 
 def test_pipeline_parallel_apply_twice_is_noop_and_conflict_raises(two_rank_results):

@@ -27,7 +27,9 @@ def _trainer(model, seed: int = 0, **kwargs) -> StreamingTrainingModel:
 
 def _count_grad_forwards(model):
     calls = []
-    handle = model.register_forward_pre_hook(lambda m, a, k: calls.append(torch.is_grad_enabled()), with_kwargs=True)
+    handle = model.register_forward_pre_hook(
+        lambda m, a, k: calls.append(torch.is_grad_enabled()), with_kwargs=True
+    )
     return calls, handle
 
 
@@ -64,10 +66,17 @@ def test_generator_path_gradients_reach_parameters_only_through_new_frames():
     # One graph-building forward per generated block: the exit step; the rest ran without a graph.
     assert sum(calls) == info.new_frames // 2 and len(calls) > sum(calls)
     for frame in range(chunk.shape[2]):
-        grads = torch.autograd.grad(chunk[:, :, frame].square().sum(), params, allow_unused=True,
-                                    retain_graph=True) if chunk[:, :, frame].requires_grad else [None] * len(params)
+        grads = (
+            torch.autograd.grad(
+                chunk[:, :, frame].square().sum(), params, allow_unused=True, retain_graph=True
+            )
+            if chunk[:, :, frame].requires_grad
+            else [None] * len(params)
+        )
         reached = any(g is not None and g.abs().sum() > 0 for g in grads)
-        assert reached == bool(mask[frame]), f"frame {frame}: gradient reached={reached}, mask={bool(mask[frame])}"
+        assert reached == bool(mask[frame]), (
+            f"frame {frame}: gradient reached={reached}, mask={bool(mask[frame])}"
+        )
 
 
 def test_critic_path_builds_no_graph():
@@ -75,7 +84,9 @@ def test_critic_path_builds_no_graph():
     with hfpatch.apply(model, streaming=CONFIG):
         trainer = _trainer(model)
         calls, handle = _count_grad_forwards(model)
-        chunk, _ = trainer.generate_next_chunk(requires_grad=False, generator=torch.Generator().manual_seed(0))
+        chunk, _ = trainer.generate_next_chunk(
+            requires_grad=False, generator=torch.Generator().manual_seed(0)
+        )
         handle.remove()
     assert not chunk.requires_grad and not any(calls)
 
@@ -157,8 +168,9 @@ def test_converter_native_to_diffusers_loads_strict_and_round_trips():
     assert back.keys() == state.keys() and all(back[k] is v for k, v in state.items())
     assert convert_diffusers_to_native(back).keys() == native.keys()
     fresh = tiny_wan_transformer(seed=1)
-    fresh.load_state_dict(convert_native_to_diffusers({"generator": {"model." + k: v for k, v in native.items()}}),
-                          strict=True)
+    fresh.load_state_dict(
+        convert_native_to_diffusers({"generator": {"model." + k: v for k, v in native.items()}}), strict=True
+    )
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
@@ -179,4 +191,6 @@ def test_converter_unknown_or_incomplete_keys_raise():
     with pytest.raises(ValueError, match="have no diffusers name .*img_emb"):
         convert_native_to_diffusers({**native, "img_emb.proj.0.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="needs lora_A, lora_B and a base weight"):
-        convert_native_to_diffusers({**native, "blocks.0.self_attn.q.lora_A.default.weight": torch.zeros(1, 1)})
+        convert_native_to_diffusers(
+            {**native, "blocks.0.self_attn.q.lora_A.default.weight": torch.zeros(1, 1)}
+        )

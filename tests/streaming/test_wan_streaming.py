@@ -44,7 +44,9 @@ def _cached(model, config, x, timestep, prompt, offset: int = 0):
     outs = []
     for s in range(0, x.shape[2], n):
         outs.append(
-            model(x[:, :, s : s + n], timestep[:, s : s + n], prompt, kv_cache=cache, frame_offset=offset + s).sample
+            model(
+                x[:, :, s : s + n], timestep[:, s : s + n], prompt, kv_cache=cache, frame_offset=offset + s
+            ).sample
         )
     return torch.cat(outs, dim=2), cache
 
@@ -61,7 +63,9 @@ def test_cached_forward_block_by_block_equals_block_causal_full_forward(model, n
     with hfpatch.apply(model, streaming=config), torch.no_grad():
         full = model(x, timestep, prompt).sample
         cached, cache = _cached(model, config, x, timestep, prompt)
-        whole_input_cached = model(x, timestep, prompt, kv_cache=StreamingKVCache(config, len(model.blocks))).sample
+        whole_input_cached = model(
+            x, timestep, prompt, kv_cache=StreamingKVCache(config, len(model.blocks))
+        ).sample
     torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
     torch.testing.assert_close(whole_input_cached, full, atol=ATOL, rtol=0)
     assert cache.frames() == CACHED_AFTER_12_FRAMES[name]
@@ -100,7 +104,7 @@ def _rope_at(model, frames: int, offset: int):
     from hfpatch.patches.wan_streaming import _Call
 
     state = model.blocks[0].attn1.processor.state
-    state.call = _Call(frame_offset=offset, num_frames=frames, tokens_per_frame=4, prompt=None, cache=None)
+    state.call = _Call(frame_offset=offset, tokens_per_frame=4, prompt=None, cache=None)
     try:
         return model.rope(torch.zeros(1, 4, frames, 4, 4))
     finally:
@@ -150,7 +154,8 @@ def test_kv_cache_bytes_constant_once_allocated_and_analytic(model):
             model(x[:, :, s : s + 2], timestep[:, s : s + 2], prompt, kv_cache=cache, frame_offset=s)
             sizes.append(cache.nbytes)
     inner = model.config.num_attention_heads * model.config.attention_head_dim
-    self_attn = 2 * len(model.blocks) * config.cache_frames * 4 * inner * 4  # k+v, layers, frames, tokens, fp32
+    # k and v, layers, frames, 4 tokens per frame, channels, fp32
+    self_attn = 2 * len(model.blocks) * config.cache_frames * 4 * inner * 4
     cross = 2 * len(model.blocks) * prompt.shape[1] * inner * 4
     assert sizes == [self_attn + cross] * len(sizes)
     assert cache.frames() == [0, 1, 12, 13, 14, 15]
@@ -193,7 +198,9 @@ def test_forward_misaligned_offset_or_timestep_raises(model):
 
 
 def test_streaming_config_invalid_window_raises():
-    with pytest.raises(ValueError, match="local_attn_size=4 must be -1 .* at least sink_size \\+ num_frame_per_block = 5"):
+    with pytest.raises(
+        ValueError, match="local_attn_size=4 must be -1 .* at least sink_size \\+ num_frame_per_block = 5"
+    ):
         StreamingConfig(num_frame_per_block=3, local_attn_size=4, sink_size=2)
 
 
@@ -206,7 +213,9 @@ def test_apply_without_streaming_leaves_model_untouched(model):
 
 def test_apply_wrong_streaming_type_raises_before_mutation(model):
     before = dict(vars(model))
-    with pytest.raises(TypeError, match="streaming must be an hfpatch.streaming.StreamingConfig or None, got str"):
+    with pytest.raises(
+        TypeError, match="streaming must be an hfpatch.streaming.StreamingConfig or None, got str"
+    ):
         hfpatch.apply(model, streaming="yes")
     assert dict(vars(model)) == before
 
@@ -243,3 +252,27 @@ def test_remove_restores_every_submodule_by_identity():
     for name in before:
         assert after[name].keys() == before[name].keys(), name
         assert all(after[name][k] is v for k, v in before[name].items()), name
+
+
+def test_forward_with_gradient_checkpointing_under_grad_raises():
+    model = tiny_wan_transformer()
+    model.enable_gradient_checkpointing()
+    x, timestep, prompt = _inputs(frames=2)
+    with hfpatch.apply(model, streaming=CONFIGS["global"]):
+        with pytest.raises(ValueError, match="does not support gradient checkpointing yet"):
+            model(x, timestep, prompt)
+        with torch.no_grad():
+            assert model(x, timestep, prompt).sample.shape == x.shape
+
+
+def test_cached_forward_gradients_flow_through_current_block_only(model):
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs(frames=4)
+    x = x.requires_grad_()
+    with hfpatch.apply(model, streaming=config):
+        cache = StreamingKVCache(config, len(model.blocks))
+        first = model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=cache).sample
+        second = model(x[:, :, 2:], timestep[:, 2:], prompt, kv_cache=cache, frame_offset=2).sample
+    (grad,) = torch.autograd.grad(second.sum(), x)
+    assert grad[:, :, :2].abs().max() == 0 and grad[:, :, 2:].abs().max() > 0  # cached K/V are detached
+    assert first.requires_grad and all(k.grad_fn is None for k in cache.keys)

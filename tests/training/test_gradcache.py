@@ -7,8 +7,6 @@ grouping of matmuls and of the per-chunk gradient sums (reassociation), measured
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,7 +57,9 @@ def _take_grads(*models: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _max_diff(got: dict, ref: dict) -> tuple[float, float]:
     assert set(got) == set(ref), f"different parameters got gradients: {set(got) ^ set(ref)}"
-    return max((got[n] - ref[n]).abs().max().item() for n in ref), max(g.abs().max().item() for g in ref.values())
+    return max((got[n] - ref[n]).abs().max().item() for n in ref), max(
+        g.abs().max().item() for g in ref.values()
+    )
 
 
 def _assert_grads_close(got: dict, ref: dict, rel: float = REL_TOL) -> float:
@@ -96,7 +96,9 @@ def _chunked_reference(models, inputs, chunk_size, loss_fn=info_nce) -> dict:
     reps = []
     for model, x in zip(models, inputs):
         spec = VisionTokenSpec.from_config(model.config) if "pixel_values" in x else None
-        reps.append(torch.cat([default_rep(model(**c), c) for c in split_inputs(x, chunk_size, vision_spec=spec)]))
+        reps.append(
+            torch.cat([default_rep(model(**c), c) for c in split_inputs(x, chunk_size, vision_spec=spec)])
+        )
     loss_fn(*reps).backward()
     return _take_grads(*models)
 
@@ -118,7 +120,9 @@ def test_gradcache_dropout_replay_matches_reference_without_replay_differs():
     GradCache([bert, vl], info_nce, 2, replay_rng=False).step(*inputs)
     diff, scale = _max_diff(_take_grads(bert, vl), ref)
     print(f"without RNG replay: max |grad diff| = {diff:.3e} (max |grad| = {scale:.3e})")
-    assert diff > 1e-2 * scale, "dropout masks differ between the passes without replay: gradients must differ"
+    assert diff > 1e-2 * scale, (
+        "dropout masks differ between the passes without replay: gradients must differ"
+    )
 
 
 def test_gradcache_lora_with_gradient_checkpointing_matches_full_batch():
@@ -129,7 +133,9 @@ def test_gradcache_lora_with_gradient_checkpointing_matches_full_batch():
         if checkpointing:
             model.activation_checkpointing_enable()
         torch.manual_seed(0)  # LoRA A is drawn from the global RNG
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"]))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"])
+        )
         with torch.no_grad():  # LoRA B starts at zero, which would leave A without gradient
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -145,11 +151,41 @@ def test_gradcache_lora_with_gradient_checkpointing_matches_full_batch():
     _assert_grads_close(_take_grads(model), ref)
 
 
+def test_gradcache_reuse_frozen_vision_runs_tower_once_and_matches_full_batch():
+    from peft import LoraConfig, get_peft_model
+
+    def lora_llm():  # LoRA on the language model only: the vision tower is frozen
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_qwen3_vl(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        return model.train()
+
+    queries, docs = _queries(), _docs()
+    _, ref = _full_batch(lora_llm(), [queries, docs])
+    model = lora_llm()
+    calls = []
+    model.base_model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    GradCache(model, info_nce, 2, reuse_frozen_vision=True).step(queries, docs)
+    assert len(calls) == 3, (
+        "the tower runs once per media chunk (3 chunks of 2 documents), not again in pass 2"
+    )
+    _assert_grads_close(_take_grads(model), ref)
+
+    trainable = tiny_qwen3_vl()
+    with pytest.raises(ValueError, match="vision tower of Qwen3VLModel has trainable parameters"):
+        GradCache(trainable, info_nce, 2, reuse_frozen_vision=True)
+
+
 def test_gradcache_naive_pixel_split_raises(qwen):
     def dim0_split(x, chunk_size):  # what a generic split does: every tensor by sample count
         return [{k: v[s : s + chunk_size] for k, v in x.items()} for s in range(0, 6, chunk_size)]
 
-    with pytest.raises(ValueError, match="'pixel_values' has 2 rows but its 'image_grid_thw' .* gives 24 patches"):
+    with pytest.raises(
+        ValueError, match="'pixel_values' has 2 rows but its 'image_grid_thw' .* gives 24 patches"
+    ):
         GradCache(qwen, info_nce, 2, split_fn=dim0_split).step(_queries(), _docs())
 
     def grid_rows_by_sample(x, chunk_size):  # pixels follow the grids, but grid rows are taken one per sample
@@ -157,13 +193,20 @@ def test_gradcache_naive_pixel_split_raises(qwen):
         chunks, n, images = [], len(x["input_ids"]), len(x["image_grid_thw"])
         for s in range(0, n, chunk_size):
             i, e = min(s, images), min(s + chunk_size, images)
-            chunk = {k: x[k][s : s + chunk_size] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-            chunk.update(image_grid_thw=x["image_grid_thw"][i:e], pixel_values=x["pixel_values"][patches[i] : patches[e]])
+            chunk = {
+                k: x[k][s : s + chunk_size] for k in ("input_ids", "attention_mask", "mm_token_type_ids")
+            }
+            chunk.update(
+                image_grid_thw=x["image_grid_thw"][i:e],
+                pixel_values=x["pixel_values"][patches[i] : patches[e]],
+            )
             chunks.append(chunk)
         return chunks
 
     docs = qwen3_vl_inputs(MEDIA[:3], seed=1)  # images only; sample 1 has two
-    with pytest.raises(ValueError, match="chunk has 7 image placeholder tokens but its .image_grid_thw. .* needs 6"):
+    with pytest.raises(
+        ValueError, match="chunk has 7 image placeholder tokens but its .image_grid_thw. .* needs 6"
+    ):
         GradCache(qwen, info_nce, 2, split_fn=grid_rows_by_sample).step(docs, docs)
 
 
@@ -191,7 +234,9 @@ def test_gradcache_fp16_grad_scaler_scales_gradients_like_plain_step():
 
 def test_gradcache_tensor_inputs_separate_models_uneven_chunks():
     torch.manual_seed(0)
-    towers = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)) for _ in range(2)]
+    towers = [
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)) for _ in range(2)
+    ]
     q, p = torch.randn(7, 8), torch.randn(7, 8)
     info_nce(towers[0](q), towers[1](p)).backward()
     ref = _take_grads(*towers)
@@ -208,13 +253,19 @@ def test_gradcache_wrong_model_count_raises():
 def test_pool_left_and_right_padding_agree():
     bert = tiny_bert()
     right = _text()
-    left = {k: torch.stack([torch.roll(v[i], int((1 - right["attention_mask"][i]).sum())) for i in range(6)])
-            for k, v in right.items()}  # same tokens, padding moved to the left
+    left = {
+        k: torch.stack([torch.roll(v[i], int((1 - right["attention_mask"][i]).sum())) for i in range(6)])
+        for k, v in right.items()
+    }  # same tokens, padding moved to the left
     for mode in ("last", "mean", "cls"):
         # BERT's absolute positions shift with left padding, so compare pooling on the same token states.
         hidden = bert(**right).last_hidden_state
-        shifted = torch.stack([torch.roll(hidden[i], int((1 - right["attention_mask"][i]).sum()), 0) for i in range(6)])
-        torch.testing.assert_close(pool(shifted, left["attention_mask"], mode), pool(hidden, right["attention_mask"], mode))
+        shifted = torch.stack(
+            [torch.roll(hidden[i], int((1 - right["attention_mask"][i]).sum()), 0) for i in range(6)]
+        )
+        torch.testing.assert_close(
+            pool(shifted, left["attention_mask"], mode), pool(hidden, right["attention_mask"], mode)
+        )
     lengths = right["attention_mask"].sum(1)
     assert torch.equal(pool(hidden, right["attention_mask"], "last"), hidden[torch.arange(6), lengths - 1])
 
@@ -223,18 +274,35 @@ def test_gradcache_trainer_step_matches_full_batch_sgd_update(tmp_path):
     from transformers import TrainingArguments
 
     queries, positives = _text(seed=3), _text(seed=4)
-    rows = [{"query": {k: v[i] for k, v in queries.items()}, "positive": {k: v[i] for k, v in positives.items()}}
-            for i in range(6)]
+    rows = [
+        {"query": {k: v[i] for k, v in queries.items()}, "positive": {k: v[i] for k, v in positives.items()}}
+        for i in range(6)
+    ]
 
     def collate(batch):
-        return {side: {k: torch.stack([r[side][k] for r in batch]) for k in batch[0][side]} for side in ("query", "positive")}
+        return {
+            side: {k: torch.stack([r[side][k] for r in batch]) for k in batch[0][side]}
+            for side in ("query", "positive")
+        }
 
     ref_model = tiny_bert()
     _, ref = _full_batch(ref_model, [queries, positives])
     lr = 0.5
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=6, max_steps=1, optim="sgd", learning_rate=lr,
-                             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none",
-                             remove_unused_columns=False, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=6,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        report_to="none",
+        remove_unused_columns=False,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     GradCacheTrainer(model=model, args=args, train_dataset=rows, data_collator=collate, chunk_size=2).train()
@@ -268,10 +336,14 @@ def _ddp_cross_rank_case(layouts: list[tuple[list[int], bool]], ref: dict[str, t
     for sizes, docs_first in layouts:
         # Text-only query chunks leave the vision tower unused in some backwards: find_unused_parameters.
         # forward_sync_buffers=False: ranks with different chunk counts run different numbers of forwards.
-        ddp = DistributedDataParallel(tiny_qwen3_vl(), find_unused_parameters=True, forward_sync_buffers=False)
+        ddp = DistributedDataParallel(
+            tiny_qwen3_vl(), find_unused_parameters=True, forward_sync_buffers=False
+        )
         spec = VisionTokenSpec.from_config(ddp.module.config)
         # Rank r owns the r-th block of `sizes` samples of both inputs (rank-major global order).
-        local = [split_inputs(x, sizes[0], vision_spec=spec)[rank] for x in (queries, docs)]  # sizes[0] >= sizes[1]
+        local = [
+            split_inputs(x, sizes[0], vision_spec=spec)[rank] for x in (queries, docs)
+        ]  # sizes[0] >= sizes[1]
         assert local[0]["input_ids"].shape[0] == sizes[rank]
         allreduces = []
 
@@ -285,8 +357,15 @@ def _ddp_cross_rank_case(layouts: list[tuple[list[int], bool]], ref: dict[str, t
         else:
             loss = GradCache(ddp, info_nce, 2, cross_rank=True).step(*local)
         diff, scale = _max_diff(_take_grads(ddp.module), ref)
-        results.append(dict(diff=diff, scale=scale, loss=loss.item(), allreduces=len(allreduces),
-                            buckets=len(set(allreduces))))
+        results.append(
+            dict(
+                diff=diff,
+                scale=scale,
+                loss=loss.item(),
+                allreduces=len(allreduces),
+                buckets=len(set(allreduces)),
+            )
+        )
     return results
 
 
@@ -295,8 +374,12 @@ def test_gradcache_cross_rank_ddp_world_size_2_matches_single_process(rank_pool)
     layouts = [([3, 3], False), ([4, 2], False), ([4, 2], True)]
     per_rank = rank_pool(2).run(_ddp_cross_rank_case, layouts, ref)
     for layout, r0, r1 in zip(layouts, *per_rank):
-        print(f"layout {layout}: max |grad diff| rank0 {r0['diff']:.3e} rank1 {r1['diff']:.3e} (max |grad| {r0['scale']:.3e})")
+        print(
+            f"layout {layout}: max |grad diff| rank0 {r0['diff']:.3e} rank1 {r1['diff']:.3e} (max |grad| {r0['scale']:.3e})"
+        )
         for r in (r0, r1):
             assert r["diff"] <= REL_TOL * r["scale"]
             assert abs(r["loss"] - ref_loss.item()) <= 1e-5, "every rank returns the global-batch loss"
-            assert r["allreduces"] == r["buckets"], "no_sync: one all-reduce per bucket per step, not per chunk"
+            assert r["allreduces"] == r["buckets"], (
+                "no_sync: one all-reduce per bucket per step, not per chunk"
+            )

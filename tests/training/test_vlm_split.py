@@ -74,14 +74,10 @@ def test_split_vlm_inputs_chunk_patches_bounds_vision_patches():
 
 
 def test_split_vlm_inputs_position_ids_split_on_batch_dim():
-    batch = _batch()
-    batch["position_ids"] = torch.arange(3 * 6 * 5).view(3, 6, 5)
-    batch["input_ids"], batch["attention_mask"], batch["mm_token_type_ids"] = (
-        batch[k][:, -5:] for k in ("input_ids", "attention_mask", "mm_token_type_ids"))
-    batch = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "pixel_values", "video_grid_thw",
-                                                         "pixel_values_videos", "second_per_grid_ts")}
-    batch["input_ids"] = batch["input_ids"].clamp(max=100)  # text only
-    batch["mm_token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    batch = qwen3_vl_inputs([[("image", (1, 2, 2))], [], [], [], [("image", (1, 2, 2))], []], seed=1)
+    batch["position_ids"] = torch.arange(3 * 6 * batch["input_ids"].shape[1]).view(
+        3, 6, -1
+    )  # M-RoPE [3, B, L]
     chunks = split_vlm_inputs(batch, SPEC, chunk_size=4)
     assert torch.equal(chunks[1]["position_ids"], batch["position_ids"][:, 4:])
 
@@ -108,14 +104,19 @@ def test_validate_vlm_chunk_pixel_rows_not_matching_grids_raises():
     batch = _batch()
     naive = {k: batch[k][:2] for k in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values")}
     naive["image_grid_thw"] = batch["image_grid_thw"][:3]  # right grids, pixels cut by sample count
-    with pytest.raises(ValueError, match="'pixel_values' has 2 rows but its 'image_grid_thw' .* gives 28 patches"):
+    with pytest.raises(
+        ValueError, match="'pixel_values' has 2 rows but its 'image_grid_thw' .* gives 28 patches"
+    ):
         validate_vlm_chunk(naive, SPEC)
 
 
 def test_validate_vlm_chunk_tokens_not_matching_grids_raises():
     batch = _batch()
     wrong = {k: batch[k][:1] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    wrong["image_grid_thw"], wrong["pixel_values"] = batch["image_grid_thw"][1:2], batch["pixel_values"][16:24]
+    wrong["image_grid_thw"], wrong["pixel_values"] = (
+        batch["image_grid_thw"][1:2],
+        batch["pixel_values"][16:24],
+    )
     with pytest.raises(ValueError, match="chunk has 4 image placeholder tokens but .* needs 2"):
         validate_vlm_chunk(wrong, SPEC)
 

@@ -1,0 +1,101 @@
+"""peft LoRA on sequence-parallel DiT transformers: added before or after ``hfpatch.apply``, same outputs and
+LoRA gradients as the unpatched model with the same adapter (gloo, fp32).
+
+The USP processors call the attention's projections as modules (``attn.to_q(x)``), so peft's wrapped
+``lora.Linear`` layers run unchanged whether they were injected before the patch or after it.
+Tolerances as in ``test_dit_usp.py``: ``NOISE_FACTOR`` times the unpatched model's own fp32-vs-fp64 error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_dit_usp import NOISE_FACTOR, NOISE_FLOOR, _double, _rel, build
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.distributed.runtime import get_mesh
+from hfpatch.patches._sequence_parallel import all_reduce_gradients
+
+FAMILIES = ("wan21", "flux", "sd3", "cogvideox")
+
+
+def _add_lora(model: torch.nn.Module) -> None:
+    from peft import LoraConfig
+
+    torch.manual_seed(5)  # the same adapter weights on every model and rank
+    # init_lora_weights=False: a random (non-zero) B, so the adapter changes the output.
+    model.add_adapter(
+        LoraConfig(
+            r=2, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+        )
+    )
+
+
+def _run(model: torch.nn.Module, kwargs: dict[str, Any], weight: torch.Tensor, group=None):
+    """Output and LoRA gradients of a fixed linear loss (summed over ``group`` when given)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**kwargs).sample
+    (out * weight).sum().backward()
+    all_reduce_gradients([model], group)
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+    return out.detach(), grads
+
+
+def lora_cases(cases: list[tuple[str, str, int, int]]) -> dict[tuple[str, str, int, int], dict[str, Any]]:
+    """Per case ``(family, when, ulysses, ring)`` with ``when`` in ``"before"``/``"after"`` the apply."""
+    results = {}
+    for family, when, ulysses, ring in cases:
+        reference, kwargs, _ = build(family)
+        _add_lora(reference)
+        reference.train()
+        reference64, kwargs64 = _double(reference, kwargs)
+        weight = torch.randn(reference(**kwargs).sample.shape, generator=torch.Generator().manual_seed(7))
+        ref_out, ref_grads = _run(reference, kwargs, weight)
+        out64, grads64 = _run(reference64, kwargs64, weight.double())
+
+        model = build(family)[0]
+        if when == "before":
+            _add_lora(model)
+        config = ParallelConfig(ulysses=ulysses, ring=ring)
+        patch = hfpatch.apply(model, parallel=config)
+        if when == "after":
+            _add_lora(model)
+        model.train()
+        out, grads = _run(model, kwargs, weight, get_mesh(config).group("sp"))
+        patch.remove()
+        with torch.no_grad():  # the adapter outlives the patch
+            after_remove = _rel(model(**kwargs).sample, ref_out)
+
+        floor = 0.01 * max(g.abs().max().item() for g in grads64.values())
+        scales = {n: max(g.abs().max().item(), floor) for n, g in grads64.items()}
+        results[(family, when, ulysses, ring)] = {
+            "n_lora": len(ref_grads),
+            "same_names": set(grads) == set(ref_grads),
+            "out": (_rel(out, ref_out), _rel(ref_out, out64)),
+            "grads": (
+                max(_rel(grads[n], ref_grads[n], scales[n]) for n in ref_grads),
+                max(_rel(ref_grads[n], grads64[n], scales[n]) for n in ref_grads),
+            ),
+            "after_remove": after_remove,
+            "lora_changes_output": _rel(ref_out, build(family)[0](**kwargs).sample.detach()),
+        }
+    return results
+
+
+@pytest.mark.parametrize("world, ulysses, ring", [(2, 2, 1), (4, 2, 2)])
+def test_lora_before_or_after_apply_matches_unpatched_output_and_grads(rank_pool, world, ulysses, ring):
+    cases = [(family, when, ulysses, ring) for family in FAMILIES for when in ("before", "after")]
+    results = rank_pool(world).run(lora_cases, cases)
+    for rank, rank_result in enumerate(results):
+        for case in cases:
+            result = rank_result[case]
+            assert result["same_names"] and result["n_lora"] >= 8, (rank, case, result)
+            assert result["lora_changes_output"] > 1e-3, (rank, case)  # the adapter is not a no-op
+            error, noise = result["out"]
+            assert error <= NOISE_FACTOR * noise + NOISE_FLOOR, (rank, case, "output", error, noise)
+            error, noise = result["grads"]
+            assert error <= NOISE_FACTOR * noise + NOISE_FLOOR, (rank, case, "lora grads", error, noise)
+            assert result["after_remove"] <= NOISE_FLOOR, (rank, case, result["after_remove"])
