@@ -82,7 +82,13 @@ def run(num_blocks: int, repeats: int) -> dict:
     cached = [r["cached_s"] for r in rows]
     k = min(10, len(cached) // 2)
     first, last = sorted(cached[:k])[k // 2], sorted(cached[-k:])[k // 2]
+    full = [r for r in rows if r["cached_frames"] == config.cache_frames]  # window filled
+    uncached = [r for r in rows if "uncached_s" in r]
     summary = {
+        "cached_slope_s_per_block": _slope([r["blocks"] for r in full], [r["cached_s"] for r in full]),
+        "uncached_slope_s_per_block": _slope(
+            [r["blocks"] for r in uncached], [r["uncached_s"] for r in uncached]
+        ),
         "cache_bytes_after_window": sorted({r["cache_bytes"] for r in rows}),
         "cached_median_first10_s": first,
         "cached_median_last10_s": last,
@@ -105,6 +111,12 @@ def run(num_blocks: int, repeats: int) -> dict:
         "summary": summary,
         "rows": rows,
     }
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
 def plot(result: dict, path: Path) -> None:

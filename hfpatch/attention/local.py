@@ -18,7 +18,7 @@ Built-in backends:
 - ``"efficient_cuda"``: ``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp``: CUDA,
   fused, float32/float16/bfloat16.
 - ``"xformers"``: ``xformers.ops.fmha.memory_efficient_attention_forward_requires_grad`` and
-  ``memory_efficient_attention_backward``: CUDA, when xformers is importable.
+  ``memory_efficient_attention_backward``: CUDA float16/bfloat16, when xformers is importable.
 - ``"math"``: explicit matmuls in float32 (float64 for float64) on any device; materialises
   ``[B, H, S_q, S_k]`` (reference).
 
@@ -198,8 +198,10 @@ def _efficient_forward(q, k, v, scale):
 
 def _efficient_backward(dout, q, k, v, out, lse, scale):
     empty = torch.empty(0, device=q.device)
+    # Give the lse back the forward's shape: its length rounded up to the kernel's 32-row alignment.
+    lse = torch.nn.functional.pad(lse.float(), (0, -lse.shape[-1] % 32))
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, None, out, lse.float().contiguous(), empty, empty,
+        dout.contiguous(), q, k, v, None, out, lse, empty, empty,
         0.0, [True, True, True, False], scale=scale,
     )  # fmt: skip
     return dq, dk, dv

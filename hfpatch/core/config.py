@@ -104,8 +104,8 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
     """Reject degrees the target cannot run. Raises ``ValueError`` with what to change."""
     if config.cfg == 2 and not facts.guides:
         raise ValueError(
-            f"cfg=2 needs a pipeline that runs classifier-free guidance; {facts.name} does not. "
-            "Use cfg=1 and put the ranks into ulysses/ring."
+            f"cfg=2 needs a pipeline that runs classifier-free guidance in a form hfpatch can split; "
+            f"{facts.name} does not (see `hfpatch info`). Use cfg=1 and put the ranks into ulysses/ring."
         )
     if config.sequence_parallel > 1 and facts.num_heads is None:
         raise ValueError(

@@ -172,7 +172,12 @@ def exchange_rows(
 
 
 def _assemble(
-    x: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, zeros_top: int, zeros_bottom: int, pad: list[int]
+    x: torch.Tensor,
+    top: torch.Tensor,
+    bottom: torch.Tensor,
+    zeros_top: int,
+    zeros_bottom: int,
+    pad: list[int],
 ) -> torch.Tensor:
     """``F.pad(cat([0 * zeros_top, top, x, bottom, 0 * zeros_bottom], H), pad)`` in one allocation.
 
@@ -458,7 +463,9 @@ class VAEParallelFamily(PatchFamily):
         if mode not in MODES:
             raise ValueError(f"vae_mode must be one of {MODES} for {type(target).__name__}, got {mode!r}")
         if output not in OUTPUTS:
-            raise ValueError(f"vae_output must be one of {OUTPUTS} for {type(target).__name__}, got {output!r}")
+            raise ValueError(
+                f"vae_output must be one of {OUTPUTS} for {type(target).__name__}, got {output!r}"
+            )
         if config.vae == 1:
             return
         audited = self.audited_types()
@@ -533,7 +540,9 @@ def check_conv2d(path: str, conv: torch.nn.Conv2d) -> None:
 def _state(vae: Any) -> VAEShardState:
     state = getattr(vae, "__dict__", {}).get(STATE_ATTR)
     if state is None:
-        raise ValueError(f"{type(vae).__name__} is not split over ranks by hfpatch (apply it with parallel > 1)")
+        raise ValueError(
+            f"{type(vae).__name__} is not split over ranks by hfpatch (apply it with parallel > 1)"
+        )
     return state
 
 
@@ -563,7 +572,9 @@ def all_reduce_gradients(vae: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=state.group)
 
 
-def trace_conv_inputs(module: torch.nn.Module, fn: Callable[[], Any]) -> list[tuple[torch.nn.Module, torch.Size]]:
+def trace_conv_inputs(
+    module: torch.nn.Module, fn: Callable[[], Any]
+) -> list[tuple[torch.nn.Module, torch.Size]]:
     """Input shapes of every conv call while ``fn()`` runs the *unsplit* model (FakeTensor: no compute)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -100,11 +100,17 @@ class KLVAEParallel(VAEParallelFamily):
         if type(module) is torch.nn.Conv2d:
             check_conv2d(path, module)
         elif type(module) is ResnetBlock2D and (module.upsample is not None or module.downsample is not None):
-            raise TypeError(f"{path}: ResnetBlock2D with built-in up/downsampling is not supported by the split")
+            raise TypeError(
+                f"{path}: ResnetBlock2D with built-in up/downsampling is not supported by the split"
+            )
         elif type(module) is Upsample2D and (module.use_conv_transpose or not module.interpolate):
-            raise TypeError(f"{path}: only Upsample2D with 2x nearest interpolation is supported by the split")
+            raise TypeError(
+                f"{path}: only Upsample2D with 2x nearest interpolation is supported by the split"
+            )
         elif type(module) is Downsample2D and not module.use_conv:
-            raise TypeError(f"{path}: Downsample2D without conv (average pooling) is not supported by the split")
+            raise TypeError(
+                f"{path}: Downsample2D without conv (average pooling) is not supported by the split"
+            )
         elif type(module) is Attention:
             _check_attention(path, module)
 
@@ -129,7 +135,9 @@ class KLVAEParallel(VAEParallelFamily):
                 self.patch_conv2d(patch, module, state)
 
         def check_checkpointing() -> None:
-            if torch.is_grad_enabled() and (target.encoder.gradient_checkpointing or target.decoder.gradient_checkpointing):
+            if torch.is_grad_enabled() and (
+                target.encoder.gradient_checkpointing or target.decoder.gradient_checkpointing
+            ):
                 raise ValueError(
                     f"{type(target).__name__}: gradient checkpointing re-runs blocks outside the split; call "
                     "vae.disable_gradient_checkpointing() (the split already divides activation memory by N)"

@@ -131,7 +131,9 @@ class WanVAEParallel(VAEParallelFamily):
             check_conv2d(path, module)
         elif type(module) is wan.WanCausalConv3d:
             if module._padding[2] != module._padding[3] or module.dilation[1] != 1:
-                raise TypeError(f"{path}: WanCausalConv3d with asymmetric height padding or dilation is not supported")
+                raise TypeError(
+                    f"{path}: WanCausalConv3d with asymmetric height padding or dilation is not supported"
+                )
         elif type(module) is wan.WanUpsample:
             if tuple(module.scale_factor) != (2.0, 2.0) or module.mode not in ("nearest", "nearest-exact"):
                 raise TypeError(f"{path}: only 2x nearest upsampling is row-local; got {module}")

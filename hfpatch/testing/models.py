@@ -213,14 +213,14 @@ def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False):
 
 
 def tiny_sd3_pipe(seed: int = 0):
-    """A stock ``StableDiffusion3Pipeline`` (batched CFG) from tiny parts; call it with ``prompt_embeds``,
-    ``pooled_prompt_embeds`` and their negatives (see :func:`sd3_prompt_inputs`)."""
+    """A stock ``StableDiffusion3Pipeline`` (batched CFG) from tiny parts; call it with ``prompt_embeds``
+    ``[B, L, 16]``, ``pooled_prompt_embeds`` ``[B, 16]`` and their negatives (no text encoders)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline(
         transformer=tiny_sd3_transformer(seed=seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
         text_encoder=None,
         tokenizer=None,
         text_encoder_2=None,

@@ -81,6 +81,7 @@ class GradCacheTrainer(Trainer):
             "cross_rank",
             "process_group",
             "vision_spec",
+            "reuse_frozen_vision",
         }
         self.gradcache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in gradcache_keys}
         super().__init__(*args, **kwargs)

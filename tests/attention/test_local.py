@@ -138,3 +138,22 @@ def test_ring_attention_bfloat16_accumulates_in_float32():
     assert (out.float() - ref).abs().max() <= 3e-2
     for mine, full in zip(low, (q, k, v)):
         assert (mine.grad.float() - full.grad).abs().max() <= 3e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["efficient_cuda", "xformers"])
+def test_cuda_backend_matches_math_forward_and_block_backward(name):
+    if name not in available_backends("cuda", torch.bfloat16):
+        pytest.skip(f"{name} is not available here")
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(sq=70, sk=90, heads=2, dim=64))
+    dout = torch.randn_like(q)
+    out, lse = local_attention(q, k, v, backend=name)
+    ref, ref_lse = local_attention(q, k, v, backend="math")
+    # bf16 outputs (~3 significant digits); lse is float32 in both: 2e-2 and 1e-3.
+    assert (out.float() - ref.float()).abs().max() <= 2e-2 and (lse - ref_lse).abs().max() <= 1e-3
+    cut = 40  # a block backward with the global out/lse must give that block's share
+    for s in (slice(0, cut), slice(cut, 90)):
+        mine = local_attention_backward(dout, q, k[:, :, s], v[:, :, s], ref, ref_lse, backend=name)
+        theirs = local_attention_backward(dout, q, k[:, :, s], v[:, :, s], ref, ref_lse, backend="math")
+        for a, b in zip(mine, theirs):
+            assert (a.float() - b.float()).abs().max() <= 5e-2

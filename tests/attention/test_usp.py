@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hfpatch.attention import usp_attention
+from hfpatch.attention import ulysses_attention, usp_attention
 from hfpatch.attention.layout import group_rank, shard_len, shard_sequence, sp_index
 from hfpatch.core.config import ParallelConfig
 from hfpatch.distributed.collectives import count_comm
@@ -119,12 +119,23 @@ def _case(ring, ulysses, seq, heads, text, position, seed=0, batch=2, dim=8):
 
 
 def _all_cases(world):
-    return [_case(*case, seed=10 * i) for i, case in enumerate(CASES[world])]
+    results = [_case(*case, seed=10 * i) for i, case in enumerate(CASES[world])]
+    _, _, ulysses_group = _groups(1, world)
+    q, k, v = (_randn(1, 4, 2 * world, 8, seed=i) for i in range(3))
+    same = torch.equal(
+        ulysses_attention(q, k, v, group=ulysses_group)[0],
+        usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=None)[0],
+    )
+    return results, same
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_usp_attention_matches_sdpa_forward_and_backward(rank_pool, world_size):
     per_rank = rank_pool(world_size).run(_all_cases, world_size)
+    assert all(same for _, same in per_rank), (
+        "ulysses_attention differs from usp_attention with ring_group=None"
+    )
+    per_rank = [results for results, _ in per_rank]
     for i, case in enumerate(CASES[world_size]):
         joint_outs = []
         for rank in range(world_size):

@@ -68,17 +68,24 @@ def _sd3(pipe: Any, batch: int = 1, per_prompt: int = 1) -> torch.Tensor:
 
 
 def _sd3_pipe() -> Any:
-    pipe = tiny_sd3_pipe()
-    pipe.vae.register_to_config(shift_factor=0.0)  # tiny_autoencoder_kl has no SD3 shift factor
-    return pipe
+    return tiny_sd3_pipe()
 
 
 def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any], bool]]:
-    """``vars()`` of the pipeline and its components. The pipeline and its transformers (what this family
-    patches) must come back identical; the scheduler and VAE only keep run state (timesteps, conv caches)
-    that a pipeline call replaces, so for them only the attribute names are compared."""
-    objs = [pipe, *(c for c in pipe.components.values() if c is not None)]
-    return [(obj, dict(vars(obj)), obj is pipe or "Transformer" in type(obj).__name__) for obj in objs]
+    """``vars()`` of the pipeline, its components and every submodule (attention processors included).
+
+    All must come back identical, except the scheduler and the top-level VAE objects, which keep run state
+    (timesteps, conv caches) that every pipeline call replaces: for them only the attribute names are compared.
+    """
+    objs: list[tuple[Any, bool]] = [(pipe, True)]
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            objs += [
+                (m, m is not component or "Transformer" in type(m).__name__) for m in component.modules()
+            ]
+        elif component is not None:
+            objs.append((component, False))
+    return [(obj, dict(vars(obj)), strict) for obj, strict in objs]
 
 
 def _restored(snapshot: list[tuple[Any, dict[str, Any], bool]]) -> bool:
