@@ -97,7 +97,9 @@ def main() -> dict:
             split[world] = pool.run(_split_run, HEIGHTS)
 
     budget = unpatched[HEIGHTS.index(16)]  # what one rank holds decoding 16 latent rows unpatched
-    per_rank_peak = {w: [max(r[i]["peak_bytes"] for r in split[w]) for i in range(len(HEIGHTS))] for w in split}
+    per_rank_peak = {
+        w: [max(r[i]["peak_bytes"] for r in split[w]) for i in range(len(HEIGHTS))] for w in split
+    }
     largest = {
         "unpatched": _fit_largest(HEIGHTS, unpatched, budget),
         "diffusers_tiling": _fit_largest(HEIGHTS, tiled, budget),
@@ -106,7 +108,11 @@ def main() -> dict:
     result = {
         "model": "tiny AutoencoderKLWan 2.1 (hfpatch.testing.tiny_wan_vae), fp32, CPU",
         "input": {"latent_width": WIDTH, "latent_frames": FRAMES, "latent_heights": HEIGHTS},
-        "peak_bytes": {"unpatched": unpatched, "diffusers_tiling": tiled, **{f"hfpatch_N{w}": per_rank_peak[w] for w in split}},
+        "peak_bytes": {
+            "unpatched": unpatched,
+            "diffusers_tiling": tiled,
+            **{f"hfpatch_N{w}": per_rank_peak[w] for w in split},
+        },
         "peak_ratio_vs_unpatched": {
             f"hfpatch_N{w}": [p / u for p, u in zip(per_rank_peak[w], unpatched)] for w in split
         },
@@ -114,7 +120,12 @@ def main() -> dict:
         "largest_latent_height_within_budget": largest,
         "halo_bytes_per_rank": {
             f"N{w}": [
-                {"height": r["height"], "rank": rank, "measured": r["halo_bytes"], "analytic": r["analytic_halo_bytes"]}
+                {
+                    "height": r["height"],
+                    "rank": rank,
+                    "measured": r["halo_bytes"],
+                    "analytic": r["analytic_halo_bytes"],
+                }
                 for rank, rows in enumerate(split[w])
                 for r in rows
             ]
@@ -122,7 +133,11 @@ def main() -> dict:
         },
         "approx_error_vs_precise": {
             f"N{w}": [
-                {"height": r["height"], "max_abs": r["approx_max_abs_err"], "mean_abs": r["approx_mean_abs_err"]}
+                {
+                    "height": r["height"],
+                    "max_abs": r["approx_max_abs_err"],
+                    "mean_abs": r["approx_mean_abs_err"],
+                }
                 for r in split[w][0]
             ]
             for w in split
@@ -148,7 +163,11 @@ def _plot(result: dict) -> None:
     measured = [peaks["unpatched"][at], peaks["hfpatch_N2"][at], peaks["hfpatch_N4"][at]]
     ax_n.plot(ranks, [m / 2**20 for m in measured], "o-", label="hfpatch (per rank)")
     ax_n.plot(ranks, [measured[0] / n / 2**20 for n in ranks], "k--", label="ideal 1/N")
-    ax_n.set(xlabel="ranks N", ylabel="peak activation MiB", title=f"decode, latent {max(heights)}x{WIDTH}x{FRAMES}")
+    ax_n.set(
+        xlabel="ranks N",
+        ylabel="peak activation MiB",
+        title=f"decode, latent {max(heights)}x{WIDTH}x{FRAMES}",
+    )
     ax_n.set_xticks(ranks)
     ax_n.legend()
     for name, values in peaks.items():
@@ -163,6 +182,8 @@ def _plot(result: dict) -> None:
 if __name__ == "__main__":
     out = main()
     json.dump(
-        {k: out[k] for k in ("peak_ratio_vs_unpatched", "largest_latent_height_within_budget")}, sys.stdout, indent=2
+        {k: out[k] for k in ("peak_ratio_vs_unpatched", "largest_latent_height_within_budget")},
+        sys.stdout,
+        indent=2,
     )
     print()
