@@ -55,7 +55,7 @@ def _split_run(heights: list[int]) -> list[dict]:
         z = _latents(height)
         with torch.no_grad():
             exact = vae.decode(z).sample
-            analytic = analytic_halo_bytes(vae, lambda: vae.decode(z), rank, world)
+            analytic = analytic_halo_bytes(vae, lambda z=z: vae.decode(z), rank, world)
             with hfpatch.apply(vae, vae_output="shard"):
                 with count_comm() as comm:
                     peak = _peak(vae, z)

@@ -13,6 +13,7 @@ from .core.apply import apply, get_patch
 from .core.config import ModelFacts, ParallelConfig
 from .core.patch import Patch, PatchError
 from .core.registry import PatchFamily, default_registry
+from .distributed.gradients import all_reduce_gradients
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "PatchError",
     "PatchFamily",
     "__version__",
+    "all_reduce_gradients",
     "apply",
     "get_patch",
     "register_patch",

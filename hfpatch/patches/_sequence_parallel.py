@@ -20,7 +20,7 @@ residuals) has each of its tensors sharded the same way.
 
 Gradients: the gather's backward is a slice (every rank computes the same loss from the full output), so
 each rank's gradients are its own partial sum. Parameter gradients, and those of every input, equal the
-unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`all_reduce_gradients`.
+unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`hfpatch.all_reduce_gradients`.
 
 >>> from hfpatch.patches._sequence_parallel import GatherOutput, SplitInput, SplitOutput
 >>> plan = {  # Wan's plan
@@ -37,7 +37,7 @@ unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`all_reduce_
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,7 +57,6 @@ __all__ = [
     "SequenceShard",
     "SplitInput",
     "SplitOutput",
-    "all_reduce_gradients",
     "apply_sequence_plan",
     "check_plan",
     "usp_attention_call",
@@ -327,33 +326,3 @@ def usp_attention_call(
         joint_value=joint_value,
         joint_position=joint_position,
     )
-
-
-# ----------------------------------------------------------------------------------------------- gradients
-def all_reduce_gradients(tensors: Iterable[torch.Tensor | torch.nn.Module], group: Any) -> None:
-    """Sum the ``.grad`` of ``tensors`` (or of modules' parameters) over ``group`` in place.
-
-    After ``loss.backward()`` on a sequence-parallel model every rank holds partial gradients (its shard's
-    contribution); their SUM over the ``sp`` group is the unpatched gradient, for parameters and for the
-    model's inputs alike. The group is ``hfpatch.distributed.runtime.get_mesh(patch.plan).group("sp")``
-    (``None`` when there is no sequence parallelism: nothing to do). Call it once before the optimizer
-    step (it is linear, so gradient accumulation is fine). With DDP over the ``data`` axis only, DDP
-    averages over ``data`` on its own; DDP over all ranks would average the sp shares instead of summing
-    them (scale the loss by the ``sp`` size and skip this function).
-    """
-    if group is None:
-        return
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for item in tensors:
-        params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
-        for p in params:
-            if p.grad is not None:
-                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in by_kind.values():
-        # One flat buffer per dtype: a single collective instead of one per parameter.
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

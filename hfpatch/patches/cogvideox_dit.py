@@ -10,7 +10,7 @@ per-head norms and rotary (video tokens only), then :func:`~hfpatch.attention.us
 text as the exact joint part in front (CogVideoX's ``[text, video]`` order).
 
 Gradients: every rank holds partial gradients; all-reduce SUM over the ``sp`` group
-(:func:`~hfpatch.patches._sequence_parallel.all_reduce_gradients`).
+(:func:`hfpatch.all_reduce_gradients`).
 
 >>> import hfpatch
 >>> from hfpatch.testing import tiny_cogvideox_transformer

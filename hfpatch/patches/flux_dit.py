@@ -11,7 +11,7 @@ separately; single-stream blocks concatenate ``[text, local image]`` in one sequ
 cuts at ``len(sequence) - local image tokens``.
 
 Gradients: every rank holds partial gradients; all-reduce SUM over the ``sp`` group
-(:func:`~hfpatch.patches._sequence_parallel.all_reduce_gradients`).
+(:func:`hfpatch.all_reduce_gradients`).
 
 >>> import hfpatch
 >>> from hfpatch.testing import tiny_flux_transformer

@@ -9,7 +9,7 @@ passed as the exact joint part after the image tokens, SD3's ``[image, text]`` o
 dual-attention blocks, ``attn2`` gets it too (image-only self-attention).
 
 Gradients: every rank holds partial gradients; all-reduce SUM over the ``sp`` group
-(:func:`~hfpatch.patches._sequence_parallel.all_reduce_gradients`).
+(:func:`hfpatch.all_reduce_gradients`).
 
 >>> import hfpatch
 >>> from hfpatch.testing import tiny_sd3_transformer

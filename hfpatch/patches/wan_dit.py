@@ -17,7 +17,7 @@ its queries are the local tokens and its keys/values the replicated text (and im
 cross-attention needs no communication.
 
 Gradients: every rank holds partial gradients; all-reduce SUM over the ``sp`` group
-(:func:`~hfpatch.patches._sequence_parallel.all_reduce_gradients`).
+(:func:`hfpatch.all_reduce_gradients`).
 
 >>> import torch, hfpatch
 >>> from hfpatch.testing import tiny_wan_transformer

@@ -24,7 +24,7 @@ class ScaleDecode(PatchFamily):
             raise ValueError(f"factor must be > 0, got {options['factor']}")
 
     def apply(self, target, patch, mesh, options):
-        patch.wrap_method(target, "forward", lambda orig: (lambda *a, **k: orig(*a, **k)))
+        patch.wrap_method(target, "forward", lambda orig: lambda *a, **k: orig(*a, **k))
         patch.set_attr(target, "_toy_factor", options["factor"])
 
 
@@ -120,7 +120,9 @@ def test_apply_pipeline_patches_components_by_type_and_remove_restores_identity(
         hfpatch.apply(pipe.transformer, registry=reg, marker=1)
     patch.remove()
     assert all(block.attn1.processor is processors[i] for i, block in enumerate(pipe.transformer.blocks))
-    assert vars(pipe.vae).keys() == vae_vars.keys() and all(vars(pipe.vae)[k] is v for k, v in vae_vars.items())
+    assert vars(pipe.vae).keys() == vae_vars.keys() and all(
+        vars(pipe.vae)[k] is v for k, v in vae_vars.items()
+    )
     assert hfpatch.get_patch(pipe) is None and hfpatch.get_patch(pipe.vae) is None
 
 

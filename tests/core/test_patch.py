@@ -56,7 +56,7 @@ def test_module_primitives_remove_restores_identity_of_every_store():
     expected = model(x)
 
     patch = Patch("t")
-    patch.wrap_method(model[0], "forward", lambda orig: (lambda inp: orig(inp) * 0))
+    patch.wrap_method(model[0], "forward", lambda orig: lambda inp: orig(inp) * 0)
     patch.set_attr(model, "2", torch.nn.Linear(3, 2))  # replaces a submodule
     patch.set_attr(model[2], "weight", torch.nn.Parameter(torch.zeros(2, 3)))
     patch.add_forward_pre_hook(model, lambda m, args, kwargs: ((args[0] + 1,), kwargs))

@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfpatch.distributed.collectives import all_gather, all_to_all, count_comm, even_sizes, halo_exchange, ring_shift
+from hfpatch.distributed.collectives import (
+    all_gather,
+    all_to_all,
+    count_comm,
+    even_sizes,
+    halo_exchange,
+    ring_shift,
+)
 
 GRAD_ATOL = 1e-6
 
@@ -37,7 +44,9 @@ def _case_all_to_all(seq_len, heads, dim_head):
     (out * _shard(weight, 1, head_sizes, rank)).sum().backward()
     analytic = (x.numel() - seq_sizes[rank] * head_sizes[rank] * dim_head) * 4
     # Round trip: back to sequence-sharded.
-    back = all_to_all(out.detach(), scatter_dim=0, gather_dim=1, scatter_sizes=seq_sizes, gather_sizes=head_sizes)
+    back = all_to_all(
+        out.detach(), scatter_dim=0, gather_dim=1, scatter_sizes=seq_sizes, gather_sizes=head_sizes
+    )
     return {
         "fwd": torch.equal(out, expected),
         "bwd_err": (x.grad - _shard(weight, 0, seq_sizes, rank)).abs().max().item(),

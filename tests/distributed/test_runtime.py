@@ -31,7 +31,9 @@ def test_mesh_axes_membership_world_4(rank_pool):
         ring_ulysses, cfg_ulysses, ulysses_only, data_ring = results
         assert ring_ulysses["ulysses"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert ring_ulysses["ring"] == [rank % 2, rank % 2 + 2]
-        assert ring_ulysses["sp"] == [0, 1, 2, 3] and ring_ulysses["sp_rank"] == rank  # ring*u + ulysses index
+        assert (
+            ring_ulysses["sp"] == [0, 1, 2, 3] and ring_ulysses["sp_rank"] == rank
+        )  # ring*u + ulysses index
         assert ring_ulysses["cfg"] is None and ring_ulysses["vae"] == [0, 1, 2, 3]
         assert cfg_ulysses["cfg"] == [rank % 2, rank % 2 + 2] and cfg_ulysses["sp"] == cfg_ulysses["ulysses"]
         assert ulysses_only["sp"] == [0, 1, 2, 3] and ulysses_only["ring"] is None
@@ -48,10 +50,14 @@ def _wrong_world_case():
 
 
 def test_ensure_process_group_rejects_other_world_size(rank_pool):
-    assert rank_pool(2).run(_wrong_world_case) == [
-        "hfpatch was asked for 3 ranks but the world size is 2; pass parallel=2 or a ParallelConfig whose "
-        "degrees multiply to it"
-    ] * 2
+    assert (
+        rank_pool(2).run(_wrong_world_case)
+        == [
+            "hfpatch was asked for 3 ranks but the world size is 2; pass parallel=2 or a ParallelConfig whose "
+            "degrees multiply to it"
+        ]
+        * 2
+    )
 
 
 @pytest.mark.parametrize("world", [1])

@@ -15,9 +15,8 @@ import torch
 from test_dit_usp import NOISE_FACTOR, NOISE_FLOOR, _double, _rel, build
 
 import hfpatch
-from hfpatch import ParallelConfig
+from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.distributed.runtime import get_mesh
-from hfpatch.patches._sequence_parallel import all_reduce_gradients
 
 FAMILIES = ("wan21", "flux", "sd3", "cogvideox")
 

@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 import hfpatch
-from hfpatch import ParallelConfig
+from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.core.registry import Registry
 from hfpatch.distributed.runtime import get_mesh
-from hfpatch.patches._sequence_parallel import all_reduce_gradients
 
 NOISE_FACTOR = 10  # patched-vs-unpatched error <= 10 x the unpatched model's own fp32-vs-fp64 error
 NOISE_FLOOR = 1e-6  # relative; below this both errors are at the level of single roundings

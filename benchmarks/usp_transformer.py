@@ -1,0 +1,261 @@
+"""Per-rank activation memory and bytes sent of the stock ``WanTransformer3DModel`` under USP, vs N.
+
+A tiny but long-sequence stock Wan 2.1 transformer (``hfpatch.testing.tiny_wan_transformer`` with 8 heads of
+16 channels, hidden ``C = 128``, ``ffn_dim = 4 C``, 2 layers) denoises a latent video ``[1, 4, 16, 32, 32]``
+(patch 1x2x2: ``S = 16 * 16 * 16 = 4096`` tokens) in fp32 under ``torch.no_grad()`` (inference). It runs
+unpatched on one process, then patched with ``hfpatch.apply(model, parallel=ParallelConfig(...))`` on
+N = 2 and 4 gloo ranks: Ulysses N, Ring N and USP 2x2. Every rank reports:
+
+- its peak live activation bytes during the transformer call (``hfpatch.testing.memory.track_memory``;
+  weights and inputs are not counted) over the unpatched peak, against the target 1.2/N, with a per-module
+  breakdown (live bytes on entry and peak inside ``rope``, ``patch_embedding``, each block, ...);
+- the max abs difference of its output from the unpatched output;
+- bytes sent (``count_comm``, split by collective) against the analytic minimum: per self-attention call
+  Ulysses sends ``4 (u-1)/u`` of the local ``[B, S/N, H, D]`` tensor (q, k, v in, out back) and Ring
+  ``2 (r-1)`` such tensors (K and V passed ``r-1`` times), times ``num_layers``; the output gather sends
+  ``(N-1)`` local output shards. Cross-attention to the replicated text sends nothing.
+
+Writes ``benchmarks/results/usp_transformer.json`` and ``.png``; about a minute on two CPU cores.
+
+    python benchmarks/usp_transformer.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.attention.layout import shard_len
+from hfpatch.distributed.collectives import count_comm
+from hfpatch.testing import RankPool, tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing.memory import MemoryTracker, track_memory
+
+RESULTS = Path(__file__).parent / "results"
+HEADS, HEAD_DIM, LAYERS = 8, 16, 2
+HIDDEN = HEADS * HEAD_DIM
+LATENT = (1, 4, 16, 32, 32)  # [B, C, F, H, W]; patch (1, 2, 2) -> 16 * 16 * 16 = 4096 tokens
+TEXT_LEN = 16
+PATCH = (1, 2, 2)
+OUT_CHANNELS = 4
+MB = 2**20
+# (name, ring, ulysses) per world size.
+CONFIGS = {
+    2: [("ulysses", 1, 2), ("ring", 2, 1)],
+    4: [("ulysses", 1, 4), ("ring", 4, 1), ("usp 2x2", 2, 2)],
+}
+MARKERS = {"ulysses": "o-", "ring": "s-", "usp 2x2": "^"}
+
+
+def seq_len(latent: tuple[int, ...] = LATENT) -> int:
+    """Tokens after patch embedding."""
+    _, _, f, h, w = latent
+    return (f // PATCH[0]) * (h // PATCH[1]) * (w // PATCH[2])
+
+
+def build(latent: tuple[int, ...] = LATENT) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The benchmark's stock Wan transformer (same weights on every rank) and its forward kwargs."""
+    model = tiny_wan_transformer(
+        num_heads=HEADS,
+        head_dim=HEAD_DIM,
+        num_layers=LAYERS,
+        ffn_dim=4 * HIDDEN,
+        out_channels=OUT_CHANNELS,
+        patch_size=PATCH,
+    )
+    kwargs = dict(
+        hidden_states=torch.randn(*latent, generator=torch.Generator().manual_seed(1)),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=wan_prompt_embeds(latent[0], TEXT_LEN),
+    )
+    return model, kwargs
+
+
+def analytic_bytes(ring: int, ulysses: int, latent: tuple[int, ...] = LATENT) -> dict[str, int]:
+    """Minimum bytes one rank sends in a forward, per collective kind (fp32, equal shards)."""
+    world = ring * ulysses
+    local = shard_len(seq_len(latent), world)  # tokens per rank
+    batch = latent[0]
+    qkv = batch * local * HIDDEN * 4  # one local [B, S/N, H, D] fp32 tensor
+    out_shard = batch * local * OUT_CHANNELS * PATCH[0] * PATCH[1] * PATCH[2] * 4  # proj_out output shard
+    return {
+        "all_to_all": LAYERS * 4 * (ulysses - 1) * qkv // ulysses,
+        "ring": LAYERS * 2 * (ring - 1) * qkv,
+        "all_gather": (world - 1) * out_shard,
+    }
+
+
+class Breakdown:
+    """Forward hooks on the model's top-level stages recording live bytes on entry and the peak inside.
+
+    Registered after ``hfpatch.apply``, so a stage's entry is measured after the patch's split hooks ran and
+    its exit after the patch's gather hook.
+    """
+
+    def __init__(self, model: torch.nn.Module, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+        self.rows: list[dict[str, Any]] = []
+        self._saved: list[int] = []
+        stages = [("rope", model.rope), ("patch_embedding", model.patch_embedding)]
+        stages += [("condition_embedder", model.condition_embedder)]
+        stages += [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+        stages += [("norm_out", model.norm_out), ("proj_out", model.proj_out)]
+        self.handles = []
+        for name, module in stages:
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(lambda m, a, o, name=name: self._exit(name)))
+
+    def _enter(self, _module, _args) -> None:
+        self._saved.append(self.tracker.peak_bytes)
+        self.tracker.reset_peak()
+        self._entry = self.tracker.live_bytes
+
+    def _exit(self, name: str) -> None:
+        inside = self.tracker.peak_bytes
+        self.rows.append({"stage": name, "live_on_entry": self._entry, "peak_inside": inside})
+        self.tracker.peak_bytes = max(self._saved.pop(), inside)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def profile(model: torch.nn.Module, kwargs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Output, peak bytes, stage breakdown and bytes sent of one inference forward."""
+    with torch.no_grad(), count_comm() as comm, track_memory() as mem:
+        probe = Breakdown(model, mem)
+        out = model(**kwargs).sample
+        probe.remove()
+    return {"out": out, "peak": mem.peak_bytes, "stages": probe.rows, "sent": dict(comm.by_op)}
+
+
+def measure(ring: int, ulysses: int, reference: torch.Tensor) -> dict[str, Any]:
+    """On every rank: the patched model's peak, stage breakdown, bytes sent and error vs ``reference``."""
+    model, kwargs = build()
+    with hfpatch.apply(model, parallel=ParallelConfig(ring=ring, ulysses=ulysses)):
+        result = profile(model, kwargs)
+    out = result.pop("out")
+    result["max_abs_diff"] = (out - reference).abs().max().item()
+    return result
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results["unpatched"]["peak"] / MB
+    ns = [1, 2, 4]
+    fig, (ax_mem, ax_comm) = plt.subplots(1, 2, figsize=(12, 4.4))
+    ax_mem.plot(ns, [base / n for n in ns], "k:", label="ideal 1/N")
+    ax_mem.plot(ns, [1.2 * base / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
+    for name, marker in MARKERS.items():
+        rows = [r for r in results["runs"] if r["name"] == name]
+        ax_mem.plot([1] + [r["N"] for r in rows], [base] + [r["peak_max"] / MB for r in rows], marker, label=name)
+    ax_mem.set(xlabel="ranks N", ylabel="per-rank peak activation (MiB)", xticks=ns, yscale="log")
+    ax_mem.set_title(
+        f"stock WanTransformer3DModel, S={results['seq']}, C={HIDDEN}, ffn=4C, {LAYERS} layers, fp32",
+        fontsize=9,
+    )
+    ax_mem.legend(fontsize=8)
+    runs = results["runs"]
+    x = list(range(len(runs)))
+    bottom = [0.0] * len(runs)
+    for op, color in (("all_to_all", "C0"), ("ring", "C1"), ("all_gather", "C2")):
+        heights = [r["sent_by_op_max"].get(op, 0) / MB for r in runs]
+        ax_comm.bar([i - 0.2 for i in x], heights, 0.4, bottom=bottom, color=color, label=f"measured {op}")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_comm.bar([i + 0.2 for i in x], [r["analytic"] / MB for r in runs], 0.4, color="0.6", label="analytic min")
+    ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs], fontsize=8)
+    ax_comm.set(ylabel="bytes sent per rank, one forward (MiB)")
+    ax_comm.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model, kwargs = build()
+    unpatched = profile(model, kwargs)
+    reference = unpatched.pop("out")
+    seq = seq_len()
+    runs = []
+    for world, configs in CONFIGS.items():
+        with RankPool(world, timeout_s=600) as pool:
+            for name, ring, ulysses in configs:
+                per_rank = pool.run(measure, ring, ulysses, reference)
+                analytic = analytic_bytes(ring, ulysses)
+                ops = sorted({op for r in per_rank for op in r["sent"]} | set(analytic))
+                sent_by_op = {op: max(r["sent"].get(op, 0) for r in per_rank) for op in ops}
+                sent = max(sum(r["sent"].values()) for r in per_rank)
+                peak = max(r["peak"] for r in per_rank)
+                runs.append(
+                    {
+                        "name": name,
+                        "N": world,
+                        "ring": ring,
+                        "ulysses": ulysses,
+                        "peak_per_rank": [r["peak"] for r in per_rank],
+                        "peak_max": peak,
+                        "peak_over_unpatched": peak / unpatched["peak"],
+                        "target": 1.2 / world,
+                        "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+                        "sent_by_op_max": sent_by_op,
+                        "sent_max": sent,
+                        "analytic_by_op": analytic,
+                        "analytic": sum(analytic.values()),
+                        "sent_over_analytic": sent / sum(analytic.values()),
+                        "stages_rank0": per_rank[0]["stages"],
+                    }
+                )
+    full_hidden = LATENT[0] * seq * HIDDEN * 4
+    results = {
+        "model": "diffusers WanTransformer3DModel (tiny_wan_transformer)",
+        "config": {
+            "num_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "hidden": HIDDEN,
+            "ffn_dim": 4 * HIDDEN,
+            "num_layers": LAYERS,
+            "latent": list(LATENT),
+            "patch_size": list(PATCH),
+            "text_len": TEXT_LEN,
+            "dtype": "float32",
+            "mode": "inference, torch.no_grad()",
+        },
+        "seq": seq,
+        "units": {
+            "full_hidden_bytes": full_hidden,  # one [B, S, C] fp32 tensor
+            "full_rope_bytes": 2 * seq * HEAD_DIM * 4,  # (cos, sin), each [1, S, 1, D]
+            "full_output_bytes": reference.numel() * reference.element_size(),
+        },
+        "unpatched": unpatched,
+        "runs": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "usp_transformer.json").write_text(json.dumps(results, indent=2))
+    _plot(results, RESULTS / "usp_transformer.png")
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import measure from this file
+    from usp_transformer import main as _main  # noqa: E402  (the importable copy of this module)
+
+    res = _main()
+    unit = res["units"]["full_hidden_bytes"]
+    print(f"S={res['seq']}: unpatched peak {res['unpatched']['peak'] / MB:.2f} MiB "
+          f"= {res['unpatched']['peak'] / unit:.2f} x one [B, S, C] tensor")  # fmt: skip
+    for run in res["runs"]:
+        print(
+            f"{run['name']:8s} N={run['N']}: peak {run['peak_max'] / MB:6.2f} MiB = "
+            f"{run['peak_over_unpatched']:.3f} x unpatched (target <= {run['target']:.2f}); "
+            f"max|diff| {run['max_abs_diff']:.1e}; sent {run['sent_max'] / MB:5.2f} MiB = "
+            f"{run['sent_over_analytic']:.3f} x analytic {run['sent_by_op_max']}"
+        )
