@@ -8,10 +8,11 @@ Reported:
 - peak bytes vs ranks N (1, 2, 4) and vs latent height, unpatched vs diffusers tiling vs hfpatch;
 - the largest latent height each rank can decode within a fixed activation budget (peaks are affine in the
   height, so the largest height is read off a least-squares line through the measured points);
+- peak bytes of a training step through the decoder (forward + backward), where tiling does not help;
 - halo bytes sent per rank, measured vs the analytic count;
 - the error of ``vae_mode="approx"`` against the exact result.
 
-Usage: ``python benchmarks/vae_memory.py`` (about 2 minutes on 2 CPU cores).
+Usage: ``python benchmarks/vae_memory.py`` (2-3 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def _peak(vae, z: torch.Tensor) -> int:
     return mem.peak_bytes
 
 
+def _train_peak(vae, z: torch.Tensor) -> int:
+    """Peak of one decode forward + backward (a training step through the decoder; parameter grads included)."""
+    leaf = z.clone().requires_grad_(True)
+    with track_memory() as mem:
+        vae.decode(leaf).sample.square().mean().backward()
+    vae.zero_grad(set_to_none=True)
+    return mem.peak_bytes
+
+
 def _split_run(heights: list[int]) -> list[dict]:
     """On every rank: peak bytes, halo bytes (measured, analytic) and approx error for each height."""
     vae = tiny_wan_vae("2.1")
@@ -59,6 +69,9 @@ def _split_run(heights: list[int]) -> list[dict]:
             with hfpatch.apply(vae, vae_output="shard"):
                 with count_comm() as comm:
                     peak = _peak(vae, z)
+        with hfpatch.apply(vae, vae_output="shard"):
+            train_peak = _train_peak(vae, z)  # each rank's loss on its rows
+        with torch.no_grad():
             with hfpatch.apply(vae, vae_mode="approx"):
                 approx = vae.decode(z).sample
         err = (approx - exact).abs()
@@ -66,6 +79,7 @@ def _split_run(heights: list[int]) -> list[dict]:
             {
                 "height": height,
                 "peak_bytes": peak,
+                "train_peak_bytes": train_peak,
                 "halo_bytes": comm.by_op.get("halo", 0),
                 "analytic_halo_bytes": analytic,
                 "approx_max_abs_err": err.max().item(),
@@ -89,7 +103,9 @@ def main() -> dict:
     unpatched = [_peak(vae, _latents(h)) for h in HEIGHTS]
     vae.enable_tiling(TILE, 10**6, TILE * 3 // 4, 10**6)  # tile rows only: isolates the height dimension
     tiled = [_peak(vae, _latents(h)) for h in HEIGHTS]
+    tiled_train = [_train_peak(vae, _latents(h)) for h in HEIGHTS]
     vae.disable_tiling()
+    unpatched_train = [_train_peak(vae, _latents(h)) for h in HEIGHTS]
 
     split: dict[int, list[list[dict]]] = {}
     for world in (2, 4):
@@ -105,6 +121,14 @@ def main() -> dict:
         "diffusers_tiling": _fit_largest(HEIGHTS, tiled, budget),
         **{f"hfpatch_N{w}": _fit_largest(HEIGHTS, per_rank_peak[w], budget) for w in split},
     }
+    train = {
+        "unpatched": unpatched_train,
+        "diffusers_tiling": tiled_train,
+        **{
+            f"hfpatch_N{w}": [max(r[i]["train_peak_bytes"] for r in split[w]) for i in range(len(HEIGHTS))]
+            for w in split
+        },
+    }
     result = {
         "model": "tiny AutoencoderKLWan 2.1 (hfpatch.testing.tiny_wan_vae), fp32, CPU",
         "input": {"latent_width": WIDTH, "latent_frames": FRAMES, "latent_heights": HEIGHTS},
@@ -116,6 +140,7 @@ def main() -> dict:
         "peak_ratio_vs_unpatched": {
             f"hfpatch_N{w}": [p / u for p, u in zip(per_rank_peak[w], unpatched)] for w in split
         },
+        "train_peak_bytes": train,
         "budget_bytes": budget,
         "largest_latent_height_within_budget": largest,
         "halo_bytes_per_rank": {
@@ -157,7 +182,7 @@ def _plot(result: dict) -> None:
 
     heights = result["input"]["latent_heights"]
     peaks = result["peak_bytes"]
-    fig, (ax_n, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_n, ax_h, ax_t) = plt.subplots(1, 3, figsize=(16, 4))
     ranks = [1, 2, 4]
     at = heights.index(max(heights))
     measured = [peaks["unpatched"][at], peaks["hfpatch_N2"][at], peaks["hfpatch_N4"][at]]
@@ -175,6 +200,10 @@ def _plot(result: dict) -> None:
     ax_h.axhline(result["budget_bytes"] / 2**20, color="gray", ls=":", label="budget")
     ax_h.set(xlabel="latent height (rows)", ylabel="peak activation MiB per rank", title="peak vs resolution")
     ax_h.legend(fontsize=8)
+    for name, values in result["train_peak_bytes"].items():
+        ax_t.plot(heights, [v / 2**20 for v in values], "o-", label=name)
+    ax_t.set(xlabel="latent height (rows)", ylabel="peak MiB per rank", title="training step (fwd + bwd)")
+    ax_t.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "vae_memory.png", dpi=120)
 
@@ -182,7 +211,10 @@ def _plot(result: dict) -> None:
 if __name__ == "__main__":
     out = main()
     json.dump(
-        {k: out[k] for k in ("peak_ratio_vs_unpatched", "largest_latent_height_within_budget")},
+        {
+            k: out[k]
+            for k in ("peak_ratio_vs_unpatched", "largest_latent_height_within_budget", "train_peak_bytes")
+        },
         sys.stdout,
         indent=2,
     )
