@@ -16,6 +16,8 @@ the contiguous block ``ring_index`` of ``ulysses * shard_len`` tokens, which is 
 around. Heads are split over the Ulysses group by :func:`head_sizes` (larger parts first; uneven is fine).
 
 >>> import torch
+
+from ..distributed.collectives import even_sizes
 >>> x = torch.arange(10).view(1, 10)                       # 10 tokens over N = 4 ranks
 >>> padded_len(10, 4), shard_len(10, 4)
 (12, 3)
@@ -119,8 +121,7 @@ def head_sizes(heads: int, ulysses: int) -> list[int]:
     >>> head_sizes(6, 4), head_sizes(8, 2)
     ([2, 2, 1, 1], [4, 4])
     """
-    base, extra = divmod(heads, ulysses)
-    return [base + (1 if i < extra else 0) for i in range(ulysses)]
+    return even_sizes(heads, ulysses)
 
 
 def pad_sequence(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:

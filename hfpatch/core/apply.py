@@ -52,7 +52,12 @@ def _merge_facts(units: list[tuple[Any, list[PatchFamily]]], target: Any) -> Mod
             if facts.num_heads is not None:
                 heads.append(facts.num_heads)
             guides = guides or facts.guides
-    return ModelFacts(num_heads=min(heads) if heads else None, guides=guides, name=type(target).__name__)
+    return ModelFacts(
+        num_heads=min(heads) if heads else None,
+        guides=guides,
+        name=type(target).__name__,
+        pipeline=_is_pipeline(target),
+    )
 
 
 def _requested_world(parallel: int | ParallelConfig | None) -> int | None:
@@ -118,9 +123,8 @@ def apply(
 
     facts = _merge_facts(units, target)
     requested = _requested_world(parallel)
-    if requested is not None and requested > 1 and runtime.launched_world_size() == 1:
-        runtime.ensure_process_group(requested)  # raises with launch instructions
-    world = runtime.launched_world_size()
+    runtime.check_launchable(requested or 1)  # no process group and no launcher: say how to launch
+    world = runtime.launched_world_size()  # reads the launcher's environment; initialises nothing
     config = resolve_parallel(parallel, world, facts)
 
     existing = get_patch(target)
@@ -144,7 +148,7 @@ def apply(
         for family in families:
             family.validate(obj, config, {k: resolved_options[k] for k in family.options})
 
-    mesh = runtime.get_mesh(config)
+    mesh = runtime.get_mesh(config)  # the first collective: every check above passed on every rank
 
     top = Patch(name=type(target).__name__, plan=config, options=resolved_options)
     try:
@@ -152,11 +156,14 @@ def apply(
             child = top
             if obj is not target:
                 child = Patch(type(obj).__name__, plan=config, options=resolved_options, part_of=top.name)
-                top.children.append(child)
+                top.add_child(child)
             for family in families:
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})
             child.set_attr(obj, MARKER, child)
-    except BaseException:
-        top.remove()
+    except BaseException as exc:
+        try:
+            top.remove()
+        except BaseException as rollback_error:  # keep the original error; say the rollback failed too
+            exc.add_note(f"hfpatch: rolling back the partial patch also failed: {rollback_error!r}")
         raise
     return top

@@ -73,11 +73,13 @@ class ModelFacts:
         num_heads: Attention heads of the transformer (``None`` when there is no transformer).
         guides: Whether the pipeline runs classifier-free guidance (so CFG parallel applies).
         name: Class name, used in error messages.
+        pipeline: Whether the target is a pipeline (data parallel splits a pipeline's batch).
     """
 
     num_heads: int | None = None
     guides: bool = False
     name: str = "target"
+    pipeline: bool = False
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,6 +109,11 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
             f"cfg=2 needs a pipeline that runs classifier-free guidance in a form hfpatch can split; "
             f"{facts.name} does not (see `hfpatch info`). Use cfg=1 and put the ranks into ulysses/ring."
         )
+    if config.data > 1 and not facts.pipeline:
+        raise ValueError(
+            f"data={config.data} splits a pipeline's prompts over ranks; {facts.name} is not a pipeline. "
+            "Apply hfpatch to the pipeline, or use data=1 (wrap the model in DDP for data parallel training)."
+        )
     if config.sequence_parallel > 1 and facts.num_heads is None:
         raise ValueError(
             f"ulysses={config.ulysses}, ring={config.ring} need a transformer; {facts.name} has none. "
@@ -123,6 +130,8 @@ def resolve_parallel(
     parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts
 ) -> ParallelConfig:
     """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
+
+    ``parallel=1`` is valid in any world: the target is patched for one rank and every rank runs it alone.
 
     Args:
         parallel: ``None`` (all ranks), an int number of ranks, or an explicit :class:`ParallelConfig`.
@@ -142,7 +151,7 @@ def resolve_parallel(
         raise TypeError(
             f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}"
         )
-    if config.world_size != world_size:
+    if config.world_size != world_size and config.world_size > 1:  # parallel=1: each rank on its own
         raise ValueError(
             f"{config} uses {config.world_size} ranks (data*cfg*ring*ulysses) but the world size is {world_size}; "
             f"launch with `torchrun --nproc-per-node {config.world_size}` or choose degrees that multiply to "

@@ -19,7 +19,6 @@ True
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +69,7 @@ def _describe(obj: Any) -> str:
 
 @dataclass
 class _Entry:
-    kind: str  # "attr" | "hook" | "callback"
+    kind: str  # "attr" | "hook" | "callback" | "child"
     obj: Any
     name: str
     old: Any = ABSENT
@@ -120,10 +119,6 @@ class Patch:
         self.set_attr(obj, name, new)
         return new
 
-    def bind_method(self, obj: Any, name: str, function: Callable) -> None:
-        """Install ``function`` as a bound method ``obj.name`` (``self`` is passed) on this instance only."""
-        self.set_attr(obj, name, types.MethodType(function, obj))
-
     def swap_processor(self, attention: Any, processor: Any) -> None:
         """Replace a diffusers attention module's ``processor`` (the identical old one comes back)."""
         if not hasattr(attention, "processor"):
@@ -144,6 +139,13 @@ class Patch:
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_hook"), handle=handle))
 
+    def add_child(self, child: Patch) -> Patch:
+        """Make ``child`` (a component's patch) part of this one; it is undone at its place in the log."""
+        self._check_live()
+        self.children.append(child)
+        self._log.append(_Entry("child", child, child.name))
+        return child
+
     def on_remove(self, obj: Any, name: str, undo: Callable[[], None]) -> None:
         """Register an arbitrary undo step (for state that is not an attribute, e.g. a cache to free)."""
         self._check_live()
@@ -155,15 +157,10 @@ class Patch:
         return not self._removed
 
     def remove(self) -> None:
-        """Undo every mutation in reverse order; children first. Idempotent."""
+        """Undo every mutation (children included) in exact reverse order of application. Idempotent."""
         if self._removed:
             return
         errors: list[BaseException] = []
-        for child in reversed(self.children):
-            try:
-                child.remove()
-            except BaseException as exc:  # keep undoing the rest, report at the end
-                errors.append(exc)
         for entry in reversed(self._log):
             try:
                 _undo(entry)
@@ -184,9 +181,12 @@ class Patch:
 
     def entries(self) -> list[str]:
         """Human-readable list of every logged mutation, children included."""
-        lines = [str(e) for e in self._log]
-        for child in self.children:
-            lines += [f"{child.name}: {line}" for line in child.entries()]
+        lines = []
+        for entry in self._log:
+            if entry.kind == "child":
+                lines += [f"{entry.obj.name}: {line}" for line in entry.obj.entries()]
+            else:
+                lines.append(str(entry))
         return lines
 
     def __repr__(self) -> str:
@@ -204,7 +204,9 @@ class Patch:
 
 
 def _undo(entry: _Entry) -> None:
-    if entry.kind == "hook":
+    if entry.kind == "child":
+        entry.obj.remove()
+    elif entry.kind == "hook":
         entry.handle.remove()
     elif entry.kind == "callback":
         entry.undo()

@@ -55,6 +55,23 @@ def launched_world_size() -> int:
     return 1
 
 
+def check_launchable(required: int) -> None:
+    """Raise ``RuntimeError`` saying how to launch if ``required > 1`` ranks cannot exist in this process.
+
+    Initialises nothing: there must be a process group already, or the launcher's environment.
+    """
+    if required == 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    missing = [v for v in _LAUNCH_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"hfpatch was asked for {required} ranks but torch.distributed is not initialised and the launcher "
+            f"variables {', '.join(missing)} are not set. Launch every rank with "
+            f"`torchrun --nproc-per-node {required} your_script.py` (or `accelerate launch --num_processes "
+            f"{required} your_script.py`), or call torch.distributed.init_process_group first."
+        )
+
+
 def ensure_process_group(required: int) -> None:
     """Make sure a default process group of ``required`` ranks exists.
 
@@ -71,14 +88,7 @@ def ensure_process_group(required: int) -> None:
             "torch.distributed is not available in this torch build; hfpatch needs it for parallel > 1"
         )
     if not dist.is_initialized():
-        missing = [v for v in _LAUNCH_VARS if v not in os.environ]
-        if missing:
-            raise RuntimeError(
-                f"hfpatch was asked for {required} ranks but torch.distributed is not initialised and the launcher "
-                f"variables {', '.join(missing)} are not set. Launch every rank with "
-                f"`torchrun --nproc-per-node {required} your_script.py` (or `accelerate launch --num_processes "
-                f"{required} your_script.py`), or call torch.distributed.init_process_group first."
-            )
+        check_launchable(required)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -124,12 +134,18 @@ class ParallelMesh:
 _MESHES: dict[tuple, ParallelMesh] = {}
 
 
+def _reset_state() -> None:
+    """Forget the cached meshes (tests, or before re-initialising torch.distributed in one process)."""
+    _MESHES.clear()
+
+
 def get_mesh(config: ParallelConfig) -> ParallelMesh:
     """The :class:`ParallelMesh` for ``config`` over the default process group (collective on first use)."""
-    ensure_process_group(config.world_size)
-    if config.world_size == 1:
+    if config.world_size == 1:  # no parallelism: every rank runs the model on its own
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae")})
-    key = (dist.get_backend(), config.data, config.cfg, config.ring, config.ulysses, config.vae)
+    ensure_process_group(config.world_size)
+    # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
+    key = (id(dist.group.WORLD), dist.get_backend(), config.data, config.cfg, config.ring, config.ulysses, config.vae)
     if key in _MESHES:
         return _MESHES[key]
     from torch.distributed.device_mesh import init_device_mesh
@@ -142,7 +158,7 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         for axis in AXES:
             groups[axis] = mesh.get_group(axis) if getattr(config, axis) > 1 else None
-        groups["sp"] = (
+        groups["sp"] = (  # DeviceMesh._flatten (torch >= 2.4): ring x ulysses in sp order, ulysses innermost
             mesh["ring", "ulysses"]._flatten("sp").get_group()
             if config.ring > 1 and config.ulysses > 1
             else (groups["ring"] or groups["ulysses"])

@@ -288,7 +288,7 @@ def group_norm_forward(norm: torch.nn.GroupNorm, state: VAEShardState) -> Callab
         groups = norm.num_groups
         grouped = x.reshape(b, groups, -1)
         var_local, mean_local = torch.var_mean(grouped.float(), dim=-1, correction=0)
-        counts = torch.tensor(state.sizes(grouped.shape[-1]), dtype=torch.float64)
+        counts = torch.tensor(state.sizes(grouped.shape[-1]), dtype=torch.float64, device=x.device)
         stats = all_reduce_stats(torch.stack([mean_local, var_local]), state).double()  # (world, 2, b, g)
         weights = (counts / counts.sum()).view(-1, 1, 1)
         mean = (weights * stats[:, 0]).sum(0)
@@ -362,6 +362,7 @@ class _TileRun:
     tile: int = -1
     replaying: bool = False
     replayed: int = 0
+    device: torch.device = torch.device("cpu")
     calls: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
     mine: list[torch.Tensor] = field(default_factory=list)
     results: list[torch.Tensor] = field(default_factory=list)
@@ -376,6 +377,7 @@ class _TileRun:
             return self.results[self.replayed - 1]
         if self.per_call:
             self.new_tile()
+        self.device = x.device
         owner = max(self.tile, 0) % self.state.world
         if owner == self.state.rank:
             out = original(x, *args, **kwargs)
@@ -394,7 +396,9 @@ class _TileRun:
         """Every rank gets every tile, in call order."""
         state = self.state
         numels = [[s.numel() for o, s, _ in self.calls if o == r] for r in range(state.world)]
-        flat = torch.cat([t.reshape(-1) for t in self.mine]) if self.mine else torch.empty(0)
+        flat = (
+            torch.cat([t.reshape(-1) for t in self.mine]) if self.mine else torch.empty(0, device=self.device)
+        )
         dtype = self.calls[0][2] if self.calls else torch.float32
         gathered = all_gather(flat.to(dtype), 0, state.group, [sum(n) for n in numels])
         per_rank = [list(p.split(n)) for p, n in zip(gathered.split([sum(n) for n in numels]), numels)]

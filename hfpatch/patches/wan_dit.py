@@ -42,19 +42,9 @@ from ._sequence_parallel import (
     SplitOutput,
     usp_attention_call,
 )
+from ._wan_common import apply_wan_rotary
 
 __all__ = ["WanTransformerUSP", "WanUSPAttnProcessor"]
-
-
-def _apply_wan_rotary(x_bshd: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    # The stock WanAttnProcessor's (nested, hence not importable) rotary, interleaved pairs.
-    x1, x2 = x_bshd.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x_bshd)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x_bshd)
 
 
 class WanUSPAttnProcessor:
@@ -89,8 +79,8 @@ class WanUSPAttnProcessor:
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
-            query = _apply_wan_rotary(query, *rotary_emb)
-            key = _apply_wan_rotary(key, *rotary_emb)
+            query = apply_wan_rotary(query, *rotary_emb)
+            key = apply_wan_rotary(key, *rotary_emb)
 
         out, _ = usp_attention_call(self.state, query, key, value)
         out = out.flatten(2, 3).type_as(query)

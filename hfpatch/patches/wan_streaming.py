@@ -42,6 +42,7 @@ from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
 from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames
+from ._wan_common import apply_wan_rotary
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
 
@@ -82,16 +83,6 @@ class _CallState:
         return self.call
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's interleaved rotary embedding (same arithmetic as the stock ``WanAttnProcessor``)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 def _attend(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
         q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2)
@@ -121,7 +112,7 @@ class StreamingSelfAttnProcessor:
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
+        q, k = apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb)
 
         if call.cache is not None:
             out = self._cached(call, q, k, v)
@@ -152,6 +143,10 @@ class StreamingSelfAttnProcessor:
 class StreamingCrossAttnProcessor:
     """Text cross-attention whose keys/values are cached per prompt tensor (under ``torch.no_grad`` only).
 
+    A cached entry is reused only while the prompt tensor is the same object with the same storage and
+    version counter (:meth:`~hfpatch.streaming.kv_cache.CrossAttentionCache.matches`), so a prompt edited in
+    place is recomputed.
+
     Under autograd the keys/values are recomputed, so gradients reach ``to_k``/``to_v`` on every call.
     """
 
@@ -169,13 +164,13 @@ class StreamingCrossAttnProcessor:
         call = self.state.current()
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         entry = call.cache.cross[self.layer] if call.cache is not None else None
-        if entry is not None and entry.source is call.prompt and not torch.is_grad_enabled():
+        if entry is not None and not torch.is_grad_enabled() and entry.matches(call.prompt):
             k, v = entry.key, entry.value
         else:
             k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
             v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
             if entry is not None and not torch.is_grad_enabled():
-                entry.key, entry.value, entry.source = k, v, call.prompt
+                entry.store(k, v, call.prompt)
         out = _attend(q, k, v).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -368,10 +363,14 @@ class WanStreamingPatch(PatchFamily):
             raise TypeError(
                 f"streaming must be an hfpatch.streaming.StreamingConfig or None, got {type(streaming).__name__}"
             )
-        if config.sequence_parallel > 1:
+        if config.data * config.cfg * config.sequence_parallel > 1:
+            # The pipeline's data/CFG wrapper splits the stock forward arguments only (no frame_offset or
+            # kv_cache), and a cache serves one guidance branch of one batch: no transformer parallelism yet.
             raise ValueError(
-                f"streaming with sequence parallel is not supported yet (got ulysses={config.ulysses}, "
-                f"ring={config.ring}); apply streaming with parallel=1 or cfg/data parallelism only"
+                f"streaming with a parallel transformer is not supported yet (got data={config.data}, "
+                f"cfg={config.cfg}, ring={config.ring}, ulysses={config.ulysses}); apply streaming with "
+                "parallel=1 (the VAE may still split with ParallelConfig(vae=N)). For data-parallel training, "
+                "wrap the streaming transformer in torch DDP/FSDP yourself and give each rank its own batch"
             )
         cfg = target.config
         if cfg.added_kv_proj_dim is not None or cfg.image_dim is not None:

@@ -89,16 +89,47 @@ def visible_frames(config: StreamingConfig, start: int, block_end: int) -> list[
     return list(range(start, sink_end)) + list(range(window_start, block_end))
 
 
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """The in-place modification counter of ``tensor``; ``None`` for inference tensors, which keep none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # created under torch.inference_mode()
+        return None
+
+
 @dataclass
 class CrossAttentionCache:
-    """Text keys/values of one block's cross-attention, and the prompt tensor they were computed from."""
+    """Text keys/values of one block's cross-attention, and the prompt tensor they were computed from.
+
+    The entry serves a later call only for the same prompt tensor, unchanged since: same object, same
+    storage and same version counter (``prompt.copy_(other)`` bumps the version, so the entry goes stale).
+    Inference tensors (``torch.inference_mode()``) keep no version counter: their keys/values are never
+    reused, since an in-place change could not be seen; use ``torch.no_grad()`` to cache them.
+    """
 
     key: torch.Tensor | None = None  # [B, T, heads, head_dim]
     value: torch.Tensor | None = None
-    source: torch.Tensor | None = None  # the prompt embeds passed to the transformer (matched by identity)
+    source: torch.Tensor | None = None  # the prompt embeds passed to the transformer
+    source_version: int | None = None  # source._version when key/value were computed
+    source_ptr: int | None = None  # source.data_ptr() then (``set_`` swaps storage without a new object)
+
+    def matches(self, prompt: torch.Tensor) -> bool:
+        """Whether ``key``/``value`` were computed from ``prompt`` as it is now."""
+        version = tensor_version(prompt)
+        return (
+            self.source is prompt
+            and version is not None
+            and self.source_version == version
+            and self.source_ptr == prompt.data_ptr()
+        )
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, prompt: torch.Tensor) -> None:
+        """Keep ``key``/``value`` computed from ``prompt`` now (its version and storage recorded)."""
+        self.key, self.value, self.source = key, value, prompt
+        self.source_version, self.source_ptr = tensor_version(prompt), prompt.data_ptr()
 
     def clear(self) -> None:
-        self.key = self.value = self.source = None
+        self.key = self.value = self.source = self.source_version = self.source_ptr = None
 
 
 class StreamingKVCache:

@@ -18,8 +18,9 @@ VALID = [
     (4, 4, ModelFacts(), (1, 1, 1, 1, 4)),  # VAE only: every rank splits the VAE
     (None, 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 2)),  # None = the world size
     (ParallelConfig(cfg=2, ulysses=2, ring=2), 8, ModelFacts(num_heads=4, guides=True), (1, 2, 2, 2, 8)),
-    (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4), (2, 1, 1, 2, 4)),
+    (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4, pipeline=True), (2, 1, 1, 2, 4)),
     (ParallelConfig(ulysses=2, vae=1), 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 1)),
+    (1, 4, ModelFacts(num_heads=4), (1, 1, 1, 1, 1)),  # parallel=1 in a bigger world: each rank on its own
 ]
 
 
@@ -27,10 +28,17 @@ VALID = [
 def test_resolve_parallel_valid_plans(parallel, world, facts, expected):
     config = resolve_parallel(parallel, world, facts)
     assert (config.data, config.cfg, config.ring, config.ulysses, config.vae) == expected
-    assert config.world_size == world
+    assert config.world_size in (world, 1)
 
 
 INVALID = [
+    (
+        ParallelConfig(data=2),
+        2,
+        ModelFacts(num_heads=4, name="WanTransformer3DModel"),
+        "data=2 splits a pipeline's prompts over ranks; WanTransformer3DModel is not a pipeline. Apply hfpatch "
+        "to the pipeline, or use data=1 (wrap the model in DDP for data parallel training).",
+    ),
     (
         ParallelConfig(ulysses=6),
         6,

@@ -97,17 +97,23 @@ def test_swap_processor_requires_processor_attribute():
         Patch("t").swap_processor(torch.nn.Linear(2, 2), object())
 
 
-def test_children_removed_first_and_repr_lists_entries():
+def test_children_are_undone_at_their_place_in_the_log():
+    """Regression: a pipeline patch that wraps what a component patch wrapped must be undone first."""
     layer = torch.nn.Linear(2, 2)
+    original = layer.forward
     order = []
     parent, child = Patch("parent"), Patch("child")
-    parent.children.append(child)
-    parent.on_remove(layer, "parent-step", lambda: order.append("parent"))
+    parent.on_remove(layer, "parent-before", lambda: order.append("parent-before"))
+    parent.add_child(child)
+    child.wrap_method(layer, "forward", lambda orig: (lambda x: orig(x) + 1))
     child.on_remove(layer, "child-step", lambda: order.append("child"))
+    parent.wrap_method(layer, "forward", lambda orig: (lambda x: orig(x) * 2))  # wraps the child's wrapper
+    parent.on_remove(layer, "parent-after", lambda: order.append("parent-after"))
     text = repr(parent)
-    assert "parent-step" in text and "child: Linear" in text
+    assert "parent-after" in text and "child: Linear" in text
     parent.remove()
-    assert order == ["child", "parent"]
+    assert order == ["parent-after", "child", "parent-before"]
+    assert "forward" not in vars(layer) and layer.forward == original
 
 
 def test_absent_marker_is_a_singleton():

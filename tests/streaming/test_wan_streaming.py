@@ -220,9 +220,17 @@ def test_apply_wrong_streaming_type_raises_before_mutation(model):
     assert dict(vars(model)) == before
 
 
-def test_validate_streaming_with_sequence_parallel_raises(model):
-    with pytest.raises(ValueError, match="streaming with sequence parallel is not supported yet"):
-        WanStreamingPatch().validate(model, ParallelConfig(ulysses=2), {"streaming": CONFIGS["global"]})
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(data=2)]
+)
+def test_validate_streaming_with_parallel_transformer_raises(model, parallel):
+    # The pipeline's data/CFG wrapper cannot split frame_offset/kv_cache calls: refused with a clear message.
+    with pytest.raises(ValueError, match="streaming with a parallel transformer is not supported yet"):
+        WanStreamingPatch().validate(model, parallel, {"streaming": CONFIGS["global"]})
+
+
+def test_validate_streaming_with_vae_parallel_only_passes(model):
+    WanStreamingPatch().validate(model, ParallelConfig(vae=2), {"streaming": CONFIGS["global"]})
 
 
 def test_validate_image_to_video_transformer_raises():
