@@ -8,7 +8,7 @@ Every rank holds 1/N of the rows of every feature map; the result equals one-dev
 
 ``--check`` decodes once more unpatched on rank 0 and prints the largest difference; ``--train`` runs a
 reconstruction loss through the split encoder and decoder and sums the parameter gradients over the ranks
-(:func:`hfpatch.patches._vae_common.all_reduce_gradients`) before the optimizer step.
+(:func:`hfpatch.all_reduce_gradients`) before the optimizer step.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import hfpatch
+from hfpatch import all_reduce_gradients
 from hfpatch.distributed import runtime
-from hfpatch.patches._vae_common import all_reduce_gradients
 from hfpatch.testing.memory import track_memory
 
 

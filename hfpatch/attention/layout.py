@@ -17,7 +17,6 @@ around. Heads are split over the Ulysses group by :func:`head_sizes` (larger par
 
 >>> import torch
 
-from ..distributed.collectives import even_sizes
 >>> x = torch.arange(10).view(1, 10)                       # 10 tokens over N = 4 ranks
 >>> padded_len(10, 4), shard_len(10, 4)
 (12, 3)
@@ -34,6 +33,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..distributed.collectives import even_sizes
 
 __all__ = [
     "group_rank",

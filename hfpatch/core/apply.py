@@ -159,6 +159,8 @@ def apply(
                 top.add_child(child)
             for family in families:
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})
+                if family.split_axis is not None and mesh.size(family.split_axis) > 1:
+                    child.reduce_group = mesh.group(family.split_axis)
             child.set_attr(obj, MARKER, child)
     except BaseException as exc:
         try:

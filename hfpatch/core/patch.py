@@ -92,6 +92,8 @@ class Patch:
         options: The options the patch was applied with.
         children: Patches of components (a pipeline patch holds its transformer/VAE patches).
         part_of: For a component's patch, the name of the pipeline patch that owns it.
+        reduce_group: Process group the patched module splits its work over (``None``: not split). Gradients
+            of a split module are per-rank shares to be summed over it (:func:`hfpatch.all_reduce_gradients`).
     """
 
     name: str
@@ -99,6 +101,7 @@ class Patch:
     options: dict[str, Any] = field(default_factory=dict)
     children: list[Patch] = field(default_factory=list)
     part_of: str | None = None
+    reduce_group: Any = None
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
 

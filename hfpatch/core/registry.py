@@ -28,8 +28,11 @@ class PatchFamily:
     Class attributes:
         name: Short name used in ``repr`` and errors (``"wan_transformer"``).
         options: Option name -> default. Options not listed here are rejected with ``TypeError``.
-        role: ``"transformer"``, ``"vae"``, ``"pipeline"`` or ``"model"``; pipelines are applied after
-            their components.
+        role: ``"transformer"``, ``"vae"``, ``"pipeline"`` or ``"model"`` (shown by ``hfpatch info``). A
+            pipeline's components are patched before the pipeline itself (see :func:`hfpatch.apply`).
+        split_axis: Mesh axis over which the family splits the module's work (``"sp"``, ``"vae"``) or
+            ``None``. Gradients of a split module are per-rank shares; :func:`hfpatch.all_reduce_gradients`
+            sums them over this axis.
 
     A family is stateless: :func:`hfpatch.apply` calls :meth:`facts` and :meth:`validate` on every rank
     before any collective or mutation, then :meth:`apply`, which must mutate only through the given
@@ -39,6 +42,7 @@ class PatchFamily:
     name: ClassVar[str] = "family"
     options: ClassVar[dict[str, Any]] = {}
     role: ClassVar[str] = "model"
+    split_axis: ClassVar[str | None] = None
 
     def facts(self, target: Any) -> ModelFacts:
         """Facts for the planner (head count, whether it guides)."""

@@ -11,18 +11,11 @@ import torch.distributed as dist
 __all__ = ["all_reduce_gradients"]
 
 
-def _group_of(patch: Any) -> Any:
-    from .runtime import get_mesh
-
-    plan = patch.plan
-    if plan is None or plan.world_size == 1:
-        return None
-    axis = "sp" if plan.sequence_parallel > 1 else "vae"
-    return get_mesh(plan).group(axis)
+_FROM_PATCH = object()
 
 
 def all_reduce_gradients(
-    tensors: torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module], group_or_patch: Any = None
+    tensors: torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module], group_or_patch: Any = _FROM_PATCH
 ) -> None:
     """Sum the ``.grad`` of ``tensors`` (or of modules' parameters) over a process group, in place.
 
@@ -33,36 +26,71 @@ def all_reduce_gradients(
 
     Args:
         tensors: A module, or an iterable of tensors/modules whose ``.grad`` to reduce.
-        group_or_patch: A process group, or the :class:`hfpatch.Patch` returned by ``apply`` (its ``sp``
-            group when sequence-parallel, else its ``vae`` group), or ``None``: the live patch of ``tensors``
-            when it is a patched module, else nothing to do.
+        group_or_patch: A process group, or the :class:`hfpatch.Patch` of the module (its ``reduce_group``:
+            the ``sp`` group of a sequence-parallel transformer, the ``vae`` group of a split VAE), or
+            ``None`` (a degree-1 mesh axis: nothing to do). Default: the live patch of the modules given.
+
+    Raises:
+        ValueError: torch.distributed runs more than one rank but no group could be found (an unpatched
+            module and no group given), or the ranks disagree on the gradients to reduce.
 
     >>> import torch
     >>> from hfpatch.distributed.gradients import all_reduce_gradients
     >>> layer = torch.nn.Linear(2, 2)
-    >>> all_reduce_gradients(layer, None)  # one rank: nothing to reduce
+    >>> all_reduce_gradients(layer)  # not patched, one process: nothing to reduce
     """
-    if group_or_patch is None and isinstance(tensors, torch.nn.Module):
-        from ..core.apply import get_patch
-
-        group_or_patch = get_patch(tensors)
-    group = group_or_patch
-    if hasattr(group_or_patch, "plan"):
-        group = _group_of(group_or_patch)
+    items = [tensors] if isinstance(tensors, torch.nn.Module) else list(tensors)
+    group = _resolve_group(items, group_or_patch)
     if group is None:
         return
-    items = [tensors] if isinstance(tensors, torch.nn.Module) else list(tensors)
+    # Every tensor that requires grad takes part (a missing grad counts as zeros), so all ranks reduce
+    # buffers of the same layout even when a shard happened not to touch some parameter.
+    params = [
+        p for item in items for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item])
+    ]
+    params = [p for p in params if p.requires_grad]
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for item in items:
-        params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
-        for p in params:
-            if p.grad is not None:
-                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in by_kind.values():
-        # One flat buffer per dtype: a single collective instead of one per parameter.
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), group_params in by_kind.items():
+        sizes = torch.tensor([len(group_params), sum(p.numel() for p in group_params)], device=device)
+        if dist.get_world_size(group) > 1:
+            seen = [torch.empty_like(sizes) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(seen, sizes, group=group)
+            if any(not torch.equal(s, sizes) for s in seen):
+                raise ValueError(
+                    f"all_reduce_gradients: ranks pass different {dtype} parameters (count, elements): "
+                    f"{[tuple(s.tolist()) for s in seen]}; pass the same model on every rank"
+                )
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group_params]
+        )
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in group_params:
+            reduced = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+
+
+def _resolve_group(items: list[Any], group_or_patch: Any) -> Any:
+    if group_or_patch is not _FROM_PATCH:
+        return getattr(group_or_patch, "reduce_group", group_or_patch)
+    from ..core.apply import get_patch
+
+    groups = {id(p.reduce_group): p.reduce_group for item in items if (p := get_patch(item)) is not None}
+    if len(groups) > 1:
+        raise ValueError(
+            "all_reduce_gradients: the modules are split over different groups; reduce each on its own"
+        )
+    if groups:
+        return next(iter(groups.values()))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "all_reduce_gradients: none of the given modules is patched by hfpatch.apply and no group was given; "
+            "pass the Patch or a process group"
+        )
+    return None

@@ -145,7 +145,15 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae")})
     ensure_process_group(config.world_size)
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
-    key = (id(dist.group.WORLD), dist.get_backend(), config.data, config.cfg, config.ring, config.ulysses, config.vae)
+    key = (
+        id(dist.group.WORLD),
+        dist.get_backend(),
+        config.data,
+        config.cfg,
+        config.ring,
+        config.ulysses,
+        config.vae,
+    )
     if key in _MESHES:
         return _MESHES[key]
     from torch.distributed.device_mesh import init_device_mesh

@@ -264,6 +264,7 @@ class SequenceParallelFamily(PatchFamily):
     """
 
     role: ClassVar[str] = "transformer"
+    split_axis: ClassVar[str | None] = "sp"
     plan: ClassVar[SequencePlan] = {}
 
     def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str]]:

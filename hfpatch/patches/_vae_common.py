@@ -17,7 +17,7 @@ tiles (shapes of the others come from a FakeTensor run, no compute), the tiles a
 stock blend replays with every tile known, so the result equals single-process tiled decoding.
 
 Everything is differentiable: gradients of inputs equal the unpatched ones on every rank; parameter
-gradients are per-rank partial sums, to be summed over the VAE group (:func:`all_reduce_gradients`).
+gradients are per-rank partial sums, to be summed over the VAE group (:func:`hfpatch.all_reduce_gradients`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from ._halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
 __all__ = [
     "VAEParallelFamily",
     "VAEShardState",
-    "all_reduce_gradients",
     "analytic_halo_bytes",
     "local_rows",
     "trace_conv_inputs",
@@ -455,6 +454,7 @@ class VAEParallelFamily(PatchFamily):
 
     options: ClassVar[dict[str, Any]] = {"vae_mode": "precise", "vae_output": "full"}
     role: ClassVar[str] = "vae"
+    split_axis: ClassVar[str | None] = "vae"
 
     def audited_types(self) -> tuple[type, ...]:
         raise NotImplementedError
@@ -562,18 +562,6 @@ def local_rows(vae: Any, height: int, factor: int) -> tuple[int, int]:
     sizes = [r * factor for r in split_rows(height // factor, state.world, state.min_rows)]
     offsets = row_offsets(sizes)
     return offsets[state.rank], offsets[state.rank + 1]
-
-
-def all_reduce_gradients(vae: torch.nn.Module) -> None:
-    """Sum the VAE's parameter gradients over its ranks (each rank holds the part of its own rows).
-
-    Call after ``loss.backward()`` and before the optimizer step, when every rank computed the same loss from
-    the full output (or each rank a loss on its shard whose sum is the objective).
-    """
-    state = _state(vae)
-    for param in vae.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=state.group)
 
 
 def trace_conv_inputs(

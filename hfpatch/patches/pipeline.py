@@ -98,6 +98,26 @@ def _cfg_mode(pipe: Any) -> str | None:
     return None
 
 
+# dtype codes of the metadata the cfg ranks exchange before gathering predictions (-1: any other dtype).
+_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 8
+
+
+def _meta(tensor: torch.Tensor) -> list[int]:
+    """``[dtype code, ndim, *shape]`` padded with -1 to a fixed length (dims from the 8th on folded into one)."""
+    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
+    shape = list(tensor.shape[: _MAX_DIMS - 1])
+    if tensor.dim() >= _MAX_DIMS:
+        shape.append(tensor.shape[_MAX_DIMS - 1 :].numel())
+    return [code, tensor.dim(), *shape, *[-1] * (_MAX_DIMS - len(shape))]
+
+
+def _describe(meta: torch.Tensor) -> str:
+    code, ndim, *shape = meta.tolist()
+    dtype = _DTYPES[code] if code >= 0 else "an unsupported dtype"
+    return f"{tuple(shape[: min(ndim, _MAX_DIMS)])} {dtype}"
+
+
 # ----------------------------------------------------------------------------------------------- call state
 @dataclass
 class _Pending:
@@ -105,6 +125,9 @@ class _Pending:
 
     model: torch.nn.Module
     tensor: torch.Tensor  # cfg rank 0: its cond output; cfg rank 1: the placeholder it returned
+    error: Exception | None = (
+        None  # cfg rank 0: its cond call failed; raised at the uncond call (see _uncond)
+    )
 
 
 @dataclass
@@ -260,14 +283,19 @@ class _ParallelForward:
         if self.context == "cond":
             if self.state.pending is not None:
                 raise self._pattern_error("two cond calls in a row")
+            # cfg rank 1: filled in place with the cond prediction when the uncond call has run (see _uncond).
+            hidden = bound.arguments["hidden_states"]
+            channels = self.model.config.out_channels or self.model.config.in_channels
+            tensor = hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
+            error = None
             if cfg_rank == 0:
-                tensor = self._split_compute(bound, data_only)
-            else:
-                # Filled in place with the cond prediction when the uncond call has run (see _uncond).
-                hidden = bound.arguments["hidden_states"]
-                channels = self.model.config.out_channels or self.model.config.in_channels
-                tensor = hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
-            self.state.pending = _Pending(self.model, tensor)
+                try:
+                    tensor = self._split_compute(bound, data_only)
+                except Exception as exc:
+                    # cfg rank 1 returns without communicating and meets this rank at the uncond call's
+                    # exchange: raise there, on both ranks, instead of leaving rank 1 waiting.
+                    error = exc
+            self.state.pending = _Pending(self.model, tensor, error)
             return tensor
         if self.context == "uncond":
             return self._uncond(bound, cfg_rank)
@@ -280,20 +308,50 @@ class _ParallelForward:
         self.state.pending = None
         if pending.tensor.shape[0] != self._batch(bound):
             raise self._pattern_error("cond and uncond calls with different batch sizes")
+        error = pending.error
         if cfg_rank == 0:
             local = pending.tensor  # the cond prediction; cfg rank 1 computes the uncond one
         else:
-            local = self._split_compute(bound, [self.data_group])
-            if local.shape[1:] != pending.tensor.shape[1:] or local.dtype != pending.tensor.dtype:
-                raise RuntimeError(
-                    f"{self.name} returned {tuple(local.shape)} {local.dtype}, but hfpatch CFG parallel expected "
-                    f"{tuple(pending.tensor.shape)} {pending.tensor.dtype} (hidden_states with out_channels)"
-                )
+            try:
+                local = self._split_compute(bound, [self.data_group])
+            except Exception as exc:  # re-raised below, once cfg rank 0 knows it must raise too
+                error, local = exc, pending.tensor
+        self._agree_before_gather(local, pending.tensor, error, cfg_rank)
         both = all_gather(local.unsqueeze(0), dim=0, group=self.cfg_group)  # [cond, uncond]
         if cfg_rank == 0:
             return both[1]
         pending.tensor.copy_(both[0])
         return local
+
+    def _agree_before_gather(
+        self, local: torch.Tensor, expected: torch.Tensor, error: Exception | None, cfg_rank: int
+    ) -> None:
+        """Exchange what each cfg rank is about to gather, so that both raise or neither does.
+
+        An error raised on one cfg rank only would leave the other blocked in the all-gather until the
+        process group times out. A rank whose transformer call failed (``error``: rank 0's cond call, rank
+        1's uncond call) re-raises it after the exchange; the other raises ``RuntimeError``. Each rank sends ``[ok, meta(local), meta(expected)]`` (ints); the gather is
+        safe when both are ok and all four metas agree: rank 0's cond output, rank 1's uncond output and
+        rank 1's placeholder have one shape and dtype.
+        """
+        mine = torch.tensor([error is None, *_meta(local), *_meta(expected)], dtype=torch.int64)
+        metas = all_gather(mine.to(local.device)[None], dim=0, group=self.cfg_group).cpu()
+        if error is not None:
+            raise error
+        if not metas[:, 0].all():
+            other = 1 - cfg_rank
+            raise RuntimeError(
+                f"hfpatch CFG parallel: the {('cond', 'uncond')[other]} call of {self.name} failed on cfg rank "
+                f"{other} (its error is in that rank's log); this rank stops too instead of waiting for it"
+            )
+        halves = metas[:, 1:].reshape(-1, len(_meta(local)))
+        if not (halves == halves[0]).all():
+            cond, uncond, placeholder = (_describe(m) for m in (halves[0], halves[2], halves[3]))
+            raise RuntimeError(
+                f"{self.name} returned {uncond} for the uncond call on cfg rank 1 and {cond} for the cond call "
+                f"on cfg rank 0, but hfpatch CFG parallel expected {placeholder} (hidden_states with "
+                "out_channels); the transformer's output does not match its config"
+            )
 
     def _pattern_error(self, what: str) -> RuntimeError:
         self.state.pending = None

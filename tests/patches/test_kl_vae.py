@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import hfpatch
-from hfpatch.patches._vae_common import all_reduce_gradients, local_rows
+from hfpatch import all_reduce_gradients
+from hfpatch.patches._vae_common import local_rows
 from hfpatch.testing import tiny_autoencoder_kl
 
 ATOL = 1e-5  # fp32 reassociation only (see module docstring)

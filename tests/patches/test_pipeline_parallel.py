@@ -13,7 +13,7 @@ import torch
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.core.registry import Registry
+from hfpatch.core.registry import PatchFamily, Registry
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches.pipeline import PipelineParallel
 from hfpatch.testing import tiny_flux_pipe, tiny_sd3_pipe, tiny_wan_pipe, wan_prompt_embeds
@@ -23,12 +23,40 @@ from hfpatch.testing import tiny_flux_pipe, tiny_sd3_pipe, tiny_wan_pipe, wan_pr
 # up to ~50, where fp32 reassociation gives ~1e-4 (measured 1.3e-4 for batch 4 vs 4 x batch 1), which
 # 2 steps and the VAE carry into the [0, 1] pixels as up to ~5e-5.
 SPLIT_ATOL = 2e-4
-EXACT = ("wan_cfg", "wan_cfg_no_guidance", "wan22_cfg")
+EXACT = ("wan_cfg", "wan_cfg_no_guidance", "wan22_cfg", "wan_cfg_nested_forward")
 
 
 def _registry() -> Registry:
     registry = Registry()
     registry.register("diffusers.DiffusionPipeline", PipelineParallel)
+    return registry
+
+
+class _ForwardWrapper(PatchFamily):
+    """A component family that wraps ``transformer.forward`` (as the streaming patch does): it appends to
+    ``calls`` (set by :func:`_registry_with_forward_wrapper`) so the test sees that it ran."""
+
+    name = "test_forward_wrapper"
+    options: dict[str, Any] = {}
+    role = "transformer"
+    calls: list[int]
+
+    def apply(self, target: Any, patch: Any, mesh: Any, options: dict[str, Any]) -> None:
+        def wrapper(original: Any) -> Any:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(1)
+                return original(*args, **kwargs)
+
+            return forward
+
+        patch.wrap_method(target, "forward", wrapper)
+
+
+def _registry_with_forward_wrapper(calls: list[int]) -> Registry:
+    registry = _registry()
+    registry.register(
+        "diffusers.WanTransformer3DModel", type("_CountingWrapper", (_ForwardWrapper,), {"calls": calls})
+    )
     return registry
 
 
@@ -71,47 +99,59 @@ def _sd3_pipe() -> Any:
     return tiny_sd3_pipe()
 
 
-def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any], bool]]:
-    """``vars()`` of the pipeline, its components and every submodule (attention processors included).
+#: Attributes that every pipeline call replaces by new objects, patched or not (class name -> keys); only
+#: their presence is compared after ``patch.remove()``, every other attribute of every object by identity.
+RUN_STATE: dict[str, frozenset[str]] = {
+    # set_timesteps() at the start of each call builds new timesteps/sigmas tensors.
+    "FlowMatchEulerDiscreteScheduler": frozenset({"timesteps", "sigmas"}),
+    # clear_cache() at each encode/decode starts new causal-conv caches (lists) and their indices.
+    "AutoencoderKLWan": frozenset({"_conv_idx", "_feat_map", "_enc_conv_idx", "_enc_feat_map"}),
+}
 
-    All must come back identical, except the scheduler and the top-level VAE objects, which keep run state
-    (timesteps, conv caches) that every pipeline call replaces: for them only the attribute names are compared.
-    """
-    objs: list[tuple[Any, bool]] = [(pipe, True)]
+
+def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """``vars()`` of the pipeline, its components and every submodule (attention processors included)."""
+    objs: list[Any] = [pipe]
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
-            objs += [
-                (m, m is not component or "Transformer" in type(m).__name__) for m in component.modules()
-            ]
+            objs += list(component.modules())
         elif component is not None:
-            objs.append((component, False))
-    return [(obj, dict(vars(obj)), strict) for obj, strict in objs]
+            objs.append(component)
+    return [(obj, dict(vars(obj))) for obj in objs]
 
 
-def _restored(snapshot: list[tuple[Any, dict[str, Any], bool]]) -> bool:
+def _restored(snapshot: list[tuple[Any, dict[str, Any]]]) -> bool:
+    """Same attribute names everywhere; same objects except the :data:`RUN_STATE` keys of their class."""
     return all(
         vars(obj).keys() == before.keys()
-        and (not strict or all(vars(obj)[k] is v for k, v in before.items()))
-        for obj, before, strict in snapshot
+        and all(
+            vars(obj)[k] is v for k, v in before.items() if k not in RUN_STATE.get(type(obj).__name__, ())
+        )
+        for obj, before in snapshot
     )
 
 
-_REFERENCES: dict[tuple, tuple[Any, torch.Tensor]] = {}
-
-
 def _compare(
-    pipe: Any, run: Any, parallel: int | ParallelConfig, all_families: bool = False, **kwargs: Any
+    references: dict[tuple, torch.Tensor],
+    pipe: Any,
+    run: Any,
+    parallel: int | ParallelConfig,
+    all_families: bool = False,
+    registry: Registry | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Reference run, patched run (counting bytes sent), removal; what each rank saw.
 
-    ``all_families``: apply with the default registry (transformer USP and VAE families too), end to end.
+    ``references``: unpatched outputs by (pipe, run, arguments), owned by the calling rank function so
+    that its pipes die with it. ``all_families``: apply with the default registry (transformer USP and VAE
+    families too), end to end; ``registry``: apply with this one.
     """
-    key = (id(pipe), run, tuple(sorted(kwargs.items())))
-    if key not in _REFERENCES:  # the unpatched output, once per pipe and arguments (pipe kept alive: id)
-        _REFERENCES[key] = (pipe, run(pipe, **kwargs))
-    reference = _REFERENCES[key][1]
+    key = (id(pipe), run, tuple(sorted(kwargs.items())))  # the caller keeps every pipe alive: ids are unique
+    if key not in references:
+        references[key] = run(pipe, **kwargs)
+    reference = references[key]
     snapshot = _snapshot(pipe)
-    patch = hfpatch.apply(pipe, parallel, registry=None if all_families else _registry())
+    patch = hfpatch.apply(pipe, parallel, registry=None if all_families else registry or _registry())
     with count_comm() as counter:
         out = run(pipe, **kwargs)
     patch.remove()
@@ -128,17 +168,24 @@ def _compare(
 def _cases_two_ranks() -> dict[str, Any]:
     cfg2 = ParallelConfig(cfg=2)
     wan, sd3 = tiny_wan_pipe(), _sd3_pipe()
+    refs: dict[tuple, torch.Tensor] = {}
+    calls: list[int] = []
     results = {
-        "wan_cfg": _compare(wan, _wan, cfg2),
-        "wan_cfg_no_guidance": _compare(wan, _wan, cfg2, guidance=1.0),
-        "wan_data": _compare(wan, _wan, ParallelConfig(data=2), per_prompt=3),
-        "wan22_cfg": _compare(tiny_wan_pipe(two_transformers=True), _wan, cfg2),
-        "sd3_cfg": _compare(sd3, _sd3, cfg2),
-        "sd3_data": _compare(sd3, _sd3, ParallelConfig(data=2)),
+        "wan_cfg": _compare(refs, wan, _wan, cfg2),
+        "wan_cfg_no_guidance": _compare(refs, wan, _wan, cfg2, guidance=1.0),
+        "wan_data": _compare(refs, wan, _wan, ParallelConfig(data=2), per_prompt=3),
+        "wan22_cfg": _compare(refs, tiny_wan_pipe(two_transformers=True), _wan, cfg2),
+        "sd3_cfg": _compare(refs, sd3, _sd3, cfg2),
+        "sd3_data": _compare(refs, sd3, _sd3, ParallelConfig(data=2)),
         # End to end: parallel=2 plans cfg=2, the VAE family splits the decode over both ranks.
-        "wan_auto": _compare(wan, _wan, 2, all_families=True),
-        "sd3_auto": _compare(sd3, _sd3, 2, all_families=True),
+        "wan_auto": _compare(refs, wan, _wan, 2, all_families=True),
+        "sd3_auto": _compare(refs, sd3, _sd3, 2, all_families=True),
+        # The pipeline family and a component family both wrap transformer.forward (the component's first).
+        "wan_cfg_nested_forward": _compare(
+            refs, wan, _wan, cfg2, registry=_registry_with_forward_wrapper(calls)
+        ),
     }
+    results["nested_forward_calls"] = len(calls)
 
     # A direct transformer call with return_dict=True gets the stock output type back, batch split over data.
     inputs = dict(
@@ -195,17 +242,63 @@ def _cases_two_ranks() -> dict[str, Any]:
 def _cases_four_ranks() -> dict[str, Any]:
     wan = tiny_wan_pipe()
     cfg_data = ParallelConfig(data=2, cfg=2)
+    refs: dict[tuple, torch.Tensor] = {}
     return {
         # batch 3 over 2 data ranks: uneven [2, 1].
-        "wan_cfg_data": _compare(wan, _wan, cfg_data, batch=3),
+        "wan_cfg_data": _compare(refs, wan, _wan, cfg_data, batch=3),
         # 2B = 4 rows: the cfg halves [uncond, cond] of 2 prompts each, 1 per data rank. (SD3 does not
         # repeat given pooled embeds for num_images_per_prompt, so the batch comes from prompts.)
-        "sd3_cfg_data": _compare(_sd3_pipe(), _sd3, cfg_data, batch=2),
+        "sd3_cfg_data": _compare(refs, _sd3_pipe(), _sd3, cfg_data, batch=2),
         # End to end: parallel=4 plans cfg=2 x ulysses=2 (4 heads); cfg and sequence groups together.
-        "wan_auto": _compare(wan, _wan, 4, all_families=True),
-        "wan22_auto": _compare(tiny_wan_pipe(two_transformers=True), _wan, 4, all_families=True),
-        "sd3_auto": _compare(_sd3_pipe(), _sd3, 4, all_families=True),
+        "wan_auto": _compare(refs, wan, _wan, 4, all_families=True),
+        "wan22_auto": _compare(refs, tiny_wan_pipe(two_transformers=True), _wan, 4, all_families=True),
+        "sd3_auto": _compare(refs, _sd3_pipe(), _sd3, 4, all_families=True),
     }
+
+
+def _cfg_error_on_one_rank() -> dict[str, str | None]:
+    """Two-call CFG where the transformer call fails (or returns a wrong shape) on one cfg rank only."""
+    wan = tiny_wan_pipe()
+    rank = torch.distributed.get_rank()
+    args = dict(
+        hidden_states=torch.randn(1, 4, 2, 4, 4),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=wan_prompt_embeds(),
+        return_dict=False,
+    )
+
+    def wrong_channels(original: Any) -> Any:
+        return lambda *a, **k: (torch.zeros(1, 3, 2, 4, 4),)  # out_channels is 4: cfg rank 1 can tell
+
+    def fails_on(failing_rank: int) -> Any:
+        def make(original: Any) -> Any:
+            def forward(*a: Any, **k: Any) -> Any:
+                if rank == failing_rank:
+                    raise ValueError(f"transformer failed on rank {rank}")
+                return original(*a, **k)
+
+            return forward
+
+        return make
+
+    errors: dict[str, str | None] = {}
+    for case, make in (
+        ("wrong_shape", wrong_channels),
+        ("uncond_fails", fails_on(1)),
+        ("cond_fails", fails_on(0)),
+    ):
+        with hfpatch.apply(wan, ParallelConfig(cfg=2), registry=_registry()):
+            wan._guidance_scale = 5.0  # what WanPipeline.__call__ sets before its loop
+            forward = wan.transformer.forward  # the pipeline family's _ParallelForward
+            forward.original = make(forward.original)
+            try:
+                for name in ("cond", "uncond"):
+                    with wan.transformer.cache_context(name):
+                        wan.transformer(**args)
+                errors[case] = None
+            except (RuntimeError, ValueError) as exc:
+                errors[case] = f"{type(exc).__name__}: {exc}"
+    return errors
 
 
 def _data_batch_too_small() -> str:
@@ -235,6 +328,7 @@ def two_rank_results(rank_pool) -> list[dict[str, Any]]:
         "sd3_data",
         "wan_auto",
         "sd3_auto",
+        "wan_cfg_nested_forward",
     ],
 )
 def test_pipeline_parallel_two_ranks_equals_unpatched(two_rank_results, case):
@@ -246,10 +340,11 @@ def test_pipeline_parallel_two_ranks_equals_unpatched(two_rank_results, case):
 
 
 def test_pipeline_parallel_cfg_sends_one_prediction_per_step(two_rank_results):
-    # Two-call CFG: each rank sends its prediction (1x4x2x4x4 fp32 = 512 B) once per step, 2 steps.
+    # Two-call CFG: each rank sends its prediction (1x4x2x4x4 fp32 = 512 B) once per step, 2 steps, after
+    # the metadata both ranks check first ([ok, 2 x (dtype, ndim, 8 dims)] int64 = 21 x 8 = 168 B).
     for results in two_rank_results:
-        assert results["wan_cfg"]["bytes"] == 2 * 512
-        assert results["wan22_cfg"]["bytes"] == 2 * 512
+        assert results["wan_cfg"]["bytes"] == 2 * (512 + 168)
+        assert results["wan22_cfg"]["bytes"] == 2 * (512 + 168)
         assert results["wan_cfg_no_guidance"]["bytes"] == 0
 
 
@@ -298,6 +393,25 @@ def test_pipeline_parallel_four_ranks_cfg_and_data_equals_unpatched(rank_pool):
         assert results["wan_cfg_data"]["plan"] == ParallelConfig(data=2, cfg=2)
         for case in ("wan_auto", "wan22_auto", "sd3_auto"):
             assert results[case]["plan"] == ParallelConfig(cfg=2, ulysses=2), (case, results[case]["plan"])
+
+
+def test_pipeline_parallel_cfg_error_on_one_rank_raises_on_both(rank_pool):
+    # Before the metadata exchange, the failing rank raised and the other one waited in the all-gather.
+    rank0, rank1 = rank_pool(2).run(_cfg_error_on_one_rank)
+    expected = "returned (1, 3, 2, 4, 4) torch.float32 for the uncond call on cfg rank 1"
+    assert expected in rank0["wrong_shape"] and rank0["wrong_shape"] == rank1["wrong_shape"]
+    assert "expected (1, 4, 2, 4, 4) torch.float32" in rank0["wrong_shape"]
+    assert rank1["uncond_fails"] == "ValueError: transformer failed on rank 1"
+    assert rank0["uncond_fails"].startswith("RuntimeError: hfpatch CFG parallel: the uncond call of")
+    assert rank0["cond_fails"] == "ValueError: transformer failed on rank 0"
+    assert "the cond call of WanTransformer3DModel failed on cfg rank 0" in rank1["cond_fails"]
+
+
+def test_pipeline_parallel_remove_after_component_wrapped_same_forward_restores_identity(two_rank_results):
+    # transformer.forward is wrapped twice: by a component family (child patch), then by the pipeline family.
+    for results in two_rank_results:
+        assert results["wan_cfg_nested_forward"]["restored"]
+        assert results["nested_forward_calls"] == 2  # 2 steps: cond on cfg rank 0, uncond on cfg rank 1
 
 
 def test_pipeline_parallel_data_batch_smaller_than_ranks_raises(rank_pool):

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import hfpatch
+from hfpatch import all_reduce_gradients
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._vae_common import all_reduce_gradients, analytic_halo_bytes
+from hfpatch.patches._vae_common import analytic_halo_bytes
 from hfpatch.testing import tiny_wan_vae
 from hfpatch.testing.memory import track_memory
 

@@ -176,6 +176,70 @@ def test_cross_attention_cache_reused_per_prompt_tensor(model):
         assert cache.cross[0].source is other and not torch.equal(cache.cross[0].key, first)
 
 
+def test_cross_attention_cache_prompt_modified_in_place_is_recomputed(model):
+    config = CONFIGS["global"]
+    x, timestep, _ = _inputs(frames=4)
+    prompt, other = wan_prompt_embeds(), wan_prompt_embeds(seed=7)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        edited, cache = prompt.clone(), StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], edited, kv_cache=cache)
+        edited.copy_(other)  # same tensor object, new values: the cached text keys/values are stale
+        stale_or_not = model(x[:, :, 2:], timestep[:, 2:], edited, kv_cache=cache, frame_offset=2).sample
+        fresh = StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=fresh)
+        fresh.reset_cross_attention()
+        expected = model(x[:, :, 2:], timestep[:, 2:], other, kv_cache=fresh, frame_offset=2).sample
+    assert torch.equal(stale_or_not, expected)  # same kernels on the same values: bit-exact
+    assert cache.cross[0].source is edited and torch.equal(cache.cross[0].key, fresh.cross[0].key)
+
+
+# The visible key frames of each 2-frame query block under window_sink (local_attn_size=6, sink_size=2),
+# written out by hand: the sink frames 0-1, plus the last 4 frames up to the end of the block.
+WINDOW_SINK_VISIBLE = {
+    0: [0, 1],
+    1: [0, 1, 2, 3],
+    2: [0, 1, 2, 3, 4, 5],
+    3: [0, 1, 4, 5, 6, 7],
+    4: [0, 1, 6, 7, 8, 9],
+    5: [0, 1, 8, 9, 10, 11],
+}
+
+
+class _MaskedStockProcessor:
+    """The stock ``WanAttnProcessor`` of ``attn1``, given a fixed boolean attention mask (True: attend)."""
+
+    def __init__(self, stock, mask: torch.Tensor) -> None:
+        self.stock, self.mask = stock, mask
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        return self.stock(attn, hidden_states, encoder_hidden_states, self.mask, rotary_emb)
+
+
+def test_window_sink_streaming_equals_stock_transformer_with_hand_built_mask(model):
+    # An independent reference: the stock, unpatched transformer with the same weights, its stock attention
+    # restricted by a token mask built from WINDOW_SINK_VISIBLE, not from hfpatch's visible_frames().
+    config = CONFIGS["window_sink"]
+    x, timestep, prompt = _inputs(frames=12, batch=2)
+    tokens_per_frame = 4  # 4x4 latents, patch 2x2
+    frame_of_token = torch.arange(12 * tokens_per_frame) // tokens_per_frame
+    visible = torch.zeros(12, 12, dtype=torch.bool)  # [query frame, key frame]
+    for block, frames in WINDOW_SINK_VISIBLE.items():
+        visible[2 * block : 2 * block + 2, frames] = True
+    mask = visible[frame_of_token][:, frame_of_token][None, None]  # [1, 1, S, S]
+    stock = tiny_wan_transformer()
+    stock.load_state_dict(model.state_dict())
+    for block in stock.blocks:
+        block.attn1.set_processor(_MaskedStockProcessor(block.attn1.processor, mask))
+    with torch.no_grad():
+        # The stock per-token timestep path (Wan 2.2 style): [B, S], each frame's value on its tokens.
+        reference = stock(x, timestep.repeat_interleave(tokens_per_frame, dim=1), prompt).sample
+        with hfpatch.apply(model, streaming=config):
+            full = model(x, timestep, prompt).sample
+            cached, _ = _cached(model, config, x, timestep, prompt)
+    torch.testing.assert_close(full, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, reference, atol=ATOL, rtol=0)
+
+
 def test_cached_forward_skipped_block_raises(model):
     config = CONFIGS["window_sink"]
     x, timestep, prompt = _inputs(frames=6)
@@ -221,7 +285,8 @@ def test_apply_wrong_streaming_type_raises_before_mutation(model):
 
 
 @pytest.mark.parametrize(
-    "parallel", [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(data=2)]
+    "parallel",
+    [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(data=2)],
 )
 def test_validate_streaming_with_parallel_transformer_raises(model, parallel):
     # The pipeline's data/CFG wrapper cannot split frame_offset/kv_cache calls: refused with a clear message.
