@@ -5,7 +5,9 @@ all-gather <-> reduce-scatter or slice, halo send <-> halo-gradient return), tak
 default group, and reports the bytes it sends to every :func:`count_comm` counter that is open, so tests
 and benchmarks can compare communication with the analytic minimum.
 
-Shape comments use ``W`` for the group size and ``r`` for this rank's index in the group.
+Shape comments use ``W`` for the group size and ``r`` for this rank's index in the group. As in
+torch.distributed, ``group=None`` means the default (world) group; a degree-1 mesh axis (``None`` from
+:meth:`hfpatch.distributed.runtime.ParallelMesh.group`) must not be passed here: callers skip the collective.
 """
 
 from __future__ import annotations
@@ -380,7 +382,12 @@ class _HaloExchange(torch.autograd.Function):
 
 
 def halo_exchange(
-    x: torch.Tensor, dim: int, before: int, after: int, group: ProcessGroup | None = None
+    x: torch.Tensor,
+    dim: int,
+    before: int,
+    after: int,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Extend the local shard with its neighbours' boundary rows along ``dim``; differentiable.
 
@@ -390,6 +397,9 @@ def halo_exchange(
     owners, who add them to their boundary rows. Shards may be uneven but must hold at least
     ``max(before, after)`` rows.
 
+    Pass ``sizes`` (every rank's shard length along ``dim``) to have every rank check every shard, so a
+    too-short shard raises the same error on all ranks instead of on its owner only.
+
     Bytes sent per rank (interior): ``(before + after) * (x.numel() / x.shape[dim]) * x.element_size()``.
     """
     world = _size(group)
@@ -398,9 +408,10 @@ def halo_exchange(
         raise ValueError(f"halo sizes must be >= 0, got before={before}, after={after}")
     if world == 1 or (before == 0 and after == 0):
         return x
-    if x.shape[dim] < max(before, after):
+    shortest = min(_check_sizes("sizes", sizes, world)) if sizes is not None else x.shape[dim]
+    if shortest < max(before, after):
         raise ValueError(
-            f"halo_exchange: the local shard has {x.shape[dim]} rows along dim {dim} but a halo of "
+            f"halo_exchange: a shard has {shortest} rows along dim {dim} but a halo of "
             f"{max(before, after)} rows is needed; use fewer ranks or a larger input"
         )
     return _HaloExchange.apply(x, dim, before, after, group)

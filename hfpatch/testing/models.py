@@ -305,8 +305,16 @@ def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
     """
     from transformers import BertConfig, BertModel
 
-    config = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                  max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     config.update(overrides)
     with _seeded(seed):
         return _randomize(BertModel(BertConfig(**config), add_pooling_layer=False), seed)
@@ -362,8 +370,10 @@ def qwen3_vl_inputs(
         "attention_mask": attention_mask,
         "mm_token_type_ids": (input_ids == image_id).long() + 2 * (input_ids == video_id).long(),
     }
-    for kind, grid_key, pixel_key in (("image", "image_grid_thw", "pixel_values"),
-                                      ("video", "video_grid_thw", "pixel_values_videos")):
+    for kind, grid_key, pixel_key in (
+        ("image", "image_grid_thw", "pixel_values"),
+        ("video", "video_grid_thw", "pixel_values_videos"),
+    ):
         if grids[kind]:
             grid = torch.tensor(grids[kind])
             batch[grid_key] = grid

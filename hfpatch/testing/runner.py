@@ -118,9 +118,9 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
-        self._collect(lambda: None, startup=True)
+        self._collect(startup=True)
 
-    def _collect(self, _unused: Callable[[], None], startup: bool = False) -> list[Any]:
+    def _collect(self, startup: bool = False) -> list[Any]:
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + self.timeout_s + (120 if startup else 0)
@@ -167,7 +167,7 @@ class RankPool:
             self._start()
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        return self._collect(lambda: None)
+        return self._collect()
 
     def close(self, force: bool = False) -> None:
         """Stop the ranks (politely, or by terminating them when ``force``)."""

@@ -161,8 +161,10 @@ def test_halo_larger_than_shard_raises(rank_pool):
 
 
 def _bad_halo_case():
+    # Only rank 1's shard is too short; with `sizes` every rank sees it and raises (no rank is left waiting).
+    rows = [5, 2][dist.get_rank()]
     try:
-        halo_exchange(torch.zeros(2, 5), dim=0, before=3, after=0)
+        halo_exchange(torch.zeros(rows, 5), dim=0, before=3, after=0, sizes=[5, 2])
     except ValueError as exc:
         return str(exc)
     return "no error"

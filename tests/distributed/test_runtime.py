@@ -60,8 +60,7 @@ def test_ensure_process_group_rejects_other_world_size(rank_pool):
     )
 
 
-@pytest.mark.parametrize("world", [1])
-def test_single_rank_mesh_has_no_groups(world):
+def test_single_rank_mesh_has_no_groups():
     mesh = get_mesh(ParallelConfig())
     assert all(mesh.group(axis) is None for axis in ("data", "cfg", "ring", "ulysses", "sp", "vae"))
     assert mesh.size("sp") == 1 and mesh.local_rank("ulysses") == 0
