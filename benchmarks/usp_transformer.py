@@ -15,7 +15,7 @@ N = 2 and 4 gloo ranks: Ulysses N, Ring N and USP 2x2. Every rank reports:
   ``2 (r-1)`` such tensors (K and V passed ``r-1`` times), times ``num_layers``; the output gather sends
   ``(N-1)`` local output shards. Cross-attention to the replicated text sends nothing.
 
-Writes ``benchmarks/results/usp_transformer.json`` and ``.png``; about a minute on two CPU cores.
+Writes ``benchmarks/results/usp_transformer.json`` and ``.png``; under two minutes on two CPU cores.
 
     python benchmarks/usp_transformer.py
 """

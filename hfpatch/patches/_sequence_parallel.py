@@ -142,7 +142,8 @@ class SequenceShard:
                 f"sequence-parallel split at {where!r} got a sequence of {length} tokens but this forward "
                 f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
             )
-        return shard_sequence(x, dim, self.world, self.rank)
+        # A copy, not a view: the full tensor (patch embedding output, rotary tables) must be freeable.
+        return shard_sequence(x, dim, self.world, self.rank).clone()
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full, unpadded sequence from every rank's shard (identical on every rank)."""

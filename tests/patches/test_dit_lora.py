@@ -24,13 +24,19 @@ FAMILIES = ("wan21", "flux", "sd3", "cogvideox")
 def _add_lora(model: torch.nn.Module) -> None:
     from peft import LoraConfig
 
-    torch.manual_seed(5)  # the same adapter weights on every model and rank
-    # init_lora_weights=False: a random (non-zero) B, so the adapter changes the output.
-    model.add_adapter(
-        LoraConfig(
-            r=2, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+    # The same adapter weights on every model and rank. peft draws them from the global RNG (no generator
+    # argument): seed it inside fork_rng so the session-long rank processes get their RNG state back.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        # init_lora_weights=False: a random (non-zero) B, so the adapter changes the output.
+        model.add_adapter(
+            LoraConfig(
+                r=2,
+                lora_alpha=4,
+                target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                init_lora_weights=False,
+            )
         )
-    )
 
 
 def _run(model: torch.nn.Module, kwargs: dict[str, Any], weight: torch.Tensor, group=None):

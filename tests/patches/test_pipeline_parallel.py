@@ -215,7 +215,7 @@ def _cases_two_ranks() -> dict[str, Any]:
     # Call patterns other than cond-then-uncond raise instead of returning a placeholder.
     transformer = wan.transformer
     args = dict(
-        hidden_states=torch.randn(1, 4, 2, 4, 4),
+        hidden_states=torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(4)),
         timestep=torch.tensor([500.0]),
         encoder_hidden_states=wan_prompt_embeds(),
         return_dict=False,
@@ -261,7 +261,7 @@ def _cfg_error_on_one_rank() -> dict[str, str | None]:
     wan = tiny_wan_pipe()
     rank = torch.distributed.get_rank()
     args = dict(
-        hidden_states=torch.randn(1, 4, 2, 4, 4),
+        hidden_states=torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(4)),
         timestep=torch.tensor([500.0]),
         encoder_hidden_states=wan_prompt_embeds(),
         return_dict=False,
