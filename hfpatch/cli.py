@@ -1,7 +1,14 @@
-"""The ``hfpatch`` command: ``hfpatch demo`` (multi-rank self-test on tiny models) and ``hfpatch info``.
+"""The ``hfpatch`` command: ``demo``, ``selftest``, ``bench`` and ``info``.
+
+* ``hfpatch demo [--nproc N]``: the tiny Wan pipeline unpatched vs ``hfpatch.apply(pipe, parallel=N)``.
+* ``hfpatch selftest [--nproc N]``: collectives and ``usp_attention`` exactness on N local gloo ranks.
+* ``hfpatch bench [NAME]``: list, or run, the scripts in ``benchmarks/`` of a source checkout.
+* ``hfpatch info``: versions, device, world size and the registered patch families.
+
+Each prints its report and exits with status 0 on success, 1 on a failed check.
 
 >>> from hfpatch.cli import build_parser
->>> build_parser().parse_args(["demo", "--nproc", "4"]).nproc
+>>> build_parser().parse_args(["selftest", "--nproc", "4"]).nproc
 4
 """
 
@@ -10,10 +17,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["build_parser", "info_lines", "main"]
+__all__ = ["benchmark_dir", "benchmarks", "build_parser", "info_lines", "main"]
 
 _PACKAGES = ("hfpatch", "torch", "diffusers", "transformers", "peft", "accelerate", "xformers")
 
@@ -37,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--atol", type=float, default=DEFAULT_ATOL, help=f"pixel tolerance (default: {DEFAULT_ATOL})"
     )
+    selftest = commands.add_parser(
+        "selftest",
+        help="check the collectives and usp_attention against one-process results on N CPU ranks (seconds)",
+        description="On N local CPU processes (gloo): uneven all_gather and all_to_all (exact), and "
+        "usp_attention with Ulysses, Ring (and both when N factors) against SDPA on the full sequence. Prints "
+        "PASS/FAIL per check; exits with status 1 when one fails.",
+    )
+    selftest.add_argument("--nproc", type=int, default=2, help="number of local ranks (default: 2)")
+    bench = commands.add_parser(
+        "bench",
+        help="list, or run, the benchmark scripts of an hfpatch source checkout",
+        description="Without NAME: list the scripts in benchmarks/ of the source checkout hfpatch runs "
+        "from. With NAME: run benchmarks/NAME.py there (it writes benchmarks/results/NAME.json and .png) "
+        "and exit with its status.",
+    )
+    bench.add_argument("name", nargs="?", help="benchmark to run (file name without .py); omit to list")
     commands.add_parser(
         "info",
         help="versions, device, world size and the registered patch families",
@@ -82,15 +107,66 @@ def info_lines() -> list[str]:
     return lines
 
 
+def benchmark_dir() -> Path | None:
+    """``benchmarks/`` of the source checkout: next to the ``hfpatch`` package (editable install), or in the
+    current directory; ``None`` for an installed wheel run elsewhere (the scripts are not packaged)."""
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+        if (root / "benchmarks").is_dir() and (root / "hfpatch").is_dir():
+            return root / "benchmarks"
+    return None
+
+
+def benchmarks(directory: Path) -> dict[str, str]:
+    """Benchmark name -> first line of its docstring, for every ``*.py`` script in ``directory``."""
+    import ast
+
+    found = {}
+    for script in sorted(directory.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        found[script.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
+
+
+def _bench(name: str | None, directory: Path | None) -> int:
+    if directory is None:
+        print(
+            "hfpatch bench: no benchmarks/ directory found next to the hfpatch package or in the current "
+            "directory; the benchmark scripts ship with the source, not the wheel: clone the hfpatch repository, "
+            "`pip install -e .` it and run `hfpatch bench` there",
+            file=sys.stderr,
+        )
+        return 2
+    found = benchmarks(directory)
+    if name is None:
+        print(f"benchmarks in {directory} (run: hfpatch bench NAME):")
+        print("\n".join(f"  {n:<22} {doc}" for n, doc in found.items()))
+        return 0
+    if name not in found:
+        print(
+            f"hfpatch bench: no benchmark {name!r} in {directory}; available: {', '.join(found)}",
+            file=sys.stderr,
+        )
+        return 2
+    # From the checkout root, as the scripts document (``python benchmarks/NAME.py``).
+    return subprocess.run([sys.executable, str(directory / f"{name}.py")], cwd=directory.parent).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hfpatch`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
-    from .demo import run_demo
+    if args.command == "bench":
+        return _bench(args.name, benchmark_dir())
+    if args.command == "selftest":
+        from .demo import run_selftest
 
-    passed, report = run_demo(nproc=args.nproc, steps=args.steps, atol=args.atol)
+        passed, report = run_selftest(nproc=args.nproc)
+    else:
+        from .demo import run_demo
+
+        passed, report = run_demo(nproc=args.nproc, steps=args.steps, atol=args.atol)
     print(report)
     return 0 if passed else 1
 

@@ -204,10 +204,8 @@ def format_selftest(results: list[dict[str, tuple[float, float]]]) -> tuple[bool
     >>> passed, report.splitlines()[-1]
     (False, 'verdict: FAIL (1 of 1 checks)')
     """
-    lines, failed = (
-        [f"hfpatch selftest: {len(results)} CPU rank{'s' if len(results) > 1 else ''} (gloo), fp32"],
-        0,
-    )
+    lines = [f"hfpatch selftest: {len(results)} CPU rank{'s' if len(results) > 1 else ''} (gloo), fp32"]
+    failed = 0
     for check in results[0]:
         worst, atol = max(r[check][0] for r in results), results[0][check][1]
         ok = worst <= atol

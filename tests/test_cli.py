@@ -1,4 +1,4 @@
-"""The ``hfpatch`` command: ``demo`` and ``info`` run as a user runs them, in a subprocess."""
+"""The ``hfpatch`` command: ``demo``, ``selftest``, ``bench`` and ``info`` run as a user runs them, in a subprocess."""
 
 from __future__ import annotations
 
@@ -57,8 +57,52 @@ def test_demo_report_verdict_fails_above_tolerance():
 
 def test_cli_unknown_command_exits_with_usage():
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench"])
+        cli.main(["frobnicate"])
     assert exc.value.code == 2
+
+
+def test_cli_selftest_two_ranks_passes_every_check():
+    result = _hfpatch("selftest", "--nproc", "2", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    checks = [line for line in lines if line.startswith(("PASS", "FAIL"))]
+    names = " | ".join(checks)
+    for check in ("all_gather (uneven)", "all_to_all", "ring=1 ulysses=2", "ring=2 ulysses=1"):
+        assert check in names, names
+    assert all(line.startswith("PASS") for line in checks) and lines[-1] == "verdict: PASS"
+
+
+def test_cli_selftest_failure_exits_nonzero(monkeypatch, capsys):
+    failing = [{"all_to_all": (0.0, 0.0)}, {"all_to_all": (1.0, 0.0)}]  # rank 1 received wrong values
+    monkeypatch.setattr(demo, "run_selftest", lambda nproc: demo.format_selftest(failing))
+    assert cli.main(["selftest"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  all_to_all" in out and out.splitlines()[-1] == "verdict: FAIL (1 of 1 checks)"
+
+
+def test_cli_bench_lists_checkout_benchmarks():
+    result = _hfpatch("bench", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usp_attention " in result.stdout and "vae_memory " in result.stdout
+
+
+def test_cli_bench_runs_named_script_from_checkout_root(monkeypatch, tmp_path, capsys):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "hello.py").write_text(
+        '"""Say hello."""\nfrom pathlib import Path\nPath("ran").write_text("yes")\nraise SystemExit(3)\n'
+    )
+    monkeypatch.setattr(cli, "benchmark_dir", lambda: tmp_path / "benchmarks")
+    assert cli.main(["bench", "hello"]) == 3  # the script's exit status
+    assert (tmp_path / "ran").read_text() == "yes"  # ran from the checkout root
+    assert cli.main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark 'nope'" in err and "available: hello" in err
+
+
+def test_cli_bench_outside_checkout_explains(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "benchmark_dir", lambda: None)
+    assert cli.main(["bench"]) == 2
+    assert "ship with the source, not the wheel" in capsys.readouterr().err
 
 
 def test_example_wan_usp_torchrun_help_runs_without_loading_models():

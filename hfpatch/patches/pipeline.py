@@ -393,8 +393,9 @@ class PipelineParallel(PatchFamily):
 
     >>> import torch
     >>> from hfpatch.testing import tiny_sd3_pipe
-    >>> PipelineParallel().facts(tiny_sd3_pipe())
-    ModelFacts(num_heads=None, guides=True, name='StableDiffusion3Pipeline')
+    >>> facts = PipelineParallel().facts(tiny_sd3_pipe())
+    >>> facts.guides, facts.name
+    (True, 'StableDiffusion3Pipeline')
     """
 
     name: ClassVar[str] = "pipeline_parallel"

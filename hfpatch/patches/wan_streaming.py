@@ -15,6 +15,11 @@ two keyword arguments to its ``forward``:
 denoises the frames of a chunk at different noise levels). Per-frame timesteps reuse the stock per-token
 modulation path of Wan 2.2 (``timestep.ndim == 2``), with the time embedding computed once per frame.
 
+Parallelism: none for the transformer yet. ``validate`` refuses any data, cfg, ring or ulysses degree above 1
+(the pipeline's data/CFG wrapper cannot split ``frame_offset``/``kv_cache`` calls, and one cache serves one
+guidance branch); only the VAE may split (``ParallelConfig(vae=N)``). For data-parallel training, wrap the
+patched transformer in DDP/FSDP yourself.
+
 What is patched (all reversible by ``patch.remove()``): the processors of every ``blocks[i].attn1`` and
 ``attn2``, and the ``forward`` of ``rope``, ``condition_embedder`` and the transformer itself.
 
@@ -369,7 +374,7 @@ class WanStreamingPatch(PatchFamily):
             raise ValueError(
                 f"streaming with a parallel transformer is not supported yet (got data={config.data}, "
                 f"cfg={config.cfg}, ring={config.ring}, ulysses={config.ulysses}); apply streaming with "
-                "parallel=1 (the VAE may still split with ParallelConfig(vae=N)). For data-parallel training, "
+                "parallel=1 (or split only the VAE, ParallelConfig(vae=N)). For data-parallel training, "
                 "wrap the streaming transformer in torch DDP/FSDP yourself and give each rank its own batch"
             )
         cfg = target.config

@@ -89,7 +89,7 @@ def visible_frames(config: StreamingConfig, start: int, block_end: int) -> list[
     return list(range(start, sink_end)) + list(range(window_start, block_end))
 
 
-def tensor_version(tensor: torch.Tensor) -> int | None:
+def _tensor_version(tensor: torch.Tensor) -> int | None:
     """The in-place modification counter of ``tensor``; ``None`` for inference tensors, which keep none."""
     try:
         return tensor._version
@@ -115,7 +115,7 @@ class CrossAttentionCache:
 
     def matches(self, prompt: torch.Tensor) -> bool:
         """Whether ``key``/``value`` were computed from ``prompt`` as it is now."""
-        version = tensor_version(prompt)
+        version = _tensor_version(prompt)
         return (
             self.source is prompt
             and version is not None
@@ -126,7 +126,7 @@ class CrossAttentionCache:
     def store(self, key: torch.Tensor, value: torch.Tensor, prompt: torch.Tensor) -> None:
         """Keep ``key``/``value`` computed from ``prompt`` now (its version and storage recorded)."""
         self.key, self.value, self.source = key, value, prompt
-        self.source_version, self.source_ptr = tensor_version(prompt), prompt.data_ptr()
+        self.source_version, self.source_ptr = _tensor_version(prompt), prompt.data_ptr()
 
     def clear(self) -> None:
         self.key = self.value = self.source = self.source_version = self.source_ptr = None

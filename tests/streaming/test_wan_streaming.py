@@ -193,6 +193,19 @@ def test_cross_attention_cache_prompt_modified_in_place_is_recomputed(model):
     assert cache.cross[0].source is edited and torch.equal(cache.cross[0].key, fresh.cross[0].key)
 
 
+def test_cross_attention_cache_inference_tensor_prompt_is_recomputed(model):
+    # Inference tensors keep no version counter, so an in-place edit could not be seen: never reused.
+    config = CONFIGS["global"]
+    x, timestep, prompt = _inputs(frames=4)
+    with hfpatch.apply(model, streaming=config), torch.inference_mode():
+        frozen = prompt.clone()  # an inference tensor
+        cache = StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], frozen, kv_cache=cache)
+        first = cache.cross[0].key
+        model(x[:, :, 2:], timestep[:, 2:], frozen, kv_cache=cache, frame_offset=2)
+        assert cache.cross[0].key is not first and torch.equal(cache.cross[0].key, first)
+
+
 # The visible key frames of each 2-frame query block under window_sink (local_attn_size=6, sink_size=2),
 # written out by hand: the sink frames 0-1, plus the last 4 frames up to the end of the block.
 WINDOW_SINK_VISIBLE = {
