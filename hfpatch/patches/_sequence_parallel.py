@@ -82,10 +82,16 @@ class SplitInput:
 
 @dataclass(frozen=True)
 class SplitOutput:
-    """Shard a submodule's output (each tensor of a tuple/list output) along ``dim``."""
+    """Shard a submodule's output (each tensor of a tuple/list output) along ``dim``.
+
+    ``flatten_from`` flattens the output from that dim first, so a patch embedding's ``[B, C, F, H, W]``
+    output can be cut as the ``[B, C, S]`` token sequence the model builds from it: the full output is freed
+    right after the patch embedding instead of living until the first block returns.
+    """
 
     dim: int
     ndim: int | None = None
+    flatten_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,9 @@ def apply_sequence_plan(
             if isinstance(spec, SplitOutput):
                 split = _splitter(state, spec.dim, spec.ndim, f"{path}:output")
 
-                def split_output(_m, _args, _kwargs, out, split=split):
+                def split_output(_m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from):
+                    if flatten_from is not None:
+                        out = _map_tensors(out, lambda x: x.flatten(flatten_from))
                     return _map_tensors(out, split)
 
                 patch.add_forward_hook(module, split_output)

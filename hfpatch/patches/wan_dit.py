@@ -98,7 +98,8 @@ class WanTransformerUSP(SequenceParallelFamily):
     plan: ClassVar[SequencePlan] = {
         "": (SplitInput("timestep", dim=1, ndim=2),),  # Wan 2.2 per-token timesteps [B, S]
         "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
-        "blocks.0": (SplitInput("hidden_states", dim=1),),  # [B, S, C] after patch embedding
+        # [B, C, F, H, W] -> tokens [B, C, S]: cut here so the full embedding is freed at once
+        "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
         "proj_out": (GatherOutput(dim=1),),
     }
 
