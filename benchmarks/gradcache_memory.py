@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hfpatch.testing import qwen3_vl_inputs
+from hfpatch.testing import qwen3_vl_inputs, tiny_qwen3_vl
 from hfpatch.testing.memory import track_memory
 from hfpatch.training import GradCache
 from hfpatch.training.pooling import default_rep
@@ -34,47 +34,10 @@ RESULTS = Path(__file__).parent / "results"
 
 def small_qwen3_vl() -> torch.nn.Module:
     """A stock ``Qwen3VLModel`` a little larger than ``tiny_qwen3_vl`` so that compute, not Python, dominates."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
-
-    text = dict(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [8, 12, 12],
-            "mrope_interleaved": True,
-        },
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=128,
-        intermediate_size=512,
-        num_heads=2,
-        in_channels=3,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=256,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[1],
-    )
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=120,
-        video_token_id=121,
-        vision_start_token_id=122,
-        vision_end_token_id=123,
-    )
-    torch.manual_seed(0)
-    return Qwen3VLModel(config).train()
+    text = dict(hidden_size=256, intermediate_size=768, head_dim=64)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12], "mrope_interleaved": True}
+    vision = dict(hidden_size=128, intermediate_size=512, out_hidden_size=256)
+    return tiny_qwen3_vl(vision_overrides=vision, rope_parameters=rope, **text).train()
 
 
 def batch(size: int) -> tuple[dict, dict]:

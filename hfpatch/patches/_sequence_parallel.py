@@ -55,6 +55,7 @@ __all__ = [
     "SequenceParallelFamily",
     "SequencePlan",
     "SequenceShard",
+    "USPAttnProcessor",
     "SplitInput",
     "SplitOutput",
     "apply_sequence_plan",
@@ -162,6 +163,20 @@ class SequenceShard:
 
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
+
+
+class USPAttnProcessor:
+    """Base of the USP attention processors: they hold the model's :class:`SequenceShard`.
+
+    Subclasses implement the diffusers processor ``__call__`` of their family: the stock projections,
+    norms and rotary, then :func:`usp_attention_call`.
+    """
+
+    def __init__(self, state: SequenceShard) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.state!r})"
 
 
 # ----------------------------------------------------------------------------------------------- interpreter

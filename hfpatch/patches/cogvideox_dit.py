@@ -32,21 +32,19 @@ from ._sequence_parallel import (
     SequencePlan,
     SequenceShard,
     SplitInput,
+    USPAttnProcessor,
     usp_attention_call,
 )
 
 __all__ = ["CogVideoXTransformerUSP", "CogVideoXUSPAttnProcessor"]
 
 
-class CogVideoXUSPAttnProcessor:
+class CogVideoXUSPAttnProcessor(USPAttnProcessor):
     """CogVideoX joint text+video attention (``CogVideoXAttnProcessor2_0``) on this rank's video shard.
 
     Args:
         state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
     """
-
-    def __init__(self, state: SequenceShard) -> None:
-        self.state = state
 
     def __call__(
         self,
@@ -94,9 +92,6 @@ class CogVideoXUSPAttnProcessor:
             attn.to_out[0](out_txt.reshape(batch, -1, attn.heads * head_dim))
         )
         return hidden_states, encoder_hidden_states
-
-    def __repr__(self) -> str:
-        return f"CogVideoXUSPAttnProcessor({self.state!r})"
 
 
 class CogVideoXTransformerUSP(SequenceParallelFamily):

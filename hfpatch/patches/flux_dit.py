@@ -33,21 +33,19 @@ from ._sequence_parallel import (
     SequencePlan,
     SequenceShard,
     SplitInput,
+    USPAttnProcessor,
     usp_attention_call,
 )
 
 __all__ = ["FluxTransformerUSP", "FluxUSPAttnProcessor"]
 
 
-class FluxUSPAttnProcessor:
+class FluxUSPAttnProcessor(USPAttnProcessor):
     """Flux joint attention (dual- and single-stream blocks) on this rank's image-token shard.
 
     Args:
         state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
     """
-
-    def __init__(self, state: SequenceShard) -> None:
-        self.state = state
 
     def __call__(
         self,
@@ -98,9 +96,6 @@ class FluxUSPAttnProcessor:
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
             return hidden_states, encoder_hidden_states
         return hidden_states
-
-    def __repr__(self) -> str:
-        return f"FluxUSPAttnProcessor({self.state!r})"
 
 
 class FluxTransformerUSP(SequenceParallelFamily):

@@ -32,21 +32,19 @@ from ._sequence_parallel import (
     SequenceShard,
     SplitInput,
     SplitOutput,
+    USPAttnProcessor,
     usp_attention_call,
 )
 
 __all__ = ["SD3TransformerUSP", "SD3USPAttnProcessor"]
 
 
-class SD3USPAttnProcessor:
+class SD3USPAttnProcessor(USPAttnProcessor):
     """SD3 joint attention (``JointAttnProcessor2_0``, also image-only without text) on this rank's image shard.
 
     Args:
         state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
     """
-
-    def __init__(self, state: SequenceShard) -> None:
-        self.state = state
 
     def __call__(
         self,
@@ -96,9 +94,6 @@ class SD3USPAttnProcessor:
         if not attn.context_pre_only:
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
-
-    def __repr__(self) -> str:
-        return f"SD3USPAttnProcessor({self.state!r})"
 
 
 class SD3TransformerUSP(SequenceParallelFamily):

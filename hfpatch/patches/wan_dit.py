@@ -40,6 +40,7 @@ from ._sequence_parallel import (
     SequenceShard,
     SplitInput,
     SplitOutput,
+    USPAttnProcessor,
     usp_attention_call,
 )
 from ._wan_common import apply_wan_rotary
@@ -47,15 +48,12 @@ from ._wan_common import apply_wan_rotary
 __all__ = ["WanTransformerUSP", "WanUSPAttnProcessor"]
 
 
-class WanUSPAttnProcessor:
+class WanUSPAttnProcessor(USPAttnProcessor):
     """Wan self-attention (``attn1``) on this rank's token shard, exact over the whole sequence.
 
     Args:
         state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
     """
-
-    def __init__(self, state: SequenceShard) -> None:
-        self.state = state
 
     def __call__(
         self,
@@ -86,9 +84,6 @@ class WanUSPAttnProcessor:
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
-
-    def __repr__(self) -> str:
-        return f"WanUSPAttnProcessor({self.state!r})"
 
 
 class WanTransformerUSP(SequenceParallelFamily):

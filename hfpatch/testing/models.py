@@ -249,8 +249,11 @@ def tiny_flux_pipe(seed: int = 0):
     return pipe
 
 
-def tiny_qwen3_vl(seed: int = 0, **text_overrides: Any):
-    """A stock ``Qwen3VLModel`` (vision tower + text model) with tiny dims; inputs per the Qwen3-VL processor layout."""
+def tiny_qwen3_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+    """A stock ``Qwen3VLModel`` (vision tower + text model) with tiny dims; inputs per the Qwen3-VL processor layout.
+
+    Keyword arguments override the text config; ``vision_overrides`` the vision config.
+    """
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     text = dict(
@@ -283,6 +286,7 @@ def tiny_qwen3_vl(seed: int = 0, **text_overrides: Any):
         num_position_embeddings=64,
         deepstack_visual_indexes=[1],
     )
+    vision.update(vision_overrides or {})
     config = Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
