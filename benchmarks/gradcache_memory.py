@@ -35,7 +35,12 @@ RESULTS = Path(__file__).parent / "results"
 def small_qwen3_vl() -> torch.nn.Module:
     """A stock ``Qwen3VLModel`` a little larger than ``tiny_qwen3_vl`` so that compute, not Python, dominates."""
     text = dict(hidden_size=256, intermediate_size=768, head_dim=64)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12], "mrope_interleaved": True}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [8, 12, 12],
+        "mrope_interleaved": True,
+    }
     vision = dict(hidden_size=128, intermediate_size=512, out_hidden_size=256)
     return tiny_qwen3_vl(vision_overrides=vision, rope_parameters=rope, **text).train()
 

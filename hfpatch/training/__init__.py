@@ -14,7 +14,15 @@ from .gradcache import GradCache, RngState, split_inputs  # noqa: E402
 from .pooling import pool  # noqa: E402
 from .vlm_split import VisionTokenSpec, split_vlm_inputs  # noqa: E402
 
-__all__ += ["GradCache", "GradCacheTrainer", "RngState", "VisionTokenSpec", "pool", "split_inputs", "split_vlm_inputs"]
+__all__ += [
+    "GradCache",
+    "GradCacheTrainer",
+    "RngState",
+    "VisionTokenSpec",
+    "pool",
+    "split_inputs",
+    "split_vlm_inputs",
+]
 
 
 def __getattr__(name: str):

@@ -105,9 +105,9 @@ def test_children_are_undone_at_their_place_in_the_log():
     parent, child = Patch("parent"), Patch("child")
     parent.on_remove(layer, "parent-before", lambda: order.append("parent-before"))
     parent.add_child(child)
-    child.wrap_method(layer, "forward", lambda orig: (lambda x: orig(x) + 1))
+    child.wrap_method(layer, "forward", lambda orig: lambda x: orig(x) + 1)
     child.on_remove(layer, "child-step", lambda: order.append("child"))
-    parent.wrap_method(layer, "forward", lambda orig: (lambda x: orig(x) * 2))  # wraps the child's wrapper
+    parent.wrap_method(layer, "forward", lambda orig: lambda x: orig(x) * 2)  # wraps the child's wrapper
     parent.on_remove(layer, "parent-after", lambda: order.append("parent-after"))
     text = repr(parent)
     assert "parent-after" in text and "child: Linear" in text
