@@ -51,15 +51,21 @@ def test_local_attention_backend_matches_sdpa_and_logsumexp(backend):
 def test_local_attention_backward_blocks_sum_to_autograd_grads(backend):
     q, k, v = (t.requires_grad_(True) for t in _qkv(sk=9))
     ref = F.scaled_dot_product_attention(q, k, v)
-    dout = torch.randn_like(ref)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     ref.backward(dout)
     with torch.no_grad():
         out, lse = local_attention(q, k, v, backend=backend)
         parts = [local_attention_backward(dout, q, k[:, :, s], v[:, :, s], out, lse, backend=backend) for s in
                  (slice(0, 4), slice(4, 9))]  # fmt: skip
-    assert (sum(p[0] for p in parts) - q.grad).abs().max() <= 1e-6
-    assert (torch.cat([p[1] for p in parts], 2) - k.grad).abs().max() <= 1e-6
-    assert (torch.cat([p[2] for p in parts], 2) - v.grad).abs().max() <= 1e-6
+
+    # Per-block recompute of the probabilities (exp(s - lse)) and the sum of two partial dq's reassociate a
+    # few fp32 roundings per element: 16 ulps of the largest gradient (measured 2-6 ulps over seeds).
+    def tol(grad):
+        return 16 * torch.finfo(torch.float32).eps * grad.abs().max()
+
+    assert (sum(p[0] for p in parts) - q.grad).abs().max() <= tol(q.grad)
+    assert (torch.cat([p[1] for p in parts], 2) - k.grad).abs().max() <= tol(k.grad)
+    assert (torch.cat([p[2] for p in parts], 2) - v.grad).abs().max() <= tol(v.grad)
 
 
 def test_local_attention_flash_cpu_bfloat16_close_to_float32():
@@ -146,7 +152,7 @@ def test_cuda_backend_matches_math_forward_and_block_backward(name):
     if name not in available_backends("cuda", torch.bfloat16):
         pytest.skip(f"{name} is not available here")
     q, k, v = (t.cuda().bfloat16() for t in _qkv(sq=70, sk=90, heads=2, dim=64))
-    dout = torch.randn_like(q)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     out, lse = local_attention(q, k, v, backend=name)
     ref, ref_lse = local_attention(q, k, v, backend="math")
     # bf16 outputs (~3 significant digits); lse is float32 in both: 2e-2 and 1e-3.
