@@ -20,6 +20,8 @@ borders the rows come from the conv's own zero padding instead.
 
 from __future__ import annotations
 
+from ..distributed.collectives import even_sizes
+
 __all__ = ["conv_halo", "halo_bytes", "row_offsets", "scaled_sizes", "split_rows"]
 
 
@@ -41,8 +43,7 @@ def split_rows(total: int, world: int, min_rows: int = 1) -> list[int]:
             f"a latent height of {total} rows cannot be split over {world} ranks with at least {min_rows} "
             f"row(s) each; use at most {max(total // max(min_rows, 1), 1)} ranks for the VAE or a larger image"
         )
-    base, extra = divmod(total, world)
-    return [base + (1 if r < extra else 0) for r in range(world)]
+    return even_sizes(total, world)
 
 
 def row_offsets(sizes: list[int]) -> list[int]:

@@ -10,9 +10,11 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["apply_wan_rotary"]
+__all__ = ["apply_wan_rotary", "wan_self_attention_qkv"]
 
 
 def apply_wan_rotary(x_bshd: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -28,3 +30,23 @@ def apply_wan_rotary(x_bshd: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: t
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out.type_as(x_bshd)
+
+
+def wan_self_attention_qkv(
+    attn: Any, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key, value ``[B, S, H, D]`` of a Wan self-attention (``attn1``), as the stock processor builds them.
+
+    Projections through diffusers' own helper (so fused QKV works), RMS norms across heads per token, then the
+    rotary embedding on query and key.
+    """
+    from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+    query, key, value = _get_qkv_projections(attn, hidden_states, None)
+    query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+    key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+    if rotary_emb is not None:
+        query = apply_wan_rotary(query, *rotary_emb)
+        key = apply_wan_rotary(key, *rotary_emb)
+    return query, key, value

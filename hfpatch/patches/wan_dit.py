@@ -43,7 +43,7 @@ from ._sequence_parallel import (
     USPAttnProcessor,
     usp_attention_call,
 )
-from ._wan_common import apply_wan_rotary
+from ._wan_common import wan_self_attention_qkv
 
 __all__ = ["WanTransformerUSP", "WanUSPAttnProcessor"]
 
@@ -63,22 +63,12 @@ class WanUSPAttnProcessor(USPAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError(
                 "WanUSPAttnProcessor serves self-attention (attn1) without a mask; got "
                 f"encoder_hidden_states={encoder_hidden_states is not None}, attention_mask={attention_mask is not None}"
             )
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query = attn.norm_q(query)  # across heads, per token: local
-        key = attn.norm_k(key)
-        query = query.unflatten(2, (attn.heads, -1))  # [B, S_local, H, D]
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = apply_wan_rotary(query, *rotary_emb)
-            key = apply_wan_rotary(key, *rotary_emb)
+        query, key, value = wan_self_attention_qkv(attn, hidden_states, rotary_emb)  # local tokens, all heads
 
         out, _ = usp_attention_call(self.state, query, key, value)
         out = out.flatten(2, 3).type_as(query)

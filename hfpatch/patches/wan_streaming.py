@@ -47,7 +47,7 @@ from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
 from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames
-from ._wan_common import apply_wan_rotary
+from ._wan_common import wan_self_attention_qkv
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
 
@@ -114,10 +114,7 @@ class StreamingSelfAttnProcessor:
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         call = self.state.current()
-        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
-        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        q, k = apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb)
+        q, k, v = wan_self_attention_qkv(attn, hidden_states, rotary_emb)
 
         if call.cache is not None:
             out = self._cached(call, q, k, v)

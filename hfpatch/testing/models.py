@@ -14,7 +14,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
+    "tiny_bert",
+    "tiny_cogvideox_transformer",
     "tiny_flux_pipe",
     "tiny_flux_transformer",
     "tiny_qwen3_vl",
@@ -51,6 +54,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def _build(model_cls: type, config: dict[str, Any], overrides: dict[str, Any], seed: int) -> Any:
+    """``model_cls(**config, **overrides)`` with seeded construction and re-drawn weights (see :func:`_randomize`)."""
+    with _seeded(seed):
+        return _randomize(model_cls(**{**config, **overrides}), seed)
+
+
 def tiny_wan_transformer(
     num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
 ):
@@ -71,9 +80,7 @@ def tiny_wan_transformer(
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
     )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(WanTransformer3DModel(**config), seed)
+    return _build(WanTransformer3DModel, config, overrides, seed)
 
 
 def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
@@ -108,9 +115,7 @@ def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
         )
     else:
         raise ValueError(f"version must be '2.1' or '2.2', got {version!r}")
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(AutoencoderKLWan(**config), seed)
+    return _build(AutoencoderKLWan, config, overrides, seed)
 
 
 def tiny_autoencoder_kl(seed: int = 0, **overrides: Any):
@@ -128,9 +133,7 @@ def tiny_autoencoder_kl(seed: int = 0, **overrides: Any):
         norm_num_groups=4,
         sample_size=32,
     )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(AutoencoderKL(**config), seed)
+    return _build(AutoencoderKL, config, overrides, seed)
 
 
 def tiny_flux_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
@@ -149,9 +152,7 @@ def tiny_flux_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, 
         guidance_embeds=False,
         axes_dims_rope=(2, 2, 4),
     )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(FluxTransformer2DModel(**config), seed)
+    return _build(FluxTransformer2DModel, config, overrides, seed)
 
 
 def tiny_sd3_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
@@ -171,9 +172,7 @@ def tiny_sd3_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, *
         out_channels=4,
         pos_embed_max_size=32,
     )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(SD3Transformer2DModel(**config), seed)
+    return _build(SD3Transformer2DModel, config, overrides, seed)
 
 
 def wan_prompt_embeds(batch: int = 1, length: int = 6, text_dim: int = 16, seed: int = 1) -> torch.Tensor:
@@ -324,9 +323,6 @@ def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
         return _randomize(BertModel(BertConfig(**config), add_pooling_layer=False), seed)
 
 
-__all__.append("tiny_bert")
-
-
 def qwen3_vl_inputs(
     media: list[list[tuple[str, tuple[int, int, int]]]],
     text_len: int = 3,
@@ -385,9 +381,6 @@ def qwen3_vl_inputs(
     return batch
 
 
-__all__.append("qwen3_vl_inputs")
-
-
 def tiny_cogvideox_transformer(
     num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, seed: int = 0, **overrides: Any
 ):
@@ -413,9 +406,4 @@ def tiny_cogvideox_transformer(
         max_text_seq_length=8,
         use_rotary_positional_embeddings=True,
     )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(CogVideoXTransformer3DModel(**config), seed)
-
-
-__all__.append("tiny_cogvideox_transformer")
+    return _build(CogVideoXTransformer3DModel, config, overrides, seed)
