@@ -322,7 +322,7 @@ def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world)
         )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
     if world == 2:
