@@ -256,6 +256,18 @@ def _cases_four_ranks() -> dict[str, Any]:
     }
 
 
+def _cases_three_ranks() -> dict[str, Any]:
+    wan = tiny_wan_pipe()
+    refs: dict[tuple, torch.Tensor] = {}
+    return {
+        # batch 4 over 3 data ranks: uneven [2, 1, 1].
+        "wan_data": _compare(refs, wan, _wan, ParallelConfig(data=3), batch=4),
+        # End to end: 3 ranks cannot split cond/uncond, and 3 does not divide 4 heads: Ring 3, VAE over 3.
+        "wan_auto": _compare(refs, wan, _wan, 3, all_families=True),
+        "sd3_auto": _compare(refs, _sd3_pipe(), _sd3, 3, all_families=True),
+    }
+
+
 def _cfg_error_on_one_rank() -> dict[str, str | None]:
     """Two-call CFG where the transformer call fails (or returns a wrong shape) on one cfg rank only."""
     wan = tiny_wan_pipe()
@@ -393,6 +405,17 @@ def test_pipeline_parallel_four_ranks_cfg_and_data_equals_unpatched(rank_pool):
         assert results["wan_cfg_data"]["plan"] == ParallelConfig(data=2, cfg=2)
         for case in ("wan_auto", "wan22_auto", "sd3_auto"):
             assert results[case]["plan"] == ParallelConfig(cfg=2, ulysses=2), (case, results[case]["plan"])
+
+
+def test_pipeline_parallel_three_ranks_data_and_ring_equals_unpatched(rank_pool):
+    for rank, results in enumerate(rank_pool(3).run(_cases_three_ranks)):
+        for case, result in results.items():
+            assert result["shape"][0] == result["shape"][1], (rank, case, result)
+            assert result["diff"] <= SPLIT_ATOL, (rank, case, result)
+            assert result["restored"], (rank, case)
+        assert results["wan_data"]["plan"] == ParallelConfig(data=3)
+        for case in ("wan_auto", "sd3_auto"):
+            assert results[case]["plan"] == ParallelConfig(ring=3), (case, results[case]["plan"])
 
 
 def test_pipeline_parallel_cfg_error_on_one_rank_raises_on_both(rank_pool):
