@@ -14,12 +14,15 @@ from typing import Any
 import torch
 
 __all__ = [
+    "qwen2_vl_inputs",
     "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
     "tiny_bert",
     "tiny_cogvideox_transformer",
     "tiny_flux_pipe",
     "tiny_flux_transformer",
+    "tiny_qwen2_5_vl",
+    "tiny_qwen2_vl",
     "tiny_qwen3_vl",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
@@ -298,6 +301,97 @@ def tiny_qwen3_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None,
         return _randomize(Qwen3VLModel(config), seed)
 
 
+def tiny_qwen2_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+    """A stock ``Qwen2VLModel`` (vision tower + text model) with tiny dims; inputs from :func:`qwen2_vl_inputs`.
+
+    Same token ids and patch layout as :func:`tiny_qwen3_vl`. Keyword arguments override the text config;
+    ``vision_overrides`` the vision config.
+
+    >>> from hfpatch.testing import qwen2_vl_inputs
+    >>> model = tiny_qwen2_vl()
+    >>> tuple(model(**qwen2_vl_inputs([[("image", (1, 2, 4))], []])).last_hidden_state.shape)
+    (2, 8, 32)
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLModel
+
+    # The merger maps the tower's embed_dim to hidden_size, the language model's width.
+    vision = dict(embed_dim=16, hidden_size=32, mlp_ratio=2)
+    return _tiny_qwen2_family(Qwen2VLConfig, Qwen2VLModel, vision, vision_overrides, text_overrides, seed)
+
+
+def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+    """A stock ``Qwen2_5_VLModel`` (windowed vision tower + text model) with tiny dims; inputs from
+    :func:`qwen2_vl_inputs` (with ``second_per_grid_ts`` for videos).
+
+    The tower's first block attends within windows of 16 pixels (2x2 merged tokens, so grids wider than 4
+    patches span several windows), the second over the whole image, as in the released models' mix.
+
+    >>> from hfpatch.testing import qwen2_vl_inputs
+    >>> model = tiny_qwen2_5_vl()
+    >>> batch = qwen2_vl_inputs([[("video", (2, 2, 6))], []], second_per_grid_ts=[0.5])
+    >>> tuple(model(**batch).last_hidden_state.shape)
+    (2, 12, 32)
+    """
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        out_hidden_size=32,
+        window_size=16,
+        fullatt_block_indexes=[1],
+        tokens_per_second=4,
+    )
+    return _tiny_qwen2_family(
+        Qwen2_5_VLConfig, Qwen2_5_VLModel, vision, vision_overrides, text_overrides, seed
+    )
+
+
+def _tiny_qwen2_family(
+    config_cls: type,
+    model_cls: type,
+    vision: dict[str, Any],
+    vision_overrides: dict[str, Any] | None,
+    text_overrides: dict[str, Any],
+    seed: int,
+):
+    """Qwen2-VL / Qwen2.5-VL with the text model and vision patch layout they share with :func:`tiny_qwen3_vl`."""
+    text = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,  # the released ids lie outside the tiny vocabulary
+        eos_token_id=None,
+        # head_dim = 32 / 4 = 8: the (t, h, w) M-RoPE sections cover its 4 rotary frequencies.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )
+    text.update(text_overrides)
+    vision = dict(
+        depth=2,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        **vision,
+    )
+    vision.update(vision_overrides or {})
+    config = config_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
+    )
+    with _seeded(seed):
+        return _randomize(model_cls(config), seed)
+
+
 def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
     """A stock ``BertModel`` text encoder (no pooler) with tiny dims; ``dropout`` sets hidden and attention dropout.
 
@@ -340,6 +434,51 @@ def qwen3_vl_inputs(
     >>> batch["pixel_values"].shape, batch["image_grid_thw"].tolist(), batch["video_grid_thw"].tolist()
     (torch.Size([16, 96]), [[1, 4, 4]], [[2, 2, 2]])
     """
+    return _qwen_vl_inputs(media, text_len, seed, padding, frame_timestamps=True)
+
+
+def qwen2_vl_inputs(
+    media: list[list[tuple[str, tuple[int, int, int]]]],
+    text_len: int = 3,
+    seed: int = 0,
+    padding: str = "left",
+    second_per_grid_ts: list[float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A Qwen2-VL / Qwen2.5-VL processor-style batch for :func:`tiny_qwen2_vl` and :func:`tiny_qwen2_5_vl`.
+
+    Same arguments and pixel layout as :func:`qwen3_vl_inputs`, but a video is one block
+    ``<vision_start> + t*h*w/4 video tokens + <vision_end>`` without per-frame timestamp tokens (the
+    Qwen2-VL / Qwen2.5-VL processor layout). ``second_per_grid_ts`` (Qwen2.5-VL only) gives one value per video
+    in batch order, the seconds each temporal patch spans, which scale the videos' temporal M-RoPE positions.
+    ``mm_token_type_ids`` is included: both models build M-RoPE positions from it (Qwen2-VL raises without it
+    when media are given; Qwen2.5-VL silently falls back to 1D positions).
+
+    >>> batch = qwen2_vl_inputs([[("video", (2, 2, 2))], [("image", (1, 2, 2))]], second_per_grid_ts=[0.5])
+    >>> (batch["input_ids"] == 121).sum().item(), batch["second_per_grid_ts"].tolist()
+    (2, [0.5])
+    """
+    batch = _qwen_vl_inputs(media, text_len, seed, padding, frame_timestamps=False)
+    if second_per_grid_ts is not None:
+        videos = len(batch.get("video_grid_thw", ()))
+        if len(second_per_grid_ts) != videos:
+            raise ValueError(
+                f"second_per_grid_ts has {len(second_per_grid_ts)} values but the batch has {videos} videos; "
+                "give one value per video, in batch order."
+            )
+        if videos:  # like the processor: no video, no key
+            batch["second_per_grid_ts"] = torch.tensor(second_per_grid_ts, dtype=torch.float32)
+    return batch
+
+
+def _qwen_vl_inputs(
+    media: list[list[tuple[str, tuple[int, int, int]]]],
+    text_len: int,
+    seed: int,
+    padding: str,
+    frame_timestamps: bool,
+) -> dict[str, torch.Tensor]:
+    """The shared builder: ``frame_timestamps`` selects the Qwen3-VL video layout (one timestamp token and
+    vision block per frame) over the Qwen2-VL one (one vision block per video)."""
     image_id, video_id, start_id, end_id, merge2, patch_dim = 120, 121, 122, 123, 4, 3 * 2 * 4 * 4
     gen = torch.Generator().manual_seed(seed)
 
@@ -353,9 +492,11 @@ def qwen3_vl_inputs(
             grids[kind].append([t, h, w])
             if kind == "image":
                 seq += [start_id] + [image_id] * (t * h * w // merge2) + [end_id]
-            else:
+            elif frame_timestamps:
                 for _ in range(t):
                     seq += text(1) + [start_id] + [video_id] * (h * w // merge2) + [end_id]
+            else:
+                seq += [start_id] + [video_id] * (t * h * w // merge2) + [end_id]
             seq += text(1)
         seqs.append(seq)
     length = max(map(len, seqs))

@@ -313,20 +313,42 @@ def split_vlm_inputs(
             for key in modality.per_item:
                 if inputs.get(key) is not None:
                     chunk[key] = inputs[key][i0:i1]
-        validate_vlm_chunk(chunk, spec)
+        validate_vlm_chunk(chunk, spec, source=inputs)
         chunks.append(chunk)
     return chunks
 
 
-def validate_vlm_chunk(chunk: Mapping[str, Any], spec: VisionTokenSpec) -> None:
+def validate_vlm_chunk(
+    chunk: Mapping[str, Any], spec: VisionTokenSpec, source: Mapping[str, Any] | None = None
+) -> None:
     """Check that a chunk's pixel rows match its grids and its placeholder tokens match its grids.
 
     This is what makes a naive ``pixel_values[:n]`` split impossible to use by accident: the stock model
     would run on misaligned patches without complaint whenever the totals happen to agree.
 
+    Args:
+        chunk: One chunk of model inputs.
+        spec: Placeholder ids and merge size.
+        source: The batch the chunk was cut from. Every key it has must also be in the chunk, except the keys
+            of a modality the chunk holds none of: a dropped ``mm_token_type_ids`` or ``second_per_grid_ts``
+            makes the stock models fall back to other positions without an error.
+
     Raises:
-        ValueError: Pixel rows, per-item values, grids and placeholder tokens disagree.
+        ValueError: Pixel rows, per-item values, grids and placeholder tokens disagree, or keys were lost.
     """
+    if source is not None:
+        omitted = {
+            key
+            for modality in (_IMAGE, _VIDEO)
+            if _grid(chunk, modality) is None
+            for key in (modality.grid, modality.pixels, *modality.per_item)
+        }
+        lost = [k for k, v in source.items() if v is not None and chunk.get(k) is None and k not in omitted]
+        if lost:
+            raise ValueError(
+                f"chunk lacks {lost}, which the batch it was cut from has: a split must keep every model input "
+                "(cut per sample or per image/video); use hfpatch.training.vlm_split.split_vlm_inputs."
+            )
     for modality in (_IMAGE, _VIDEO):
         grid = _grid(chunk, modality)
         name = modality.grid.split("_")[0]

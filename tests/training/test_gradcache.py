@@ -209,6 +209,13 @@ def test_gradcache_naive_pixel_split_raises(qwen):
     ):
         GradCache(qwen, info_nce, 2, split_fn=grid_rows_by_sample).step(docs, docs)
 
+    def without_token_types(x, chunk_size):  # media right, but a key the M-RoPE positions need is lost
+        chunks = split_inputs(x, chunk_size, vision_spec=VisionTokenSpec.from_config(qwen.config))
+        return [{k: v for k, v in c.items() if k != "mm_token_type_ids"} for c in chunks]
+
+    with pytest.raises(ValueError, match="chunk lacks \\['mm_token_type_ids'\\]"):
+        GradCache(qwen, info_nce, 2, split_fn=without_token_types).step(docs, docs)
+
 
 def test_gradcache_autocast_bf16_matches_plain_autocast():
     bert = tiny_bert()
@@ -240,8 +247,34 @@ def test_gradcache_tensor_inputs_separate_models_uneven_chunks():
     q, p = torch.randn(7, 8), torch.randn(7, 8)
     info_nce(towers[0](q), towers[1](p)).backward()
     ref = _take_grads(*towers)
+    calls = [[], []]
+    for tower, log in zip(towers, calls):
+        tower.register_forward_hook(lambda module, args, out, log=log: log.append(torch.is_grad_enabled()))
     GradCache(towers, info_nce, 3).step(q, p)  # chunks of 3, 3, 1
     _assert_grads_close(_take_grads(*towers), ref)
+    # Pass 1 embeds every chunk; pass 2 re-embeds all but the last chunk of the last input, whose pass-1
+    # graph is kept: 2 x 3 - 1 forwards for the positive tower, and exactly one with a graph per re-run.
+    assert calls[0] == [False] * 3 + [True] * 3
+    assert calls[1] == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (2,), (6, 4)])
+def test_gradcache_forward_count_is_two_per_chunk_minus_one(sizes):
+    torch.manual_seed(0)
+    tower = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    inputs = [torch.randn(n, 8) for n in sizes]
+
+    def loss_fn(*reps):  # any scalar coupling all samples
+        return torch.cat(reps).pow(2).sum().sqrt()
+
+    loss_fn(*[tower(x) for x in inputs]).backward()
+    ref = _take_grads(tower)
+    calls = []
+    tower.register_forward_hook(lambda *_: calls.append(1))
+    GradCache(tower, loss_fn, 2).step(*inputs)
+    chunks = sum(-(-n // 2) for n in sizes)
+    assert len(calls) == 2 * chunks - 1
+    _assert_grads_close(_take_grads(tower), ref)
 
 
 def test_gradcache_wrong_model_count_raises():

@@ -128,6 +128,17 @@ def test_validate_vlm_chunk_tokens_without_grid_raises():
         validate_vlm_chunk(lost, SPEC)
 
 
+@pytest.mark.parametrize("dropped", ["mm_token_type_ids", "second_per_grid_ts", "attention_mask"])
+def test_validate_vlm_chunk_with_source_lost_key_raises(dropped):
+    batch = _batch()
+    good = split_vlm_inputs(batch, SPEC, chunk_size=4)
+    for chunk in good:
+        validate_vlm_chunk(chunk, SPEC, source=batch)  # media keys omitted from a media-less chunk are fine
+    lossy = {k: v for k, v in good[0].items() if k != dropped}  # chunk 0 holds images and a video
+    with pytest.raises(ValueError, match=f"chunk lacks \\['{dropped}'\\]"):
+        validate_vlm_chunk(lossy, SPEC, source=batch)
+
+
 def test_media_per_sample_grid_rows_left_over_raises():
     batch = _batch()
     batch["image_grid_thw"] = torch.cat([batch["image_grid_thw"], torch.tensor([[1, 2, 2]])])
