@@ -9,6 +9,7 @@ Every factory seeds its own generator, so the same call gives the same weights o
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -258,47 +259,15 @@ def tiny_qwen3_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None,
     """
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    text = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [1, 1, 2],
-            "mrope_interleaved": True,
-        },
-    )
-    text.update(text_overrides)
+    text = dict(head_dim=8, rope_parameters={**_QWEN_MROPE, "mrope_interleaved": True})
     vision = dict(
-        depth=2,
         hidden_size=16,
         intermediate_size=32,
-        num_heads=2,
-        in_channels=3,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
         out_hidden_size=32,
         num_position_embeddings=64,
         deepstack_visual_indexes=[1],
     )
-    vision.update(vision_overrides or {})
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=120,
-        video_token_id=121,
-        vision_start_token_id=122,
-        vision_end_token_id=123,
-    )
-    with _seeded(seed):
-        return _randomize(Qwen3VLModel(config), seed)
+    return _tiny_qwen_vl(Qwen3VLConfig, Qwen3VLModel, text, vision, text_overrides, vision_overrides, seed)
 
 
 def tiny_qwen2_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
@@ -316,7 +285,9 @@ def tiny_qwen2_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None,
 
     # The merger maps the tower's embed_dim to hidden_size, the language model's width.
     vision = dict(embed_dim=16, hidden_size=32, mlp_ratio=2)
-    return _tiny_qwen2_family(Qwen2VLConfig, Qwen2VLModel, vision, vision_overrides, text_overrides, seed)
+    return _tiny_qwen_vl(
+        Qwen2VLConfig, Qwen2VLModel, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
+    )
 
 
 def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
@@ -342,20 +313,28 @@ def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = Non
         fullatt_block_indexes=[1],
         tokens_per_second=4,
     )
-    return _tiny_qwen2_family(
-        Qwen2_5_VLConfig, Qwen2_5_VLModel, vision, vision_overrides, text_overrides, seed
+    return _tiny_qwen_vl(
+        Qwen2_5_VLConfig, Qwen2_5_VLModel, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
     )
 
 
-def _tiny_qwen2_family(
+# head_dim 8 has 4 rotary frequencies, split over the (t, h, w) M-RoPE axes.
+_QWEN_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+# Qwen2-VL / Qwen2.5-VL: head_dim = hidden / heads = 8; the released bos/eos ids lie outside the tiny vocabulary.
+_QWEN2_TEXT = dict(bos_token_id=None, eos_token_id=None, rope_parameters=_QWEN_MROPE)
+
+
+def _tiny_qwen_vl(
     config_cls: type,
     model_cls: type,
+    text: dict[str, Any],
     vision: dict[str, Any],
-    vision_overrides: dict[str, Any] | None,
     text_overrides: dict[str, Any],
+    vision_overrides: dict[str, Any] | None,
     seed: int,
 ):
-    """Qwen2-VL / Qwen2.5-VL with the text model and vision patch layout they share with :func:`tiny_qwen3_vl`."""
+    """A Qwen-VL family model: the shared tiny text model, vision patch layout (patch 4, temporal 2, merge 2,
+    3 channels: pixel rows of 96 values) and special token ids, plus each family's own fields."""
     text = dict(
         vocab_size=128,
         hidden_size=32,
@@ -364,10 +343,9 @@ def _tiny_qwen2_family(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        bos_token_id=None,  # the released ids lie outside the tiny vocabulary
-        eos_token_id=None,
-        # head_dim = 32 / 4 = 8: the (t, h, w) M-RoPE sections cover its 4 rotary frequencies.
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        **copy.deepcopy(
+            text
+        ),  # configs may normalise rope_parameters in place: keep the shared defaults intact
     )
     text.update(text_overrides)
     vision = dict(

@@ -1,24 +1,20 @@
 """Training features bigger than a patch: bounded-memory pixel loss, GradCache.
 
-Importing this package imports torch only (no diffusers/transformers).
+Importing this package imports torch only (no diffusers/transformers); ``GradCacheTrainer`` imports
+transformers, so it loads on first access.
 """
 
+from .gradcache import GradCache, RngState, split_inputs
 from .pixel_loss import chunked_pixel_loss
+from .pooling import pool
+from .vlm_split import VisionTokenSpec, split_vlm_inputs
 
 __all__ = [
-    "chunked_pixel_loss",
-]
-
-# GradCache (issue 6); GradCacheTrainer imports transformers, so it loads on first access.
-from .gradcache import GradCache, RngState, split_inputs  # noqa: E402
-from .pooling import pool  # noqa: E402
-from .vlm_split import VisionTokenSpec, split_vlm_inputs  # noqa: E402
-
-__all__ += [
     "GradCache",
     "GradCacheTrainer",
     "RngState",
     "VisionTokenSpec",
+    "chunked_pixel_loss",
     "pool",
     "split_inputs",
     "split_vlm_inputs",

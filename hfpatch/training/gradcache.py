@@ -30,13 +30,18 @@ Mixed precision and distribution:
   embedding gradients, and therefore the parameter gradients, carry the scale factor exactly as after
   ``scaler.scale(loss).backward()`` in a plain step; then call ``scaler.step(optimizer); scaler.update()``
   as usual (an overflow in any chunk shows up as inf in ``.grad`` and the scaler skips the step).
-- DDP: every chunk except the last one of each model runs under ``model.no_sync()``, so gradients are
+- DDP: every backward except the last one of each model runs under ``model.no_sync()``, so gradients are
   all-reduced once per step (gradients accumulated under ``no_sync`` are included in that all-reduce).
+  The model of the last input is back-propagated first (its kept chunk, then its other chunks), then the
+  others in input order, so every rank all-reduces the models in the same order whatever its chunk counts
+  (two same-shaped towers all-reduced in different orders would silently sum each other's gradients).
   Two DDP settings matter: ``find_unused_parameters=True`` when some chunks skip parameters (text-only
   chunks of a VLM never touch the vision tower), and ``broadcast_buffers=False`` (``forward_sync_buffers``)
   when ranks may run different numbers of chunks (uneven batches, ``chunk_patches``), because DDP
   broadcasts buffers in every forward. Models prepared by ``accelerate`` (or ``Trainer``) already autocast
-  in forward, so leave ``autocast_dtype`` unset there.
+  in forward, so leave ``autocast_dtype`` unset there, except with ``reuse_frozen_vision=True``: the tower
+  is then called through ``get_image_features``, outside that forward, and runs in low precision only
+  under ``autocast_dtype`` (nesting it inside accelerate's autocast of the same dtype changes nothing else).
 - Cross-rank negatives (``cross_rank=True``): after step 1 the embeddings of all ranks are all-gathered and
   **every rank computes the loss of the global batch** (rank-major order: rank 0's samples first). The
   local embedding gradients are the rows of ``dL_global/dr`` for the local samples, **multiplied by the
@@ -72,7 +77,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .pooling import Pooling, default_rep
-from .vlm_split import VisionTokenSpec, has_media, split_vlm_inputs, validate_vlm_chunk
+from .vlm_split import VisionTokenSpec, has_grids, has_media, split_vlm_inputs, validate_vlm_chunk
 
 __all__ = ["GradCache", "RngState", "split_inputs"]
 
@@ -98,12 +103,13 @@ def split_inputs(
 
     - tensor: along dim 0;
     - tuple/list of tensors (positional model arguments): each along dim 0, chunks are tuples;
-    - mapping (``dict``, ``BatchEncoding``): Qwen-VL media keys present -> :func:`split_vlm_inputs` (needs
-      ``vision_spec``); otherwise every ``[B, ...]`` tensor by sample, other values shared.
+    - mapping (``dict``, ``BatchEncoding``): Qwen-VL media (grids present, or media keys with a
+      ``vision_spec``) -> :func:`split_vlm_inputs`; otherwise every ``[B, ...]`` tensor by sample (CLIP-style
+      ``pixel_values`` ``[B, C, H, W]`` too), other values shared.
 
     Raises:
         ValueError: A mapping tensor whose first dimension is not the batch size (e.g. Qwen-VL
-            ``pixel_values`` without ``image_grid_thw``), or media without a ``vision_spec``.
+            ``pixel_values`` without ``image_grid_thw``), or grids without a ``vision_spec``.
     """
     if isinstance(inputs, torch.Tensor):
         if chunk_size is None:
@@ -117,11 +123,11 @@ def split_inputs(
             raise ValueError(f"positional inputs have different batch sizes: {[len(x) for x in inputs]}.")
         return [type(inputs)(chunk) for chunk in zip(*parts)]
     if isinstance(inputs, Mapping):
-        if has_media(inputs):
+        if has_grids(inputs) or (vision_spec is not None and has_media(inputs)):
             if vision_spec is None:
                 raise ValueError(
-                    "inputs carry Qwen-VL media keys (pixel_values/image_grid_thw/...) but the encoder config has "
-                    "no image_token_id/vision_config.spatial_merge_size; pass vision_spec=VisionTokenSpec(...)."
+                    "inputs carry Qwen-VL grids (image_grid_thw/video_grid_thw) but the encoder config has no "
+                    "image_token_id/vision_config.spatial_merge_size; pass vision_spec=VisionTokenSpec(...)."
                 )
             return split_vlm_inputs(inputs, vision_spec, chunk_size, chunk_patches)
         sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
@@ -253,12 +259,13 @@ class GradCache:
             may appear several times). DDP/accelerate/peft wrappers are fine.
         loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; ``reps[k]`` is ``[B_k, D]`` for input ``k``
             (the global batch with ``cross_rank=True``).
-        chunk_size: Most samples per chunk (memory knob). ``None`` with ``chunk_patches`` for VLM inputs.
+        chunk_size: Most samples per chunk (the memory knob).
         split_fn: ``split_fn(inputs, chunk_size) -> list of chunks`` (default :func:`split_inputs`). Chunks
             of Qwen-VL inputs are validated whatever splits them.
         rep_fn: ``rep_fn(model_output, chunk) -> [b, D]`` (default: pool ``last_hidden_state`` by
             ``pooling`` with the chunk's ``attention_mask``; a ``[b, D]`` output is used as is).
-        chunk_patches: For Qwen-VL inputs, most vision patches per chunk (images vary in size).
+        chunk_patches: For Qwen-VL inputs, also at most this many vision patches per chunk (images vary in
+            size; ``chunk_size`` still bounds text-only samples, which have none).
         pooling: ``"last"`` (default; left or right padding), ``"mean"`` or ``"cls"``.
         autocast_dtype: Run encoders and loss under ``torch.autocast`` with this dtype (e.g. bf16).
         scaler: ``torch.amp.GradScaler`` for fp16; gradients are scaled like ``scaler.scale(loss).backward()``.
@@ -282,8 +289,8 @@ class GradCache:
         self,
         models: nn.Module | Sequence[nn.Module],
         loss_fn: Callable[..., torch.Tensor],
-        chunk_size: int | None = None,
-        split_fn: Callable[[Any, int | None], Sequence[Any]] | None = None,
+        chunk_size: int,
+        split_fn: Callable[[Any, int], Sequence[Any]] | None = None,
         rep_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         chunk_patches: int | None = None,
@@ -297,12 +304,11 @@ class GradCache:
         vision_spec: VisionTokenSpec | None = None,
         reuse_frozen_vision: bool = False,
     ):
-        if chunk_size is None and chunk_patches is None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(
-                "GradCache needs chunk_size (samples per chunk) and/or chunk_patches (Qwen-VL patches)."
+                f"chunk_size must be a positive number of samples, got {chunk_size!r} (chunk_patches only adds a "
+                "bound on vision patches: text-only samples have none, so the sample bound is always needed)."
             )
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
         if pooling not in ("last", "mean", "cls"):
             raise ValueError(f"unknown pooling {pooling!r}; expected 'last', 'mean' or 'cls'.")
         self.models = [models] if isinstance(models, nn.Module) else list(models)
@@ -459,14 +465,31 @@ class GradCache:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         grads = []
         for leaf, model_reps in zip(leaves, reps):
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grad = leaf.grad
+            if grad is None and (dist.is_available() and dist.is_initialized()):
+                grad = torch.zeros_like(leaf)  # every rank must run the same backwards (DDP/FSDP hooks)
+            if (
+                grad is None
+            ):  # the loss ignores this input: its parameters keep .grad None, as in a plain step
+                grads.append([None] * len(model_reps))
+                continue
             grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
 
         # 3. Back-propagate the kept chunk, then re-embed every other chunk with a graph under its saved RNG
-        # state and back-propagate its cached gradient. DDP all-reduces with each model's last backward.
-        kept_rep.backward(gradient=grads[kept[0]][kept[1]].to(kept_rep.dtype))
+        # state and back-propagate its cached gradient. DDP all-reduces with each model's last backward: the
+        # kept chunk's model goes first, so the order of models is the same on every rank.
+        kept_grad = grads[kept[0]][kept[1]]
+        if kept_grad is not None:
+            with self._sync_context(last_model, kept_syncs):  # FSDP decides at backward time
+                kept_rep.backward(gradient=kept_grad.to(kept_rep.dtype))
         del kept_rep
-        rerun = [(k, j) for k, c in enumerate(chunks) for j in range(len(c)) if (k, j) != kept]
+        rerun = [
+            (k, j)
+            for k, c in enumerate(chunks)
+            for j in range(len(c))
+            if (k, j) != kept and grads[k][j] is not None
+        ]
+        rerun.sort(key=lambda kj: models[kj[0]] is not last_model)  # stable: input order otherwise
         last_use = {id(models[k]): (k, j) for k, j in rerun}
         for k, j in rerun:
             model, chunk = models[k], chunks[k][j]

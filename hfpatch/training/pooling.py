@@ -59,11 +59,17 @@ def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tenso
     """Turn a model output into ``[B, D]`` embeddings.
 
     A ``[B, D]`` tensor is returned as is; ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
-    ``ModelOutput``/dict, or the first element of a tuple) are pooled with ``inputs["attention_mask"]`` when
-    the inputs are a mapping that has one.
+    ``ModelOutput``/dict, else its last ``hidden_states`` entry as in a ``*ForCausalLM`` output with
+    ``output_hidden_states=True``, or the first element of a tuple) are pooled with
+    ``inputs["attention_mask"]`` when the inputs are a mapping that has one. A bare tensor input means no
+    padding; positional (tuple) inputs are refused for token states, since which of them is the mask is
+    unknown.
     """
     if isinstance(output, Mapping) or hasattr(output, "last_hidden_state"):
-        hidden = output["last_hidden_state"] if isinstance(output, Mapping) else output.last_hidden_state
+        get = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
+        hidden = get("last_hidden_state")
+        if hidden is None and get("hidden_states") is not None:
+            hidden = get("hidden_states")[-1]
     elif isinstance(output, (tuple, list)):
         hidden = output[0]
     else:
@@ -71,9 +77,15 @@ def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tenso
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(
             f"cannot find embeddings in a model output of type {type(output).__name__}; expected a tensor, a "
-            "ModelOutput with last_hidden_state, or a tuple. Pass rep_fn=... to GradCache."
+            "ModelOutput with last_hidden_state (or hidden_states: call the model with "
+            "output_hidden_states=True), or a tuple. Pass rep_fn=... to GradCache."
         )
     if hidden.ndim == 2:
         return hidden
+    if isinstance(inputs, (tuple, list)):
+        raise TypeError(
+            "cannot pool token states of positional (tuple) inputs: which of them is the attention mask is "
+            "unknown. Pass the inputs as a dict/BatchEncoding with 'attention_mask', or rep_fn=... to GradCache."
+        )
     mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
     return pool(hidden, mask, mode)

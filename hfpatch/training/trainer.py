@@ -54,13 +54,18 @@ class GradCacheTrainer(Trainer):
         *args, **kwargs: As for ``Trainer``. ``TrainingArguments(remove_unused_columns=False)`` is required
             (the batch holds nested model inputs, not model-signature columns).
         loss_fn: ``loss_fn(*reps) -> scalar``, reps in ``input_keys`` order (default :func:`info_nce`).
-        chunk_size: Samples per chunk; ``chunk_patches`` (Qwen-VL patches per chunk) may be given instead.
+        chunk_size: Most samples per chunk; ``chunk_patches`` also bounds Qwen-VL vision patches per chunk.
         input_keys: Batch entries fed to the model, in loss order.
         pooling: Pooling of ``last_hidden_state`` (``"last"``, ``"mean"``, ``"cls"``).
         **gradcache_kwargs: Further :class:`GradCache` options (``rep_fn``, ``split_fn``, ``cross_rank``, ...).
 
     fp16 uses the accelerator's ``GradScaler`` (cached embedding gradients are scaled like the loss); bf16
-    and fp16 autocast come from accelerate's wrapping of the model's forward, as in a plain Trainer step.
+    and fp16 autocast come from accelerate's wrapping of the model's forward, as in a plain Trainer step
+    (with ``reuse_frozen_vision=True`` also pass ``autocast_dtype``: the tower then runs outside that forward).
+    Evaluation computes the plain, unchunked loss. DeepSpeed is refused: its engine owns the backward.
+
+    Raises:
+        ValueError: ``remove_unused_columns=True``, no ``chunk_size``, or a DeepSpeed configuration.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class GradCacheTrainer(Trainer):
             "process_group",
             "vision_spec",
             "reuse_frozen_vision",
+            "autocast_dtype",
         }
         self.gradcache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in gradcache_keys}
         super().__init__(*args, **kwargs)
@@ -90,8 +96,16 @@ class GradCacheTrainer(Trainer):
                 "GradCacheTrainer batches are {input_key: model inputs} mappings, which Trainer's column removal "
                 "would drop; pass TrainingArguments(..., remove_unused_columns=False)."
             )
-        if chunk_size is None and chunk_patches is None:
-            raise ValueError("GradCacheTrainer needs chunk_size (samples per chunk) or chunk_patches.")
+        if chunk_size is None:
+            raise ValueError(
+                "GradCacheTrainer needs chunk_size (the most samples per chunk); chunk_patches only adds a bound "
+                "on Qwen-VL vision patches."
+            )
+        if self.is_deepspeed_enabled:
+            raise ValueError(
+                "GradCacheTrainer does not support DeepSpeed: GradCache back-propagates chunk by chunk itself, "
+                "which bypasses the DeepSpeed engine's backward (loss scaling, gradient partitioning). Use DDP or FSDP."
+            )
         self.gradcache_loss_fn = loss_fn
         self.chunk_size = chunk_size
         self.chunk_patches = chunk_patches
@@ -142,6 +156,20 @@ class GradCacheTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Plain (unchunked) loss, used by evaluation; training goes through :meth:`training_step`."""
-        reps = [default_rep(model(**x), x, self.pooling) for x in self._batch_inputs(inputs)]
+        rep_fn = self.gradcache_kwargs.get("rep_fn") or (lambda out, x: default_rep(out, x, self.pooling))
+        reps = [rep_fn(model(**x), x) for x in self._batch_inputs(inputs)]
         loss = self.gradcache_loss_fn(*reps)
         return (loss, {"reps": reps}) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation step: the plain contrastive loss of the batch (no logits or labels to gather)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None

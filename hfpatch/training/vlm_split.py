@@ -44,6 +44,7 @@ import torch
 __all__ = [
     "MEDIA_KEYS",
     "VisionTokenSpec",
+    "has_grids",
     "has_media",
     "media_per_sample",
     "plan_chunks",
@@ -107,6 +108,12 @@ class VisionTokenSpec:
 def has_media(inputs: Mapping[str, Any]) -> bool:
     """Whether a model-input mapping carries Qwen-VL media keys (so that it must be split with this module)."""
     return any(inputs.get(key) is not None for key in MEDIA_KEYS)
+
+
+def has_grids(inputs: Mapping[str, Any]) -> bool:
+    """Whether a model-input mapping carries Qwen-VL grids (``image_grid_thw``/``video_grid_thw``): what sets
+    Qwen-VL pixels (rows of patches) apart from ``[B, C, H, W]`` ``pixel_values`` of CLIP-style towers."""
+    return any(inputs.get(modality.grid) is not None for modality in (_IMAGE, _VIDEO))
 
 
 def _batch_size(inputs: Mapping[str, Any]) -> int:

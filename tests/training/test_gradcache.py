@@ -277,6 +277,58 @@ def test_gradcache_forward_count_is_two_per_chunk_minus_one(sizes):
     _assert_grads_close(_take_grads(tower), ref)
 
 
+def test_gradcache_loss_ignoring_an_input_leaves_its_tower_without_grad():
+    torch.manual_seed(0)
+    towers = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
+    calls = []
+    towers[1].register_forward_hook(lambda *_: calls.append(1))
+
+    def queries_only(q, p):  # e.g. a regulariser step; a plain step leaves p's tower with .grad None
+        return q.pow(2).sum()
+
+    GradCache(towers, queries_only, 2).step(torch.randn(4, 8), torch.randn(4, 8))
+    assert towers[0].weight.grad is not None
+    assert towers[1].weight.grad is None, "an optimizer would decay/move a tower given zero gradients"
+    assert len(calls) == 2, "pass 1 only: chunks whose embeddings get no gradient are not re-run"
+
+
+def test_gradcache_needs_chunk_size_even_with_chunk_patches(qwen):
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of samples, got None"):
+        GradCache(qwen, info_nce, None, chunk_patches=20)
+
+
+def test_gradcache_clip_style_pixel_values_split_by_sample():
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=64, max_position_embeddings=16, **small))
+    vision = CLIPVisionModel(CLIPVisionConfig(image_size=16, patch_size=8, **small))
+    captions = _text(n=5, length=6)
+    images = {"pixel_values": torch.randn(5, 3, 16, 16)}  # [B, C, H, W]: not Qwen-VL patch rows
+
+    def pooled(output, inputs):
+        return output.pooler_output
+
+    info_nce(pooled(text(**captions), captions), pooled(vision(**images), images)).backward()
+    ref = _take_grads(text, vision)
+    GradCache([text, vision], info_nce, 2, rep_fn=pooled).step(captions, images)  # chunks of 2, 2, 1
+    _assert_grads_close(_take_grads(text, vision), ref)
+
+
+def test_default_rep_causal_lm_hidden_states_and_positional_inputs():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = torch.randn(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    output = CausalLMOutputWithPast(logits=torch.randn(2, 3, 9), hidden_states=(torch.randn(2, 3, 4), hidden))
+    torch.testing.assert_close(default_rep(output, {"attention_mask": mask}), hidden[[0, 1], [1, 2]])
+    with pytest.raises(TypeError, match="output_hidden_states=True"):
+        default_rep(CausalLMOutputWithPast(logits=torch.randn(2, 3, 9)), {"attention_mask": mask})
+    with pytest.raises(TypeError, match="positional \\(tuple\\) inputs"):
+        default_rep(hidden, (torch.ones(2, 3, dtype=torch.long), mask))
+
+
 def test_gradcache_wrong_model_count_raises():
     towers = [torch.nn.Linear(4, 4) for _ in range(3)]
     with pytest.raises(ValueError, match="3 models but step\\(\\) got 2 inputs"):
@@ -338,10 +390,21 @@ def test_gradcache_trainer_step_matches_full_batch_sgd_update(tmp_path):
     )
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    GradCacheTrainer(model=model, args=args, train_dataset=rows, data_collator=collate, chunk_size=2).train()
+    trainer = GradCacheTrainer(
+        model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collate, chunk_size=2
+    )
+    trainer.train()
     # Batch order is shuffled, but the InfoNCE batch loss is invariant to permuting query/positive pairs.
     got = {f"0.{n}": (before[n] - p.detach()) / lr for n, p in model.named_parameters()}
     _assert_grads_close({n: got[n] for n in ref}, ref)
+
+    # Evaluation: the plain loss of each eval batch (one batch of 6 here), from the trained model.
+    with torch.no_grad():
+        expected = info_nce(
+            default_rep(model(**queries), queries), default_rep(model(**positives), positives)
+        )
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_gradcache_trainer_requires_remove_unused_columns_false(tmp_path):
@@ -416,3 +479,49 @@ def test_gradcache_cross_rank_ddp_world_size_2_matches_single_process(rank_pool)
             assert r["allreduces"] == r["buckets"], (
                 "no_sync: one all-reduce per bucket per step, not per chunk"
             )
+
+
+def _towers(seed: int = 0) -> list[torch.nn.Module]:
+    """Two towers of the same shape (a dual encoder from one checkpoint): an all-reduce that pairs tower A
+    on one rank with tower B on the other would run without error and sum the wrong gradients."""
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)) for _ in range(2)
+    ]
+
+
+def _tower_batches(sizes: list[int], inputs: int) -> list[list[torch.Tensor]]:
+    """``batches[rank][k]``: rank ``r`` owns ``sizes[r]`` samples of each of ``inputs`` inputs."""
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(sum(sizes), 8, generator=gen) for _ in range(inputs)]
+    return [[x.split(sizes)[r] for x in full] for r in range(len(sizes))]
+
+
+def _ddp_towers_case(layouts: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Separate DDP towers; ``models`` maps inputs to towers ([0, 1] = query/doc, [0, 1, 0] = negatives
+    through the query tower). Ranks get different batch sizes, hence different chunk counts per model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, diffs = dist.get_rank(), []
+    for sizes, tower_of_input in layouts:
+        towers = [DistributedDataParallel(t) for t in _towers()]
+        batches = _tower_batches(sizes, len(tower_of_input))
+        models = [towers[i] for i in tower_of_input]
+        GradCache(models, info_nce, 2, cross_rank=True).step(*batches[rank])
+        got = _take_grads(*[t.module for t in towers])
+        ref_towers = _towers()  # one process, the concatenated (rank-major) batch
+        full = [torch.cat([b[k] for b in batches]) for k in range(len(tower_of_input))]
+        info_nce(*[ref_towers[i](x) for i, x in zip(tower_of_input, full)]).backward()
+        diff, scale = _max_diff(got, _take_grads(*ref_towers))
+        diffs.append(diff / scale)
+    return diffs
+
+
+def test_gradcache_ddp_separate_towers_uneven_chunk_counts_match_single_process(rank_pool):
+    # Rank 0: 2 samples (1 chunk per input), rank 1: 4 (2 chunks): the last input's tower has only its kept
+    # chunk on rank 0, so its all-reduce would come first there and last on rank 1 without a fixed order.
+    layouts = [([2, 4], [0, 1]), ([4, 2], [0, 1]), ([2, 4], [0, 1, 0]), ([3, 4], [1, 0])]
+    per_rank = rank_pool(2).run(_ddp_towers_case, layouts)
+    for layout, d0, d1 in zip(layouts, *per_rank):
+        print(f"layout {layout}: max |grad diff| / max |grad| rank0 {d0:.2e} rank1 {d1:.2e}")
+        assert max(d0, d1) <= REL_TOL
