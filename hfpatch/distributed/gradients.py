@@ -43,8 +43,9 @@ def all_reduce_gradients(
     group = _resolve_group(items, group_or_patch)
     if group is None:
         return
-    # Every tensor that requires grad takes part (a missing grad counts as zeros), so all ranks reduce
-    # buffers of the same layout even when a shard happened not to touch some parameter.
+    # Every tensor that requires grad takes part in the layout check; one that has a grad on some rank is
+    # reduced everywhere (a missing grad counts as zeros), one that has none on any rank keeps .grad None,
+    # as in the unpatched step (an optimizer skips it rather than decaying it).
     params = [
         p for item in items for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item])
     ]
@@ -62,6 +63,11 @@ def all_reduce_gradients(
                     f"all_reduce_gradients: ranks pass different {dtype} parameters (count, elements): "
                     f"{[tuple(s.tolist()) for s in seen]}; pass the same model on every rank"
                 )
+        has_grad = torch.tensor([p.grad is not None for p in group_params], dtype=torch.int32, device=device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+        group_params = [p for p, used in zip(group_params, has_grad.tolist()) if used]
+        if not group_params:
+            continue
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group_params]
         )

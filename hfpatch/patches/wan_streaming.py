@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
-from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames
+from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames, weights_version
 from ._wan_common import wan_self_attention_qkv
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
@@ -60,6 +60,7 @@ class _Call:
     tokens_per_frame: int
     prompt: torch.Tensor  # the encoder_hidden_states given to forward (cross-attention cache key)
     cache: StreamingKVCache | None
+    weights: int | None = None  # weights_version(transformer) in cache mode (cross-attention cache key)
     # Cache mode: token positions in the cache buffers to read (earlier visible frames) and to write.
     read_index: torch.Tensor | None = None
     write_index: torch.Tensor | None = None
@@ -166,13 +167,13 @@ class StreamingCrossAttnProcessor:
         call = self.state.current()
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         entry = call.cache.cross[self.layer] if call.cache is not None else None
-        if entry is not None and not torch.is_grad_enabled() and entry.matches(call.prompt):
+        if entry is not None and not torch.is_grad_enabled() and entry.matches(call.prompt, call.weights):
             k, v = entry.key, entry.value
         else:
             k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
             v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
             if entry is not None and not torch.is_grad_enabled():
-                entry.store(k, v, call.prompt)
+                entry.store(k, v, call.prompt, call.weights)
         out = _attend(q, k, v).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -303,6 +304,7 @@ def _transformer_forward(
         call = _Call(frame_offset, tokens_per_frame, encoder_hidden_states, kv_cache)
         device = hidden_states.device
         if kv_cache is not None:
+            call.weights = weights_version(model)
             read, write = kv_cache.plan_block(frame_offset, frames)
             call.read_index = _token_index(read, tokens_per_frame, device)
             call.write_index = _token_index(write, tokens_per_frame, device)
@@ -332,6 +334,10 @@ def _transformer_forward(
                 return_dict,
                 attention_kwargs,
             )
+        except BaseException:
+            if kv_cache is not None:
+                kv_cache.invalidate(frame_offset, frames)  # some layers already wrote these slots
+            raise
         finally:
             state.call = None
         if kv_cache is not None:

@@ -102,9 +102,13 @@ class CrossAttentionCache:
     """Text keys/values of one block's cross-attention, and the prompt tensor they were computed from.
 
     The entry serves a later call only for the same prompt tensor, unchanged since: same object, same
-    storage and same version counter (``prompt.copy_(other)`` bumps the version, so the entry goes stale).
-    Inference tensors (``torch.inference_mode()``) keep no version counter: their keys/values are never
-    reused, since an in-place change could not be seen; use ``torch.no_grad()`` to cache them.
+    storage and same version counter (``prompt.copy_(other)`` bumps the version, so the entry goes stale),
+    and only while the transformer's weights are unchanged (``weights_version``, the sum of the parameters'
+    version counters, which an optimizer step or ``load_state_dict`` bumps). Inference tensors
+    (``torch.inference_mode()``) keep no version counter: their keys/values are never reused, since an
+    in-place change could not be seen; use ``torch.no_grad()`` to cache them. Changes that bump no counter
+    (a peft adapter switch or LoRA scale, ``attention_kwargs``) are not seen: call
+    :meth:`StreamingKVCache.reset_cross_attention` after them.
     """
 
     key: torch.Tensor | None = None  # [B, T, heads, head_dim]
@@ -112,24 +116,44 @@ class CrossAttentionCache:
     source: torch.Tensor | None = None  # the prompt embeds passed to the transformer
     source_version: int | None = None  # source._version when key/value were computed
     source_ptr: int | None = None  # source.data_ptr() then (``set_`` swaps storage without a new object)
+    weights_version: int | None = None  # weights_version(transformer) then
 
-    def matches(self, prompt: torch.Tensor) -> bool:
-        """Whether ``key``/``value`` were computed from ``prompt`` as it is now."""
+    def matches(self, prompt: torch.Tensor, weights: int | None) -> bool:
+        """Whether ``key``/``value`` were computed from ``prompt`` as it is now, by weights of version ``weights``."""
         version = _tensor_version(prompt)
         return (
             self.source is prompt
             and version is not None
             and self.source_version == version
             and self.source_ptr == prompt.data_ptr()
+            and weights is not None
+            and self.weights_version == weights
         )
 
-    def store(self, key: torch.Tensor, value: torch.Tensor, prompt: torch.Tensor) -> None:
+    def store(
+        self, key: torch.Tensor, value: torch.Tensor, prompt: torch.Tensor, weights: int | None
+    ) -> None:
         """Keep ``key``/``value`` computed from ``prompt`` now (its version and storage recorded)."""
         self.key, self.value, self.source = key, value, prompt
         self.source_version, self.source_ptr = _tensor_version(prompt), prompt.data_ptr()
+        self.weights_version = weights
 
     def clear(self) -> None:
         self.key = self.value = self.source = self.source_version = self.source_ptr = None
+        self.weights_version = None
+
+
+def weights_version(module: torch.nn.Module) -> int | None:
+    """Sum of the version counters of ``module``'s parameters: it changes whenever any of them is modified in
+    place (optimizer steps, ``load_state_dict``, ``copy_``), as counters only grow. ``None`` if a parameter
+    keeps no counter (an inference tensor)."""
+    total = 0
+    for param in module.parameters():
+        version = _tensor_version(param)
+        if version is None:
+            return None
+        total += version
+    return total
 
 
 class StreamingKVCache:
@@ -239,6 +263,12 @@ class StreamingKVCache:
         """Record that every layer wrote frames ``[frame_offset, frame_offset + num_frames)``."""
         for frame in range(frame_offset, frame_offset + num_frames):
             self._slot_frames[self.slot(frame)] = frame
+
+    def invalidate(self, frame_offset: int, num_frames: int) -> None:
+        """Forget the slots of frames ``[frame_offset, frame_offset + num_frames)``: a forward that failed part
+        way has overwritten them in some layers, so neither the old nor the new frames are there."""
+        for frame in range(frame_offset, frame_offset + num_frames):
+            self._slot_frames[self.slot(frame)] = -1
 
     # -------------------------------------------------------------------------------- buffer access
     def ensure_allocated(self, key: torch.Tensor, tokens_per_frame: int) -> None:

@@ -32,7 +32,8 @@ class StreamingWanDecoder:
     """Decode latents of one video piece by piece with the causal temporal cache kept between calls.
 
     Args:
-        vae: A stock ``AutoencoderKLWan`` (Wan 2.1 or 2.2). Tiling is not supported while streaming.
+        vae: A stock ``AutoencoderKLWan`` (Wan 2.1 or 2.2). Tiling is not supported while streaming, nor a VAE
+            split over ranks by ``hfpatch.apply`` (the decoder is called directly, outside the split).
 
     The first latent frame of a stream decodes to one pixel frame, each later one to
     ``vae.config.scale_factor_temporal`` frames. Call :meth:`reset` before a new video.
@@ -43,6 +44,7 @@ class StreamingWanDecoder:
 
         if getattr(vae, "use_tiling", False):
             raise ValueError("StreamingWanDecoder does not support tiling; call vae.disable_tiling() first")
+        _check_not_split(vae)
         self.vae = vae
         self._num_convs = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.reset()
@@ -66,6 +68,7 @@ class StreamingWanDecoder:
         """
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
+        _check_not_split(self.vae)  # every rank would decode the whole frame: refuse rather than waste memory
         x = self.vae.post_quant_conv(z)  # a 1x1x1 convolution: frame-local, no cache needed
         outs = []
         for i in range(x.shape[2]):
@@ -79,3 +82,15 @@ class StreamingWanDecoder:
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)
         return out.clamp(-1.0, 1.0)
+
+
+def _check_not_split(vae: Any) -> None:
+    from ..core.apply import get_patch
+
+    patch = get_patch(vae)
+    if patch is not None and getattr(patch.plan, "vae", 1) > 1:
+        raise ValueError(
+            f"StreamingWanDecoder does not support a VAE split over ranks (hfpatch plan {patch.plan}): it calls the "
+            "decoder frame by frame, outside the split, so every rank would decode the whole frame. Decode with "
+            "vae.decode(...) (split) or remove the VAE patch for streaming decode."
+        )

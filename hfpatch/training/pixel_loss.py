@@ -202,22 +202,24 @@ def _pixel_loss(
     total: torch.Tensor | None = None
     for chunks in chunked_groups:
         for chunk in chunks:
+            items = (chunk.latents, chunk.targets, chunk.masks)
             if recompute:
-                part = checkpoint(_chunk_error_sum, decode, loss_kind, chunk, use_reentrant=False)
+                # Tensors as direct arguments: checkpoint finds their devices (to save and replay the CUDA
+                # RNG state and pick the autocast device) by walking its arguments, not dataclass fields.
+                part = checkpoint(_chunk_error_sum, decode, loss_kind, *items, use_reentrant=False)
             else:
-                part = _chunk_error_sum(decode, loss_kind, chunk)
+                part = _chunk_error_sum(decode, loss_kind, *items)
             total = part if total is None else total + part
     assert total is not None  # _groups guarantees at least one item
     return total / denominator
 
 
-def _chunk_error_sum(decode: Decode, loss_kind: str, chunk: _Chunk) -> torch.Tensor:
+def _chunk_error_sum(
+    decode: Decode, loss_kind: str, latents: _Items, targets: _Items, masks: _Items | None
+) -> torch.Tensor:
     """Masked error sum of one chunk (float32). Lists are stacked here so the copy lives one chunk long."""
-    latents, targets, masks = (
-        _stack(chunk.latents),
-        _stack(chunk.targets),
-        None if chunk.masks is None else _stack(chunk.masks),
-    )
+    latents, targets = _stack(latents), _stack(targets)
+    masks = None if masks is None else _stack(masks)
     pred = _images(decode(latents))
     if pred.shape != targets.shape:
         raise ValueError(

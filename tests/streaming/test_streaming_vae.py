@@ -49,3 +49,25 @@ def test_streaming_decoder_rejects_tiling():
     vae.enable_tiling()
     with pytest.raises(ValueError, match="does not support tiling"):
         StreamingWanDecoder(vae)
+
+
+def _split_vae_case() -> tuple[str, str]:
+    import hfpatch
+
+    vae = tiny_wan_vae("2.1")
+    decoder = StreamingWanDecoder(vae)  # built before the split: decode() checks again
+    messages = []
+    with hfpatch.apply(vae):  # the world (2 ranks) splits the VAE
+        for attempt in (lambda: StreamingWanDecoder(vae), lambda: decoder.decode(torch.zeros(1, 4, 1, 4, 4))):
+            try:
+                attempt()
+                messages.append("no error")
+            except ValueError as error:
+                messages.append(str(error))
+    return tuple(messages)
+
+
+def test_streaming_decoder_rejects_a_split_vae(rank_pool):
+    for messages in rank_pool(2).run(_split_vae_case):
+        for message in messages:
+            assert "does not support a VAE split over ranks" in message

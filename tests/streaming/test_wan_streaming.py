@@ -206,6 +206,41 @@ def test_cross_attention_cache_inference_tensor_prompt_is_recomputed(model):
         assert cache.cross[0].key is not first and torch.equal(cache.cross[0].key, first)
 
 
+def test_cross_attention_cache_weights_updated_in_place_are_recomputed():
+    # An optimizer step between blocks (streaming training) changes to_k/to_v in place: the text keys/values
+    # cached from the old weights must not serve the next block.
+    model, config = tiny_wan_transformer(), CONFIGS["global"]
+    x, timestep, prompt = _inputs(frames=4)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        cache = StreamingKVCache(config, len(model.blocks))
+        model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=cache)
+        first = cache.cross[0].key
+        model.blocks[0].attn2.to_k.weight.mul_(1.5)  # what optimizer.step() does
+        model(x[:, :, 2:], timestep[:, 2:], prompt, kv_cache=cache, frame_offset=2)
+        fresh = StreamingKVCache(config, len(model.blocks))  # text keys computed by the new weights
+        model(x[:, :, :2], timestep[:, :2], prompt, kv_cache=fresh)
+    assert cache.cross[0].key is not first
+    assert torch.equal(cache.cross[0].key, fresh.cross[0].key)
+    assert not torch.equal(first, fresh.cross[0].key)
+
+
+def test_cached_forward_failing_part_way_forgets_the_block(model, monkeypatch):
+    # Layers before the failure already wrote the block's slots: the cache must not keep claiming the frames
+    # those slots held, or a retry would read keys of the failed block as if they were the evicted frames.
+    config = CONFIGS["window_no_sink"]  # 3-frame blocks in a 6-frame window: block 2 evicts block 0
+    x, timestep, prompt = _inputs(frames=9)
+    with hfpatch.apply(model, streaming=config), torch.no_grad():
+        cache = StreamingKVCache(config, len(model.blocks))
+        for s in (0, 3):
+            model(x[:, :, s : s + 3], timestep[:, s : s + 3], prompt, kv_cache=cache, frame_offset=s)
+        assert cache.frames() == [0, 1, 2, 3, 4, 5]
+        last = model.blocks[-1]
+        monkeypatch.setattr(last, "forward", lambda *a, **k: (_ for _ in ()).throw(MemoryError("simulated")))
+        with pytest.raises(MemoryError, match="simulated"):
+            model(x[:, :, 6:9], timestep[:, 6:9], prompt, kv_cache=cache, frame_offset=6)
+    assert cache.frames() == [3, 4, 5], "the slots of frames 0-2 were overwritten by the failed block"
+
+
 # The visible key frames of each 2-frame query block under window_sink (local_attn_size=6, sink_size=2),
 # written out by hand: the sink frames 0-1, plus the last 4 frames up to the end of the block.
 WINDOW_SINK_VISIBLE = {

@@ -208,11 +208,17 @@ def test_chunked_pixel_loss_non_leaf_latents_grads_reach_denoiser():
         _assert_rel(actual, expected, GRAD_RTOL, "denoiser grad")
 
 
-def test_chunked_pixel_loss_stochastic_decode_replays_rng():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_chunked_pixel_loss_stochastic_decode_replays_rng(device):
     # Recompute in backward must replay the forward's random draws (dropout here): compare with the same
     # chunks kept in the graph (no recompute) from the same seed. Without RNG replay the grads would differ.
-    vae = _kl_vae()
-    latents, targets, masks = _kl_padded()
+    # On CUDA the dropout draws from the device generator, which checkpoint saves only for devices it finds
+    # among its arguments.
+    vae = _kl_vae().to(device)
+    latents, targets, masks = (x.to(device) for x in _kl_padded())
 
     def decode(z):
         return F.dropout(vae.decode(z).sample, p=0.3, training=True)
@@ -222,6 +228,27 @@ def test_chunked_pixel_loss_stochastic_decode_replays_rng():
         torch.manual_seed(123)
         steps.append(_run(loss_fn, vae, decode, latents, targets, masks, chunk_size=2))
     _assert_same_step(steps[0], steps[1], "dropout decode")
+
+
+def test_chunked_pixel_loss_checkpoint_sees_chunk_tensors(monkeypatch):
+    # What makes CUDA RNG replay and autocast work without a GPU to show it: every chunk's latents reach
+    # torch.utils.checkpoint as tensors it can find (it walks its arguments with pytree).
+    from torch.utils import _pytree
+
+    import hfpatch.training.pixel_loss as pixel_loss
+
+    seen, checkpoint = [], pixel_loss.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        seen.append([x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)])
+        return checkpoint(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pixel_loss, "checkpoint", spy)
+    vae = _kl_vae()
+    latents, targets, masks = _kl_list(with_masks=True)
+    chunked_pixel_loss(_decode(vae), latents, targets, masks, chunk_size=2)
+    found = [id(t) for tensors in seen for t in tensors]
+    assert len(seen) == 3 and all(id(z) in found for z in latents)  # 3 shape groups, chunks of <= 2
 
 
 def test_chunked_pixel_loss_no_grad_matches_reference():
