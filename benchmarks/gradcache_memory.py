@@ -15,9 +15,9 @@ records
   plain_step_s`` is the ratio that textbook GradCache would reach if chunking cost nothing (hfpatch's
   kept last chunk saves a little of that extra pass, smaller chunks cost per-call overhead).
 
-Writes ``benchmarks/results/gradcache_memory.json`` and ``.png``. Runs on CPU in about five minutes.
+Writes ``benchmarks/results/gradcache_memory.json`` and ``.png``. Runs on CPU in about eight minutes.
 
-    python benchmarks/gradcache_memory.py [--batch-sizes 8 32 128] [--chunk 4] [--repeats 3]
+    python benchmarks/gradcache_memory.py [--batch-sizes 8 32 128] [--chunk 4] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--chunk", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep-batch", type=int, default=32, help="batch of the chunk-size time sweep")
     # chunk = batch is one chunk: the bare cost of the extra no-grad pass, without per-chunk overhead.
     parser.add_argument("--sweep-chunks", type=int, nargs="+", default=[8, 16, 32])

@@ -19,11 +19,13 @@ True
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ABSENT", "Patch", "PatchError"]
 
@@ -73,6 +75,7 @@ class _Entry:
     obj: Any
     name: str
     old: Any = ABSENT
+    new: Any = ABSENT  # the value the patch set (attr entries)
     handle: Any = None
     undo: Callable[[], None] | None = None
 
@@ -111,10 +114,17 @@ class Patch:
         self._check_live()
         old = _instance_value(obj, name)
         setattr(obj, name, value)
-        self._log.append(_Entry("attr", obj, name, old))
+        self._log.append(_Entry("attr", obj, name, old, new=_instance_value(obj, name)))
 
     def wrap_method(self, obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Callable:
-        """Replace the bound method ``obj.name`` by ``wrapper(original_bound_method)`` on this instance only."""
+        """Replace the bound method ``obj.name`` by ``wrapper(original_bound_method)`` on this instance only.
+
+        A ``forward`` under an accelerate hook (CPU offload, ``device_map``) is wrapped where the hook keeps it,
+        ``_old_forward``: diffusers re-installs offload hooks after every pipeline call
+        (``maybe_free_model_hooks``), which resets ``forward`` to ``_old_forward`` and would drop the patch.
+        """
+        if name == "forward" and hasattr(obj, "_hf_hook") and hasattr(obj, "_old_forward"):
+            name = "_old_forward"
         original = getattr(obj, name)
         new = wrapper(original)
         if not callable(new):
@@ -130,17 +140,21 @@ class Patch:
 
     def add_forward_pre_hook(
         self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True
-    ) -> None:
-        """``module.register_forward_pre_hook``; removed by handle."""
+    ) -> RemovableHandle:
+        """``module.register_forward_pre_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
         handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_pre_hook"), handle=handle))
+        return handle
 
-    def add_forward_hook(self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True) -> None:
-        """``module.register_forward_hook``; removed by handle."""
+    def add_forward_hook(
+        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True
+    ) -> RemovableHandle:
+        """``module.register_forward_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_hook"), handle=handle))
+        return handle
 
     def add_child(self, child: Patch) -> Patch:
         """Make ``child`` (a component's patch) part of this one; it is undone at its place in the log."""
@@ -213,6 +227,8 @@ def _undo(entry: _Entry) -> None:
         entry.handle.remove()
     elif entry.kind == "callback":
         entry.undo()
+    elif not _still_ours(entry):
+        return
     elif entry.old is ABSENT:
         obj = entry.obj
         if isinstance(obj, torch.nn.Module) or entry.name in obj.__dict__:
@@ -224,3 +240,28 @@ def _undo(entry: _Entry) -> None:
             setattr(entry.obj, entry.name, entry.old)
         else:
             object.__setattr__(entry.obj, entry.name, entry.old)
+
+
+def _still_ours(entry: _Entry) -> bool:
+    """Whether ``entry.obj.name`` still holds what the patch set, so restoring the old value is safe.
+
+    If something wrapped it since, e.g. accelerate's ``add_hook_to_module`` (CPU offload, ``device_map``),
+    which keeps the wrapped callable in ``_old_forward``: the patch's value is swapped for the pre-patch one
+    there and the newer wrapper stays. Otherwise the later change is dropped, with a warning.
+    """
+    if entry.new is ABSENT or _instance_value(entry.obj, entry.name) is entry.new:
+        return True
+    if entry.name == "forward" and getattr(entry.obj, "_old_forward", None) is entry.new:
+        if entry.old is ABSENT:
+            original = getattr(type(entry.obj), entry.name).__get__(entry.obj, type(entry.obj))
+        else:
+            original = entry.old
+        object.__setattr__(entry.obj, "_old_forward", original)
+        return False
+    warnings.warn(
+        f"{_describe(entry.obj)}.{entry.name} was replaced after hfpatch.apply (now "
+        f"{type(_instance_value(entry.obj, entry.name)).__name__}); removing the patch restores the pre-patch "
+        "value and drops that later change. Remove hfpatch patches before changing what they patched.",
+        stacklevel=4,
+    )
+    return True

@@ -72,6 +72,8 @@ def count_comm() -> Iterator[CommCounter]:
 
 
 def _record(op: str, nbytes: int) -> None:
+    if torch.compiler.is_compiling():  # Dynamo cannot trace ContextVar.get; counting is a host-side aid
+        return
     for counter in _COUNTERS.get():
         counter.add(op, nbytes)
 

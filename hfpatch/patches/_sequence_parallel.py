@@ -164,6 +164,17 @@ class SequenceShard:
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
 
+    def __deepcopy__(self, memo: dict) -> SequenceShard:
+        # A copy's hooks would still close over this shard and its patch: refuse rather than half-work.
+        raise TypeError(
+            "cannot deepcopy a model patched for sequence parallelism by hfpatch.apply (its hooks and process "
+            "groups belong to the patch): copy it (e.g. an EMA model) before hfpatch.apply, or patch.remove() "
+            "first and apply to each copy."
+        )
+
+    def __reduce__(self):
+        self.__deepcopy__({})  # pickling (torch.save(model)) would lose the groups the same way
+
 
 class USPAttnProcessor:
     """Base of the USP attention processors: they hold the model's :class:`SequenceShard`.
@@ -248,18 +259,20 @@ def apply_sequence_plan(
     Checks the whole plan first (:func:`check_plan`), then registers: a pre-hook on the model that starts
     a new call (:meth:`SequenceShard.begin`), one pre-hook per submodule with :class:`SplitInput` specs,
     one hook per :class:`SplitOutput` or :class:`GatherOutput`.
+
+    A submodule replaced after ``apply`` (peft wraps ``proj_out`` in a ``lora.Linear`` when a LoRA is loaded,
+    and unwraps it when unloaded) gets the hooks moved to it at the next call: left on the wrapped base
+    layer, a gather would run before the LoRA term is added to the local shard.
     """
     check_plan(model, plan)
+    installed: dict[str, tuple[torch.nn.Module, list[Any]]] = {}
 
-    def begin_call(_module, args, kwargs):
-        state.begin()
-
-    patch.add_forward_pre_hook(model, begin_call)
-    for path, specs in plan.items():
+    def install(path: str, specs: tuple[Spec, ...]) -> None:
         module = _resolve(model, path)
+        handles = []
         inputs = [s for s in specs if isinstance(s, SplitInput)]
         if inputs:
-            patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path))
+            handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
             if isinstance(spec, SplitOutput):
                 split = _splitter(state, spec.dim, spec.ndim, f"{path}:output")
@@ -269,13 +282,27 @@ def apply_sequence_plan(
                         out = _map_tensors(out, lambda x: x.flatten(flatten_from))
                     return _map_tensors(out, split)
 
-                patch.add_forward_hook(module, split_output)
+                handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
 
                 def gather_output(_m, _args, _kwargs, out, dim=spec.dim):
                     return state.gather(out, dim)
 
-                patch.add_forward_hook(module, gather_output)
+                handles.append(patch.add_forward_hook(module, gather_output))
+        installed[path] = (module, handles)
+
+    def begin_call(_module, args, kwargs):
+        for path, specs in plan.items():
+            hooked, handles = installed[path]
+            if path and _resolve(model, path) is not hooked:
+                for handle in handles:
+                    handle.remove()
+                install(path, specs)
+        state.begin()
+
+    patch.add_forward_pre_hook(model, begin_call)
+    for path, specs in plan.items():
+        install(path, specs)
 
 
 # ----------------------------------------------------------------------------------------------- family base
@@ -321,8 +348,25 @@ class SequenceParallelFamily(PatchFamily):
             return
         state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
         apply_sequence_plan(target, self.plan, state, patch)
+        swapped = []
         for path, attention, _ in self.attention_modules(target):
-            patch.swap_processor(attention, self.make_processor(state, path, attention))
+            processor = self.make_processor(state, path, attention)
+            patch.swap_processor(attention, processor)
+            swapped.append((path, attention, processor))
+
+        def check_attention_swaps(_module, args, kwargs):
+            # fuse_qkv_projections() / set_attn_processor() after apply would install stock processors that
+            # attend within each rank's shard only: a wrong result of the right shape. Same check on every rank.
+            for path, attention, processor in swapped:
+                if attention.processor is not processor:
+                    raise RuntimeError(
+                        f"{type(target).__name__}.{path}.processor was replaced after hfpatch.apply (by "
+                        f"{type(attention.processor).__name__}, e.g. fuse_qkv_projections() or "
+                        "set_attn_processor()); it would attend within this rank's shard only. Call those before "
+                        "hfpatch.apply, or patch.remove() and apply again."
+                    )
+
+        patch.add_forward_pre_hook(target, check_attention_swaps)
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -338,6 +382,12 @@ def usp_attention_call(
     """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated)."""
     from ..attention.usp import usp_attention
 
+    if state.local_len is None or query.shape[1] != state.local_len:
+        # E.g. model.forward(...) called directly: nn.Module hooks (the split) run only through model(...).
+        raise RuntimeError(
+            f"sequence-parallel attention got {query.shape[1]} query tokens but this call's shard holds "
+            f"{state.local_len}: the model ran without its sequence split. Call model(...), not model.forward(...)."
+        )
     joint_query, joint_key, joint_value = joint if joint is not None else (None, None, None)
     return usp_attention(
         query,

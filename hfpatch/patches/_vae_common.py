@@ -1,6 +1,6 @@
 """Shared machinery of the height-split VAE patches (:mod:`.wan_vae`, :mod:`.kl_vae`).
 
-How a patched ``vae.decode`` runs on N ranks (every rank passes the same latents):
+How a patched ``vae.decode`` runs on N ranks (every rank passes the same latents; checked at the entry):
 
 1. ``vae._decode`` opens a *session*; the stock code runs unchanged on the full input until it calls the
    encoder or decoder, whose entry slices the input along height (latent rows split evenly, scaled by the
@@ -22,6 +22,7 @@ gradients are per-rank partial sums, to be summed over the VAE group (:func:`hfp
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -271,12 +272,69 @@ def causal_conv3d_forward(conv: Any, state: VAEShardState, cache_frames: int) ->
     return forward
 
 
+class _UpcastVarMean(torch.autograd.Function):
+    """``torch.var_mean(x.float(), dim=-1, correction=0)`` that keeps ``x`` in its own dtype for backward.
+
+    Autograd would save the upcast copy (two bytes per bf16 byte) until backward. Backward, in the upcast
+    dtype: ``d mean / dx = 1 / n``, ``d var / dx = 2 (x - mean) / n`` (the biased variance).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        var, mean = torch.var_mean(x.to(_compute_dtype(x.dtype)), dim=-1, correction=0)
+        ctx.save_for_backward(x, mean)
+        return var, mean
+
+    @staticmethod
+    def backward(ctx, grad_var: torch.Tensor, grad_mean: torch.Tensor) -> torch.Tensor:
+        x, mean = ctx.saved_tensors
+        n = x.shape[-1]
+        grad = x.to(mean.dtype) - mean.unsqueeze(-1)  # a new tensor: safe to update in place
+        grad.mul_(grad_var.unsqueeze(-1) * (2 / n)).add_(grad_mean.unsqueeze(-1) / n)
+        return grad.to(x.dtype)
+
+
+class _UpcastScaleShift(torch.autograd.Function):
+    """``(x.to(scale.dtype) * scale + shift).to(x.dtype)`` that keeps ``x`` in its own dtype for backward.
+
+    ``scale`` and ``shift`` broadcast against ``x``. The arithmetic stays in ``scale``'s (fp32) dtype: with
+    a bf16 shift, ``|mean| >> std`` would lose the result to cancellation. Backward recomputes the upcast
+    ``x`` for the scale gradient instead of saving it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.shift_shape = shift.shape
+        return torch.addcmul(shift, x.to(scale.dtype), scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        grad = grad.to(scale.dtype)
+        grad_x = grad_scale = grad_shift = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad * scale).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_scale = x.to(scale.dtype, copy=True).mul_(grad).sum_to_size(scale.shape)
+        if ctx.needs_input_grad[2]:
+            grad_shift = grad.sum_to_size(ctx.shift_shape)
+        return grad_x, grad_scale, grad_shift
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """GroupNorm statistics and normalisation run in at least fp32 (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def group_norm_forward(norm: torch.nn.GroupNorm, state: VAEShardState) -> Callable:
     """Forward for ``nn.GroupNorm`` on height shards: statistics over all ranks, one small all-gather.
 
     Each rank reduces its rows to (count, mean, M2) per group; these merge exactly (Chan et al.'s
     parallel variance), so there is no ``E[x^2] - E[x]^2`` cancellation. The normalisation is one fused
-    ``x * scale + shift``, so autograd keeps no extra full-size tensors.
+    ``x * scale + shift`` in fp32 (or wider), and autograd keeps only ``x`` itself: in fp32 the stock ops
+    already do; for bf16/fp16 inputs :class:`_UpcastVarMean` and :class:`_UpcastScaleShift` save ``x``
+    rather than the two fp32 copies that plain autograd would keep (4x a bf16 input's bytes per norm).
     """
     original = norm.forward
 
@@ -285,21 +343,28 @@ def group_norm_forward(norm: torch.nn.GroupNorm, state: VAEShardState) -> Callab
             return original(x)
         b, c = x.shape[:2]
         groups = norm.num_groups
+        compute = _compute_dtype(x.dtype)
         grouped = x.reshape(b, groups, -1)
-        var_local, mean_local = torch.var_mean(grouped.float(), dim=-1, correction=0)
+        if x.dtype == torch.float32:
+            var_local, mean_local = torch.var_mean(grouped, dim=-1, correction=0)
+        else:
+            var_local, mean_local = _UpcastVarMean.apply(grouped)
         counts = torch.tensor(state.sizes(grouped.shape[-1]), dtype=torch.float64, device=x.device)
         stats = all_reduce_stats(torch.stack([mean_local, var_local]), state).double()  # (world, 2, b, g)
         weights = (counts / counts.sum()).view(-1, 1, 1)
         mean = (weights * stats[:, 0]).sum(0)
         var = (weights * (stats[:, 1] + (stats[:, 0] - mean) ** 2)).sum(0)
-        scale = torch.rsqrt(var + norm.eps).float().repeat_interleave(c // groups, dim=1)  # (b, c)
-        shift = -mean.float().repeat_interleave(c // groups, dim=1) * scale
+        scale = torch.rsqrt(var + norm.eps).to(compute).repeat_interleave(c // groups, dim=1)  # (b, c)
+        shift = -mean.to(compute).repeat_interleave(c // groups, dim=1) * scale
         if norm.affine:
-            scale, shift = scale * norm.weight, shift * norm.weight + norm.bias
+            # Upcast once: the weight's two gradient terms cancel when |mean| >> std, so they must be summed
+            # in fp32 before the one rounding to the parameter's dtype (a no-op for fp32 parameters).
+            weight, bias = norm.weight.to(compute), norm.bias.to(compute)
+            scale, shift = scale * weight, shift * weight + bias
         view = (b, c) + (1,) * (x.dim() - 2)
         if x.dtype == torch.float32:
             return torch.addcmul(shift.view(view), x, scale.view(view))
-        return torch.addcmul(shift.view(view), x.float(), scale.view(view)).to(x.dtype)
+        return _UpcastScaleShift.apply(x, scale.view(view), shift.view(view))
 
     return forward
 
@@ -330,10 +395,93 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
+#: Dims of the input shape that the same-input check lists (VAE inputs have 4 or 5; the element count,
+#: also compared, covers any further dims).
+_CHECKED_DIMS = 6
+#: Input elements the same-input check compares, evenly strided over the whole tensor.
+_SAMPLES = 256
+#: Contents agree up to this fraction of their magnitude: rounding noise (e.g. nondeterministic kernels
+#: upstream, ~1 bf16 spacing) passes, another sample (differences of the order of the values) does not.
+_CONTENT_RTOL = 1e-2
+#: Columns of :func:`_input_descriptor`, by what they describe.
+_FIELDS = {
+    "shapes": slice(0, 2 + _CHECKED_DIMS),
+    "dtypes": slice(2 + _CHECKED_DIMS, 3 + _CHECKED_DIMS),
+    "requires_grad flags": slice(3 + _CHECKED_DIMS, 4 + _CHECKED_DIMS),
+    "contents": slice(4 + _CHECKED_DIMS, None),  # sum, sum of |x|, samples
+}
+_DTYPES = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _input_descriptor(x: torch.Tensor) -> torch.Tensor:
+    """Fixed-size fp64 summary of ``x`` (see ``_FIELDS``): ndim, numel, shape, dtype, grad flag and contents.
+
+    Contents: the sum and the sum of magnitudes of all elements, and ``_SAMPLES`` elements strided over the
+    whole tensor (zeros past the end of a small one), so other values or rows in another order show.
+    """
+    flat = x.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES].to(torch.float64)
+    shape = [*x.shape[:_CHECKED_DIMS], *[-1] * (_CHECKED_DIMS - min(x.dim(), _CHECKED_DIMS))]
+    dtype = zlib.crc32(str(x.dtype).encode())
+    meta = [x.dim(), x.numel(), *shape, dtype, x.requires_grad and torch.is_grad_enabled()]
+    sums = [flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, 1, dtype=torch.float64)]
+    return torch.cat(
+        [
+            torch.tensor(meta, dtype=torch.float64, device=x.device),
+            torch.stack(sums),
+            F.pad(sample, (0, _SAMPLES - sample.numel())),
+        ]
+    )
+
+
+def _agree(table: torch.Tensor) -> torch.Tensor:
+    """``(world, fields)`` bools: each rank's descriptor entry vs rank 0's (contents up to rounding noise)."""
+    first = table[0]
+    same = (table == first) | (table.isnan() & first.isnan())  # NaN inputs agree with themselves
+    contents = _FIELDS["contents"].start
+    tol = torch.zeros_like(first)
+    tol[contents : contents + 2] = _CONTENT_RTOL * first[contents + 1]  # sums: relative to the sum of |x|
+    tol[contents + 2 :] = _CONTENT_RTOL * first[contents + 2 :].abs().max()  # samples: to the largest one
+    return same | ((table - first).abs() <= tol)
+
+
+def _describe(row: list[float]) -> str:
+    ndim, dims = int(row[0]), row[_FIELDS["shapes"]][2:]
+    dtype = _DTYPES.get(int(row[_FIELDS["dtypes"]][0]), "unknown dtype")
+    grad = ", requires grad" if row[_FIELDS["requires_grad flags"]][0] else ""
+    return f"{tuple(int(d) for d in dims[: min(ndim, _CHECKED_DIMS)])} {dtype}{grad}"
+
+
+def check_same_input(x: torch.Tensor, state: VAEShardState, kind: str) -> None:
+    """Raise the same ``ValueError`` on every rank unless all VAE ranks passed the same ``x``.
+
+    The ranks compute one output together, each from its rows of its *own* copy of the input, so per-rank
+    batches would silently mix rows (same shape) or break the collectives that follow (other shapes). One
+    fixed-size all-gather of :func:`_input_descriptor` (2 KiB), before any other collective of the call.
+    Shape, dtype and grad flag must match exactly, contents up to rounding noise (``_CONTENT_RTOL``).
+    """
+    with torch.no_grad():
+        table = all_gather(_input_descriptor(x).unsqueeze(0), 0, state.group).cpu()  # (world, fields)
+    same = _agree(table)
+    if bool(same.all()):
+        return
+    differ = [name for name, cols in _FIELDS.items() if not bool(same[:, cols].all())]
+    ranks = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table.tolist()))
+    raise ValueError(
+        f"the split VAE needs the same input on every rank (the {state.world} VAE ranks {kind} one tensor "
+        f"together, each its own rows), but the input {' and '.join(differ)} differ ({ranks}). To {kind} "
+        "a different batch on each rank (e.g. data-parallel training), do not split this VAE: call "
+        "patch.remove() first, or apply hfpatch with ParallelConfig(..., vae=1) or to the transformer only; "
+        "or gather the batches so that every rank passes the same tensor"
+    )
+
+
 def session_forward(original: Callable, state: VAEShardState, kind: str) -> Callable:
     """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple)."""
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if state.mode is None:
+            check_same_input(x, state, kind)
         if state.mode is None and x.requires_grad:
             x = _SumGradOverRanks.apply(x, state.group)
         with state.session():

@@ -423,10 +423,10 @@ def _probe_item_bytes(decode: Decode, loss_kind: str, group: _Group) -> int:
     with torch.random.fork_rng(devices=devices), track_memory() as memory:
         if torch.is_grad_enabled():
             latents.requires_grad_(True)
-            part = _chunk_error_sum(decode, loss_kind, _Chunk(latents, chunk.targets, chunk.masks))
+            part = _chunk_error_sum(decode, loss_kind, latents, chunk.targets, chunk.masks)
             torch.autograd.grad(part, latents)
         else:
-            _chunk_error_sum(decode, loss_kind, _Chunk(latents, chunk.targets, chunk.masks))
+            _chunk_error_sum(decode, loss_kind, latents, chunk.targets, chunk.masks)
     return memory.peak_bytes
 
 

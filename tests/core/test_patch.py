@@ -118,3 +118,62 @@ def test_children_are_undone_at_their_place_in_the_log():
 
 def test_absent_marker_is_a_singleton():
     assert type(ABSENT)() is ABSENT and repr(ABSENT) == "ABSENT"
+
+
+def test_remove_under_a_later_accelerate_hook_keeps_the_hook_and_drops_the_patch():
+    # CPU offload / device_map: accelerate wraps module.forward after hfpatch did and keeps the wrapped one in
+    # _old_forward. Removing the patch must unwrap only hfpatch's layer.
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    layer, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+    expected = layer(x)
+    patch = Patch("layer")
+    patch.wrap_method(layer, "forward", lambda original: lambda inputs: original(inputs) * 2)
+    add_hook_to_module(layer, Counting())
+    assert torch.equal(layer(x), expected * 2) and Counting.calls == 1
+    patch.remove()
+    assert torch.equal(layer(x), expected) and Counting.calls == 2, "the hook stays, the patch is gone"
+    remove_hook_from_module(layer)
+    # accelerate puts back what _old_forward holds: the stock method, not hfpatch's wrapper.
+    assert layer.forward.__func__ is torch.nn.Linear.forward and torch.equal(layer(x), expected)
+
+
+def test_remove_after_the_attribute_was_replaced_warns_and_restores():
+    class Holder:
+        value = "class"
+
+    holder = Holder()
+    holder.value = "before"
+    patch = Patch("holder")
+    patch.set_attr(holder, "value", "patched")
+    holder.value = "later"
+    with pytest.warns(UserWarning, match=r"Holder.*\.value was replaced after hfpatch.apply"):
+        patch.remove()
+    assert holder.value == "before"
+
+
+def test_wrap_forward_under_accelerate_hook_survives_hook_reinstall_and_removes_cleanly():
+    # diffusers' enable_model_cpu_offload re-installs the hooks after every pipeline call
+    # (maybe_free_model_hooks: remove_hook_from_module + add_hook_to_module); the patch must stay active.
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    layer, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+    expected = layer(x)
+    add_hook_to_module(layer, ModelHook())
+    patch = Patch("layer")
+    patch.wrap_method(layer, "forward", lambda original: lambda inputs: original(inputs) * 2)
+    assert torch.equal(layer(x), expected * 2)
+    remove_hook_from_module(layer)
+    add_hook_to_module(layer, ModelHook())
+    assert torch.equal(layer(x), expected * 2), "the patch survives the hook being re-installed"
+    patch.remove()
+    assert torch.equal(layer(x), expected) and hasattr(layer, "_hf_hook")
+    remove_hook_from_module(layer)
+    assert layer.forward.__func__ is torch.nn.Linear.forward

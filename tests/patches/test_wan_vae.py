@@ -198,6 +198,11 @@ def _tiling_approx_contract() -> dict[str, object]:
                 res["too_small"] = "no error"
             except ValueError as exc:
                 res["too_small"] = "cannot be split" in str(exc)
+            try:  # per-rank batches (1 and 5 frames): refused before any collective, the same on every rank
+                vae.encode(_pixels("2.1", 1 + 4 * dist.get_rank()))
+                res["per_rank_input"] = "no error"
+            except ValueError as exc:
+                res["per_rank_input"] = str(exc)
             res["after_error"] = (vae.decode(z).sample - reference).abs().max().item()
             res["same_patch"] = hfpatch.apply(vae) is patch
             vae.use_tiling = True  # back to the snapshot's value before remove()
@@ -211,7 +216,10 @@ def _tiling_approx_contract() -> dict[str, object]:
 
 
 def test_wan_vae_tiling_approx_and_contract(rank_pool):
-    for res in rank_pool(2).run(_tiling_approx_contract):
+    results = rank_pool(2).run(_tiling_approx_contract)
+    assert results[0]["per_rank_input"] == results[1]["per_rank_input"], results
+    assert "the input shapes and contents differ" in results[0]["per_rank_input"], results[0]
+    for res in results:
         # Tiles run the stock tile code on the same inputs on some rank: bit-identical to one-process tiling.
         assert res["tiled_decode"] == 0.0 and res["tiled_encode"] == 0.0, res
         assert res["approx"] > 1e-3, res  # approx skips the conv halos: it must differ from precise

@@ -210,7 +210,10 @@ def test_chunked_pixel_loss_non_leaf_latents_grads_reach_denoiser():
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
 )
 def test_chunked_pixel_loss_stochastic_decode_replays_rng(device):
     # Recompute in backward must replay the forward's random draws (dropout here): compare with the same
@@ -375,6 +378,10 @@ def test_chunked_pixel_loss_memory_budget_picks_chunk_size(caplog):
     decode = _Recorder(vae)
     chunked_pixel_loss(decode, latents, targets, masks, memory_budget_bytes=2 * item_bytes + item_bytes // 2)
     assert decode.batches == [1, 2, 2, 1]  # probe, then chunks of 2
+    with torch.no_grad():  # validation: the probe measures a forward only
+        decode = _Recorder(vae)
+        chunked_pixel_loss(decode, latents, targets, masks, memory_budget_bytes=10**12)
+    assert decode.batches == [1, 5]
 
 
 @pytest.mark.parametrize("switch", ["argument", "environment"])
