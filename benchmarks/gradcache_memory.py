@@ -16,8 +16,11 @@ records
   kept last chunk saves a little of that extra pass, smaller chunks cost per-call overhead).
 
 Writes ``benchmarks/results/gradcache_memory.json`` and ``.png``. Runs on CPU in about eight minutes.
+The README's second timing uses a wider model (38M parameters) at the batch sizes where a CPU step is short:
 
     python benchmarks/gradcache_memory.py [--batch-sizes 8 32 128] [--chunk 4] [--repeats 5]
+    python benchmarks/gradcache_memory.py --hidden 768 --batch-sizes 8 32 --sweep-chunks 8 16 --repeats 3 \
+        --name gradcache_memory_h768
 """
 
 from __future__ import annotations
@@ -39,18 +42,14 @@ from hfpatch.training.trainer import info_nce
 RESULTS = Path(__file__).parent / "results"
 
 
-MODEL = (
-    "Qwen3VLModel, 10M params (text 384 x 4 layers, vision 192 x 2); 48-token queries, 12x12-patch image docs"
-)
-
-
-def small_qwen3_vl() -> torch.nn.Module:
-    """A stock ``Qwen3VLModel`` larger than ``tiny_qwen3_vl`` so that compute, not Python, dominates."""
+def small_qwen3_vl(hidden: int = 384) -> torch.nn.Module:
+    """A stock ``Qwen3VLModel`` larger than ``tiny_qwen3_vl`` so that compute, not Python, dominates: text
+    ``hidden`` wide x 4 layers (heads of 64), vision ``hidden / 2`` wide x 2 blocks."""
     text = dict(
-        hidden_size=384,
-        intermediate_size=1152,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
         num_hidden_layers=4,
-        num_attention_heads=6,
+        num_attention_heads=hidden // 64,
         num_key_value_heads=2,
         head_dim=64,
     )
@@ -61,7 +60,11 @@ def small_qwen3_vl() -> torch.nn.Module:
         "mrope_interleaved": True,
     }
     vision = dict(
-        hidden_size=192, intermediate_size=768, num_heads=4, out_hidden_size=384, num_position_embeddings=256
+        hidden_size=hidden // 2,
+        intermediate_size=2 * hidden,
+        num_heads=4,
+        out_hidden_size=hidden,
+        num_position_embeddings=256,
     )
     return tiny_qwen3_vl(vision_overrides=vision, rope_parameters=rope, **text).train()
 
@@ -117,10 +120,18 @@ def main() -> None:
     parser.add_argument("--sweep-batch", type=int, default=32, help="batch of the chunk-size time sweep")
     # chunk = batch is one chunk: the bare cost of the extra no-grad pass, without per-chunk overhead.
     parser.add_argument("--sweep-chunks", type=int, nargs="+", default=[8, 16, 32])
+    # Wider models shift CPU time from per-call overhead to matrix work, as real checkpoints on a GPU do.
+    parser.add_argument("--hidden", type=int, default=384, help="text width (vision: half)")
+    parser.add_argument("--name", default="gradcache_memory", help="results file name (.json, .png)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # CPU time of one thread measures work; threads on a busy machine spin-wait
 
-    model = small_qwen3_vl()
+    model = small_qwen3_vl(args.hidden)
+    params = sum(p.numel() for p in model.parameters())
+    description = (
+        f"Qwen3VLModel, {params / 1e6:.0f}M params (text {args.hidden} x 4 layers, vision {args.hidden // 2} x 2); "
+        "48-token queries, 12x12-patch image docs"
+    )
     cache = GradCache(model, info_nce, args.chunk)
     plain = lambda q, d: plain_step(model, q, d)  # noqa: E731
     rows = []
@@ -184,15 +195,15 @@ def main() -> None:
     )
     RESULTS.mkdir(exist_ok=True)
     out = dict(
-        model=f"{MODEL}; InfoNCE, fp32 CPU",
+        model=f"{description}; InfoNCE, fp32 CPU",
         torch_threads=torch.get_num_threads(),
         rows=rows,
         chunk_sweep=sweep,
         summary=summary,
     )
-    (RESULTS / "gradcache_memory.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=2))
-    plot(rows, sweep, args.chunk, RESULTS / "gradcache_memory.png")
+    plot(rows, sweep, args.chunk, RESULTS / f"{args.name}.png")
 
 
 def plot(rows: list[dict], sweep: list[dict], chunk: int, path: Path) -> None:

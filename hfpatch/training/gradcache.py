@@ -468,9 +468,8 @@ class GradCache:
             grad = leaf.grad
             if grad is None and (dist.is_available() and dist.is_initialized()):
                 grad = torch.zeros_like(leaf)  # every rank must run the same backwards (DDP/FSDP hooks)
-            if (
-                grad is None
-            ):  # the loss ignores this input: its parameters keep .grad None, as in a plain step
+            if grad is None:
+                # The loss ignores this input: its parameters keep .grad None, as after a plain step.
                 grads.append([None] * len(model_reps))
                 continue
             grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
