@@ -258,6 +258,14 @@ def _still_ours(entry: _Entry) -> bool:
             original = entry.old
         object.__setattr__(entry.obj, "_old_forward", original)
         return False
+    if entry.name == "_old_forward" and _instance_value(entry.obj, "forward") is entry.new:
+        # The accelerate hook that held the wrapper was removed (it put the wrapper back as ``forward``).
+        stock = getattr(type(entry.obj), "forward", None)
+        if getattr(entry.old, "__func__", None) is stock:
+            delattr(entry.obj, "forward")
+        else:
+            object.__setattr__(entry.obj, "forward", entry.old)
+        return False
     warnings.warn(
         f"{_describe(entry.obj)}.{entry.name} was replaced after hfpatch.apply (now "
         f"{type(_instance_value(entry.obj, entry.name)).__name__}); removing the patch restores the pre-patch "

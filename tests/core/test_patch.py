@@ -177,3 +177,18 @@ def test_wrap_forward_under_accelerate_hook_survives_hook_reinstall_and_removes_
     assert torch.equal(layer(x), expected) and hasattr(layer, "_hf_hook")
     remove_hook_from_module(layer)
     assert layer.forward.__func__ is torch.nn.Linear.forward
+
+
+def test_remove_after_the_accelerate_hook_holding_the_wrapper_was_removed():
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    layer, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+    expected = layer(x)
+    add_hook_to_module(layer, ModelHook())
+    patch = Patch("layer")
+    patch.wrap_method(layer, "forward", lambda original: lambda inputs: original(inputs) * 2)
+    remove_hook_from_module(layer)  # accelerate puts the wrapper back as forward
+    assert torch.equal(layer(x), expected * 2)
+    patch.remove()
+    assert "forward" not in vars(layer) and "_old_forward" not in vars(layer)
+    assert torch.equal(layer(x), expected)
