@@ -186,6 +186,13 @@ class USPAttnProcessor:
     def __init__(self, state: SequenceShard) -> None:
         self.state = state
 
+    def refuse_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """Masks are not sharded with the sequence; the stock pipelines pass none."""
+        if attention_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not take an attention_mask (the stock pipelines pass none)"
+            )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.state!r})"
 

@@ -56,10 +56,7 @@ class CogVideoXUSPAttnProcessor(USPAttnProcessor):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from diffusers.models.embeddings import apply_rotary_emb
 
-        if attention_mask is not None:
-            raise ValueError(
-                "CogVideoXUSPAttnProcessor does not take an attention_mask (the stock pipelines pass none)"
-            )
+        self.refuse_mask(attention_mask)
         batch = hidden_states.shape[0]
         head_dim = attn.to_k.out_features // attn.heads
 

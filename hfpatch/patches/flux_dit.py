@@ -58,10 +58,7 @@ class FluxUSPAttnProcessor(USPAttnProcessor):
         from diffusers.models.embeddings import apply_rotary_emb
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-        if attention_mask is not None:
-            raise ValueError(
-                "FluxUSPAttnProcessor does not take an attention_mask (the stock pipelines pass none)"
-            )
+        self.refuse_mask(attention_mask)
         dual = encoder_hidden_states is not None
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states

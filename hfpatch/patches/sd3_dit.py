@@ -55,10 +55,7 @@ class SD3USPAttnProcessor(USPAttnProcessor):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if attention_mask is not None:
-            raise ValueError(
-                "SD3USPAttnProcessor does not take an attention_mask (the stock pipelines pass none)"
-            )
+        self.refuse_mask(attention_mask)
         batch = hidden_states.shape[0]
         query = attn.to_q(hidden_states)
         key = attn.to_k(hidden_states)
