@@ -15,9 +15,9 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from vae_helpers import backward, from_rank0, run
 
 import hfpatch
-from hfpatch import all_reduce_gradients
 from hfpatch.patches._vae_common import local_rows
 from hfpatch.testing import tiny_autoencoder_kl
 from hfpatch.testing.memory import track_memory
@@ -41,45 +41,19 @@ def _pixels(height: int = 2 * LATENT_H, width: int = 2 * LATENT_W) -> torch.Tens
     return torch.rand(1, 3, height, width, generator=torch.Generator().manual_seed(2)) * 2 - 1
 
 
-def _run(vae, kind: str, x: torch.Tensor) -> torch.Tensor:
-    return vae.decode(x).sample if kind == "decode" else vae.encode(x).latent_dist.mean
-
-
-def _from_rank0(fn, *args, **kwargs):
-    """``fn()`` computed on rank 0 only (unpatched references need no collective) and sent to every rank."""
-    box = [fn(*args, **kwargs) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _backward(vae, kind: str, x: torch.Tensor, patched: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Input and parameter gradients of a fixed random projection of the output (same loss on every rank)."""
-    vae.zero_grad(set_to_none=True)
-    leaf = x.clone().requires_grad_(True)
-    patch = hfpatch.apply(vae) if patched else None
-    y = _run(vae, kind, leaf)
-    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
-    if patch is not None:
-        all_reduce_gradients(vae)  # the documented reduction: SUM over the VAE ranks
-        patch.remove()
-    grads = (leaf.grad, {n: p.grad.clone() for n, p in vae.named_parameters() if p.grad is not None})
-    vae.zero_grad(set_to_none=True)
-    return grads
-
-
 def _fidelity_and_gradients(with_gradients: bool) -> dict[str, float]:
     vae = _vae()
     out: dict[str, float] = {}
     for kind, x in (("decode", _latents()), ("encode", _pixels())):
         with torch.no_grad():
-            reference = _from_rank0(_run, vae, kind, x)
+            reference = from_rank0(run, vae, kind, x)
             with hfpatch.apply(vae):
-                out[kind] = (_run(vae, kind, x) - reference).abs().max().item()
+                out[kind] = (run(vae, kind, x) - reference).abs().max().item()
         if not with_gradients:
             continue
         grads = [
-            _from_rank0(_backward, vae, kind, x, patched=False),
-            _backward(vae, kind, x, patched=True),
+            from_rank0(backward, vae, kind, x, patched=False),
+            backward(vae, kind, x, patched=True),
         ]
         (gx_ref, gp_ref), (gx, gp) = grads
         out[f"{kind}_input_grad"] = (gx - gx_ref).abs().max().item()
@@ -105,7 +79,7 @@ def _contract() -> dict[str, object]:
     res: dict[str, object] = {}
     snapshot = {name: dict(vars(m)) for name, m in vae.named_modules()}
     with torch.no_grad():
-        reference = _from_rank0(_run, vae, "decode", z)
+        reference = from_rank0(run, vae, "decode", z)
 
         patch = hfpatch.apply(vae)
         res["double_apply_same"] = hfpatch.apply(vae) is patch
@@ -144,7 +118,7 @@ def _contract() -> dict[str, object]:
         # Tiling: latent tiles of 2 rows/cols every 1 (stock defaults scaled down): equal to one-process tiling.
         vae.enable_tiling()
         vae.tile_sample_min_size, vae.tile_latent_min_size = 4, 2
-        tiled_reference = _from_rank0(_run, vae, "decode", z)
+        tiled_reference = from_rank0(run, vae, "decode", z)
         with hfpatch.apply(vae):
             res["tiling"] = (vae.decode(z).sample - tiled_reference).abs().max().item()
         vae.disable_tiling()
@@ -175,7 +149,7 @@ def _bf16_training_step() -> dict[str, float]:
     vae = tiny_autoencoder_kl().to(torch.bfloat16)  # the same seeded weights as _vae(), rounded to bf16
     z = _latents(32, 32)
     with torch.no_grad():
-        reference = _from_rank0(lambda: _vae().decode(z).sample)
+        reference = from_rank0(lambda: _vae().decode(z).sample)
 
     def step() -> tuple[int, torch.Tensor]:
         with track_memory() as mem:
@@ -184,7 +158,7 @@ def _bf16_training_step() -> dict[str, float]:
         vae.zero_grad(set_to_none=True)
         return mem.peak_bytes, out.detach().float()
 
-    stock_peak, stock = _from_rank0(step)
+    stock_peak, stock = from_rank0(step)
     with hfpatch.apply(vae):
         peak, out = step()
     return {

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from vae_helpers import backward, from_rank0, run
 
 import hfpatch
-from hfpatch import all_reduce_gradients
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches._vae_common import analytic_halo_bytes
 from hfpatch.testing import tiny_wan_vae
@@ -47,18 +47,6 @@ def _pixels(version: str, frames: int, seed: int = 2) -> torch.Tensor:
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
-def _run(vae, kind: str, x: torch.Tensor) -> torch.Tensor:
-    return vae.decode(x).sample if kind == "decode" else vae.encode(x).latent_dist.mean
-
-
-def _from_rank0(fn, *args, **kwargs):
-    """``fn()`` computed on rank 0 only (unpatched references need no collective) and sent to every rank:
-    saves the other ranks a full unsplit run on a CPU shared by all ranks."""
-    box = [fn(*args, **kwargs) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _fidelity(cases: list[tuple[str, str, int]]) -> list[float]:
     """Max |patched - unpatched| for (version, "encode"|"decode", frames) cases; decode frames are pixel frames."""
     errors = []
@@ -66,9 +54,9 @@ def _fidelity(cases: list[tuple[str, str, int]]) -> list[float]:
         vae = _vae(version)
         x = _latents(1 + (frames - 1) // 4) if kind == "decode" else _pixels(version, frames)
         with torch.no_grad():
-            reference = _from_rank0(_run, vae, kind, x)
+            reference = from_rank0(run, vae, kind, x)
             with hfpatch.apply(vae):
-                out = _run(vae, kind, x)
+                out = run(vae, kind, x)
         assert out.shape == reference.shape, (out.shape, reference.shape)
         errors.append((out - reference).abs().max().item())
     return errors
@@ -85,25 +73,6 @@ def test_wan_vae_precise_split_uneven_heights_equals_unpatched(rank_pool, world)
             assert err < ATOL, (world, case, err)
 
 
-def _params(vae) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in vae.named_parameters() if p.grad is not None}
-
-
-def _backward(vae, kind: str, x: torch.Tensor, patched: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Input and parameter gradients of a fixed random projection of the output (same loss on every rank)."""
-    vae.zero_grad(set_to_none=True)
-    leaf = x.clone().requires_grad_(True)
-    patch = hfpatch.apply(vae) if patched else None
-    out = _run(vae, kind, leaf)
-    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
-    if patch is not None:
-        all_reduce_gradients(vae)  # the documented reduction: SUM over the VAE ranks
-        patch.remove()
-    grads = (leaf.grad, _params(vae))
-    vae.zero_grad(set_to_none=True)
-    return grads
-
-
 def _gradients(cases: list[tuple[str, str, int]]) -> list[tuple[float, float, int]]:
     """(max input-grad error, max relative parameter-grad error, parameters with grads) per case.
 
@@ -114,8 +83,8 @@ def _gradients(cases: list[tuple[str, str, int]]) -> list[tuple[float, float, in
         vae = _vae(version)
         x = _latents(1 + (frames - 1) // 4) if kind == "decode" else _pixels(version, frames)
         grads = [
-            _from_rank0(_backward, vae, kind, x, patched=False),
-            _backward(vae, kind, x, patched=True),
+            from_rank0(backward, vae, kind, x, patched=False),
+            backward(vae, kind, x, patched=True),
         ]
         (gx_ref, gp_ref), (gx, gp) = grads
         # Parameter gradients sum over every position and frame: relative to their largest entry (absolute below 1).
@@ -150,7 +119,7 @@ def _memory_and_bytes(latent_h: int, latent_w: int, frames: int) -> dict[str, fl
     vae = _vae("2.1")
     z = _latents(frames, latent_h, latent_w)
     with torch.no_grad():
-        unpatched = _from_rank0(_peak, vae, z)
+        unpatched = from_rank0(_peak, vae, z)
         analytic = analytic_halo_bytes(vae, lambda: vae.decode(z), dist.get_rank(), dist.get_world_size())
         with hfpatch.apply(vae, vae_output="shard"):
             with track_memory() as mem, count_comm() as comm:
@@ -179,13 +148,13 @@ def _tiling_approx_contract() -> dict[str, object]:
     x = _pixels("2.1", 5)
     res: dict[str, object] = {}
     with torch.no_grad():
-        reference = _from_rank0(_run, vae, "decode", z)
+        reference = from_rank0(run, vae, "decode", z)
         with hfpatch.apply(vae, vae_mode="approx"):
             approx = vae.decode(z).sample
         res["approx"] = (approx - reference).abs().max().item()
         # Small tiles (stock defaults scaled down): 3 latent rows every 2, 2 latent cols every 1.
         vae.enable_tiling(24, 16, 16, 8)
-        tiled_decode, tiled_encode = _from_rank0(
+        tiled_decode, tiled_encode = from_rank0(
             lambda: (vae.decode(z).sample, vae.encode(x).latent_dist.mean)
         )
         snapshot = {name: dict(vars(m)) for name, m in vae.named_modules()}
