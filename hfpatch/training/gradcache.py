@@ -344,13 +344,13 @@ class GradCache:
     # -- pieces ---------------------------------------------------------------------------------------
 
     def _split(self, inputs: Any, spec: VisionTokenSpec | None) -> list[Any]:
-        if self.split_fn is None:
+        if self.split_fn is None:  # Qwen-VL chunks come validated from split_vlm_inputs
             chunks = split_inputs(inputs, self.chunk_size, chunk_patches=self.chunk_patches, vision_spec=spec)
         else:
             chunks = list(self.split_fn(inputs, self.chunk_size))
-        if isinstance(inputs, Mapping) and has_media(inputs) and spec is not None:
-            for chunk in chunks:  # also catches a user split_fn that cuts pixel_values by sample count
-                validate_vlm_chunk(chunk, spec, source=inputs)
+            if isinstance(inputs, Mapping) and has_media(inputs) and spec is not None:
+                for chunk in chunks:  # e.g. a split_fn that cuts pixel_values by sample count
+                    validate_vlm_chunk(chunk, spec, source=inputs)
         total, parts = _batch_len(inputs), [_batch_len(c) for c in chunks]
         if total is not None and None not in parts and sum(parts) != total:
             raise ValueError(f"split_fn returned chunks of {parts} samples for an input of {total} samples.")
