@@ -410,7 +410,6 @@ _FIELDS = {
     "requires_grad flags": slice(3 + _CHECKED_DIMS, 4 + _CHECKED_DIMS),
     "contents": slice(4 + _CHECKED_DIMS, None),  # sum, sum of |x|, samples
 }
-_DTYPES = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _input_descriptor(x: torch.Tensor) -> torch.Tensor:
@@ -447,7 +446,9 @@ def _agree(table: torch.Tensor) -> torch.Tensor:
 
 def _describe(row: list[float]) -> str:
     ndim, dims = int(row[0]), row[_FIELDS["shapes"]][2:]
-    dtype = _DTYPES.get(int(row[_FIELDS["dtypes"]][0]), "unknown dtype")
+    # Error path only: map the descriptor's dtype code back to a name.
+    dtypes = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    dtype = dtypes.get(int(row[_FIELDS["dtypes"]][0]), "unknown dtype")
     grad = ", requires grad" if row[_FIELDS["requires_grad flags"]][0] else ""
     return f"{tuple(int(d) for d in dims[: min(ndim, _CHECKED_DIMS)])} {dtype}{grad}"
 
