@@ -7,15 +7,14 @@ Token counts are 25 (or 12) so that most world sizes leave padding. Many cases r
 Tolerances: sharding changes only the order of floating-point reductions (online-softmax merge across ring
 steps, shorter GEMMs, gradient contributions summed over ranks), so the patched model may differ from the
 unpatched one by fp32 rounding only. Each case measures that rounding scale on the unpatched model itself
-(fp32 vs fp64, same weights and inputs; for gradients, the worst tensor's) and allows ``NOISE_FACTOR``
-times it: tiny random models can be
+(fp32 vs fp64, same weights and inputs; for gradients, the worst tensor's) and allows
+``hfpatch.testing.tolerance.reassociation_tol`` of it (10x, at least 8 ulps): tiny random models can be
 ill-conditioned (SD3 without qk-norm amplifies fp32 rounding to ~1e-5 in the output and ~1e-3 in some
 gradients on its own), and a fixed tolerance would either hide bugs in the others or fail on it.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +26,8 @@ import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.core.registry import Registry
 from hfpatch.distributed.runtime import get_mesh
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
-NOISE_FACTOR = 10  # patched-vs-unpatched error <= 10 x the unpatched model's own fp32-vs-fp64 error
-NOISE_FLOOR = 1e-6  # relative; below this both errors are at the level of single roundings
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
 
 
@@ -104,23 +102,9 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
     raise ValueError(family)
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
-    """Max abs difference relative to ``scale`` (default: the reference's largest magnitude)."""
-    scale = ref.abs().max().item() if scale is None else scale
-    return (out.double() - ref.double()).abs().max().item() / scale
-
-
 def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
     """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale."""
-
-    def cast(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v.double()
-        if isinstance(v, tuple):
-            return tuple(cast(x) for x in v)
-        return v
-
-    return copy.deepcopy(model).double(), {k: cast(v) for k, v in kwargs.items()}
+    return to_fp64(model), to_fp64(kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- rank functions
@@ -134,11 +118,11 @@ def forward_cases(
         model64, kwargs64 = _double(model, kwargs)
         with torch.no_grad():
             ref = model(**kwargs).sample
-            noise = _rel(ref, model64(**kwargs64).sample)
+            noise = rel_error(ref, model64(**kwargs64).sample)
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
                 out = model(**kwargs).sample
         assert out.shape == ref.shape and out.dtype == ref.dtype, (family, out.shape, ref.shape)
-        results[(family, ulysses, ring)] = (_rel(out, ref), noise, out)
+        results[(family, ulysses, ring)] = (rel_error(out, ref), noise, out)
     return results
 
 
@@ -178,9 +162,9 @@ def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, in
         scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
         results[(family, ulysses, ring)] = {
             "keys_match": set(got) == set(ref),
-            "errors": {name: _rel(got[name], ref[name], scales[name]) for name in ref},
+            "errors": {name: rel_error(got[name], ref[name], scales[name]) for name in ref},
             # The unpatched model's own rounding scale for its gradients (its worst tensor).
-            "noise": max(_rel(ref[name], ref64[name], scales[name]) for name in ref),
+            "noise": max(rel_error(ref[name], ref64[name], scales[name]) for name in ref),
             "n_params": sum(k.startswith("param:") for k in ref),
         }
     return results
@@ -315,7 +299,7 @@ def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world)
     results = rank_pool(world).run(forward_cases, cases)
     for case in cases:
         for error, noise, _ in (rank_result[case] for rank_result in results):
-            assert error <= NOISE_FACTOR * noise + NOISE_FLOOR, (case, error, noise)
+            assert error <= reassociation_tol(noise), (case, error, noise)
         outputs = [rank_result[case][2] for rank_result in results]
         assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
             f"{case}: ranks returned different outputs"
@@ -335,7 +319,7 @@ def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_po
             result = rank_result[case]
             assert result["keys_match"] and result["n_params"] > 10, (rank, case)
             for name, error in result["errors"].items():
-                assert error <= NOISE_FACTOR * result["noise"] + NOISE_FLOOR, (
+                assert error <= reassociation_tol(result["noise"]), (
                     rank,
                     case,
                     name,

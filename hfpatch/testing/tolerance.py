@@ -1,0 +1,126 @@
+"""Tolerances for "patched equals unpatched", derived from floating-point rounding instead of guessed.
+
+A patch that splits work over ranks computes the same mathematical function as the unpatched model, but
+sums in another order (GroupNorm statistics merged over ranks, online-softmax merges across Ring steps,
+shorter GEMMs, gradients summed over ranks). Two fp32 results of the same function computed in different
+orders differ by rounding only, and how much rounding a model amplifies depends on the model, its weights
+and the CPU kernels (``ATEN_CPU_CAPABILITY``): a fixed ``1e-5`` is too loose for a well-conditioned model
+and too tight for an ill-conditioned one. So the suite measures the rounding scale instead:
+
+* :func:`rounding_noise` -- the unpatched fp32 computation against the same computation in fp64 (same
+  weights, same inputs): how far fp32 rounding alone moves this model on this machine.
+* :func:`reassociation_tol` -- the tolerance for patched vs unpatched: ``NOISE_FACTOR`` times that noise
+  (both fp32 results sit within about one noise of the fp64 one, so their distance is about two; ten leaves
+  room for the tail of the error distribution) and never below ``FLOOR_ULPS`` units of roundoff of the
+  output scale (where both are single roundings, e.g. a model with few reductions).
+* :func:`summation_tol` -- for a single reduction of ``terms`` values: two summation orders differ by at
+  most ``(terms - 1) * eps`` times the sum of magnitudes (the textbook recursive-summation bound, applied to
+  both orders).
+
+Errors are relative to a scale (the reference's largest magnitude unless given), so the same tolerance fits
+outputs of size 1 and gradients of size 100.
+
+>>> import torch
+>>> from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, summation_tol
+>>> x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+>>> split = x[:1000].sum() + x[1000:].sum()                      # another summation order
+>>> rel_error(split, x.sum(), scale=x.abs().sum().item()) <= summation_tol(4096)
+True
+>>> noise = rounding_noise(x.sum(), x.double().sum())
+>>> rel_error(split, x.sum()) <= reassociation_tol(noise)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FLOOR_ULPS",
+    "MAX_NOISE",
+    "NOISE_FACTOR",
+    "eps",
+    "reassociation_tol",
+    "rel_error",
+    "rounding_noise",
+    "summation_tol",
+    "to_fp64",
+]
+
+#: Patched-vs-unpatched error allowed, in multiples of the unpatched fp32 model's own error against fp64.
+NOISE_FACTOR = 10
+#: Lower bound of every relative tolerance, in units of roundoff (``eps``) of the output scale.
+FLOOR_ULPS = 8
+#: Largest credible relative fp32-vs-fp64 noise (~80,000 fp32 ulps); above it the twin is not comparable.
+MAX_NOISE = 1e-2
+
+
+def eps(dtype: torch.dtype = torch.float32) -> float:
+    """Machine epsilon (spacing of floats at 1.0) of ``dtype``: 1.19e-7 for fp32."""
+    return torch.finfo(dtype).eps
+
+
+def rel_error(actual: torch.Tensor, reference: torch.Tensor, scale: float | None = None) -> float:
+    """``max |actual - reference|`` divided by ``scale`` (default: the reference's largest magnitude).
+
+    Computed in fp64 so the comparison adds no rounding of its own. An all-zero reference with no scale
+    compares absolutely.
+    """
+    difference = (actual.detach().double() - reference.detach().double()).abs().max().item()
+    if scale is None:
+        scale = reference.detach().abs().max().item()
+    return difference / scale if scale > 0 else difference
+
+
+def rounding_noise(fp32: torch.Tensor, fp64: torch.Tensor, scale: float | None = None) -> float:
+    """The relative error fp32 rounding alone causes: the fp32 result against the fp64 one (same inputs)."""
+    return rel_error(fp32, fp64, fp64.detach().abs().max().item() if scale is None else scale)
+
+
+def reassociation_tol(
+    noise: float,
+    *,
+    factor: float = NOISE_FACTOR,
+    floor_ulps: float = FLOOR_ULPS,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Relative tolerance for a patched fp32 result against the unpatched one: ``factor * noise``, at least
+    ``floor_ulps`` units of roundoff of ``dtype``.
+
+    A noise above :data:`MAX_NOISE` is refused: the fp64 twin then computes something else (other random
+    draws, a dtype-dependent branch), and a tolerance derived from it would let any result pass.
+    """
+    if not noise <= MAX_NOISE:
+        raise ValueError(
+            f"rounding noise {noise:.3g} > {MAX_NOISE}: the fp64 reference is not the same computation as the "
+            "fp32 one (different random draws or code path?), so it cannot bound reassociation error"
+        )
+    return max(factor * noise, floor_ulps * eps(dtype))
+
+
+def summation_tol(terms: int, dtype: torch.dtype = torch.float32) -> float:
+    """Bound on two summation orders of ``terms`` values, relative to the sum of their magnitudes.
+
+    Each order errs by at most ``(terms - 1) * u * sum|x|`` with ``u = eps / 2``, so the two differ by at
+    most ``(terms - 1) * eps * sum|x|``.
+    """
+    return max(terms - 1, 1) * eps(dtype)
+
+
+def to_fp64(value: Any) -> Any:
+    """An fp64 copy of a module or a diffusers pipeline (deep copy), or of the floating tensors inside
+    (nested) tuples, lists and dicts; everything else is returned as it is."""
+    if isinstance(value, torch.nn.Module):
+        return copy.deepcopy(value).double()
+    if hasattr(value, "components") and callable(getattr(value, "to", None)):  # a DiffusionPipeline
+        return copy.deepcopy(value).to(dtype=torch.float64)
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_fp64(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_fp64(v) for k, v in value.items()}
+    return value
