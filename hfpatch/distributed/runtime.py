@@ -67,8 +67,10 @@ def check_launchable(required: int) -> None:
         raise RuntimeError(
             f"hfpatch was asked for {required} ranks but torch.distributed is not initialised and the launcher "
             f"variables {', '.join(missing)} are not set. Launch every rank with "
-            f"`torchrun --nproc-per-node {required} your_script.py` (or `accelerate launch --num_processes "
-            f"{required} your_script.py`), or call torch.distributed.init_process_group first."
+            f"`torchrun --nproc-per-node {required} your_script.py` or `accelerate launch --multi_gpu "
+            f"--num_processes {required} your_script.py` (without GPUs: `ACCELERATE_USE_CPU=true accelerate launch "
+            f"--multi_gpu ...`; plain `accelerate launch --num_processes {required}` starts one process there), "
+            "or call torch.distributed.init_process_group first."
         )
 
 
@@ -108,7 +110,7 @@ class ParallelMesh:
         config: The degrees.
         device_mesh: The torch ``DeviceMesh`` with dims ``AXES`` (``None`` for a single rank).
         groups: Axis name -> ProcessGroup (``None`` when the axis has degree 1). ``"sp"`` is ring x ulysses,
-            ``"vae"`` is every rank.
+            ``"vae"`` is every rank (when the VAE is split), ``"world"`` every rank of the plan.
     """
 
     config: ParallelConfig
@@ -142,7 +144,7 @@ def _reset_state() -> None:
 def get_mesh(config: ParallelConfig) -> ParallelMesh:
     """The :class:`ParallelMesh` for ``config`` over the default process group (collective on first use)."""
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
-        return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae")})
+        return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae", "world")})
     ensure_process_group(config.world_size)
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
     key = (
@@ -176,6 +178,7 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         groups.update({a: None for a in AXES})
         groups["sp"] = None
     groups["vae"] = dist.group.WORLD if config.vae > 1 else None
+    groups["world"] = dist.group.WORLD  # every rank of the plan (same-input checks of a pipeline call)
     result = ParallelMesh(config, mesh, groups)
     _MESHES[key] = result
     return result

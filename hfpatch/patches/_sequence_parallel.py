@@ -48,6 +48,7 @@ from ..attention.layout import shard_len, shard_sequence
 from ..core.config import ModelFacts, ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
+from ..distributed.agreement import check_same_inputs, named_arguments
 from ..distributed.collectives import all_gather
 
 __all__ = [
@@ -259,13 +260,19 @@ def _input_hook(module: torch.nn.Module, specs: list[SplitInput], state: Sequenc
 
 
 def apply_sequence_plan(
-    model: torch.nn.Module, plan: SequencePlan, state: SequenceShard, patch: Patch
+    model: torch.nn.Module,
+    plan: SequencePlan,
+    state: SequenceShard,
+    patch: Patch,
+    check_inputs: bool = True,
 ) -> None:
     """Install ``plan`` on ``model`` as hooks logged in ``patch``.
 
     Checks the whole plan first (:func:`check_plan`), then registers: a pre-hook on the model that starts
-    a new call (:meth:`SequenceShard.begin`), one pre-hook per submodule with :class:`SplitInput` specs,
-    one hook per :class:`SplitOutput` or :class:`GatherOutput`.
+    a new call (:meth:`SequenceShard.begin`) after checking that every rank of the ``sp`` group was given
+    the same arguments (``check_inputs``; :func:`hfpatch.distributed.agreement.check_same_inputs`), one
+    pre-hook per submodule with :class:`SplitInput` specs, one hook per :class:`SplitOutput` or
+    :class:`GatherOutput`.
 
     A submodule replaced after ``apply`` (peft wraps ``proj_out`` in a ``lora.Linear`` when a LoRA is loaded,
     and unwraps it when unloaded) gets the hooks moved to it at the next call: left on the wrapped base
@@ -298,7 +305,13 @@ def apply_sequence_plan(
                 handles.append(patch.add_forward_hook(module, gather_output))
         installed[path] = (module, handles)
 
+    what = f"{type(model).__name__}.forward"
+
     def begin_call(_module, args, kwargs):
+        # First, before any collective whose shape depends on the inputs: the ranks split ONE sample.
+        named = named_arguments(type(model).forward, (model, *args), kwargs)
+        named.pop("self", None)
+        check_same_inputs(named, state.group, what=what, enabled=check_inputs)
         for path, specs in plan.items():
             hooked, handles = installed[path]
             if path and _resolve(model, path) is not hooked:
@@ -324,6 +337,7 @@ class SequenceParallelFamily(PatchFamily):
     role: ClassVar[str] = "transformer"
     split_axis: ClassVar[str | None] = "sp"
     plan: ClassVar[SequencePlan] = {}
+    options: ClassVar[dict[str, Any]] = {"check_inputs": True}
 
     def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str]]:
         """``(path, attention module, stock processor class name)`` of every attention to swap."""
@@ -354,7 +368,7 @@ class SequenceParallelFamily(PatchFamily):
         if mesh.config.sequence_parallel == 1:
             return
         state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
-        apply_sequence_plan(target, self.plan, state, patch)
+        apply_sequence_plan(target, self.plan, state, patch, check_inputs=bool(options["check_inputs"]))
         swapped = []
         for path, attention, _ in self.attention_modules(target):
             processor = self.make_processor(state, path, attention)

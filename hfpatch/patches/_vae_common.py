@@ -22,7 +22,6 @@ gradients are per-rank partial sums, to be summed over the VAE group (:func:`hfp
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from ..core.config import ParallelConfig
 from ..core.registry import PatchFamily
+from ..distributed.agreement import check_same_inputs
 from ..distributed.collectives import all_gather, halo_exchange
 from ._halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
 
@@ -65,6 +65,7 @@ class VAEShardState:
         latent_rows: Latent rows of every rank in the current session (set at the encoder/decoder entry).
         min_rows: Fewest latent rows a rank may hold (the largest conv halo).
         halos: ``id(conv) -> (before, after)`` rows exchanged by each patched conv.
+        name: The VAE's class name (messages); ``check_inputs``: run the same-input guard at each call.
     """
 
     group: Any
@@ -79,6 +80,8 @@ class VAEShardState:
     tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tiles: _TileRun | None = None
     checks: list[Callable[[], None]] = field(default_factory=list)
+    name: str = "VAE"
+    check_inputs: bool = True
 
     @property
     def sharding(self) -> bool:
@@ -395,94 +398,24 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
-#: Dims of the input shape that the same-input check lists (VAE inputs have 4 or 5; the element count,
-#: also compared, covers any further dims).
-_CHECKED_DIMS = 6
-#: Input elements the same-input check compares, evenly strided over the whole tensor.
-_SAMPLES = 256
-#: Contents agree up to this fraction of their magnitude: rounding noise (e.g. nondeterministic kernels
-#: upstream, ~1 bf16 spacing) passes, another sample (differences of the order of the values) does not.
-_CONTENT_RTOL = 1e-2
-#: Columns of :func:`_input_descriptor`, by what they describe.
-_FIELDS = {
-    "shapes": slice(0, 2 + _CHECKED_DIMS),
-    "dtypes": slice(2 + _CHECKED_DIMS, 3 + _CHECKED_DIMS),
-    "requires_grad flags": slice(3 + _CHECKED_DIMS, 4 + _CHECKED_DIMS),
-    "contents": slice(4 + _CHECKED_DIMS, None),  # sum, sum of |x|, samples
-}
-
-
-def _input_descriptor(x: torch.Tensor) -> torch.Tensor:
-    """Fixed-size fp64 summary of ``x`` (see ``_FIELDS``): ndim, numel, shape, dtype, grad flag and contents.
-
-    Contents: the sum and the sum of magnitudes of all elements, and ``_SAMPLES`` elements strided over the
-    whole tensor (zeros past the end of a small one), so other values or rows in another order show.
-    """
-    flat = x.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES].to(torch.float64)
-    shape = [*x.shape[:_CHECKED_DIMS], *[-1] * (_CHECKED_DIMS - min(x.dim(), _CHECKED_DIMS))]
-    dtype = zlib.crc32(str(x.dtype).encode())
-    meta = [x.dim(), x.numel(), *shape, dtype, x.requires_grad and torch.is_grad_enabled()]
-    sums = [flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, 1, dtype=torch.float64)]
-    return torch.cat(
-        [
-            torch.tensor(meta, dtype=torch.float64, device=x.device),
-            torch.stack(sums),
-            F.pad(sample, (0, _SAMPLES - sample.numel())),
-        ]
-    )
-
-
-def _agree(table: torch.Tensor) -> torch.Tensor:
-    """``(world, fields)`` bools: each rank's descriptor entry vs rank 0's (contents up to rounding noise)."""
-    first = table[0]
-    same = (table == first) | (table.isnan() & first.isnan())  # NaN inputs agree with themselves
-    contents = _FIELDS["contents"].start
-    tol = torch.zeros_like(first)
-    tol[contents : contents + 2] = _CONTENT_RTOL * first[contents + 1]  # sums: relative to the sum of |x|
-    tol[contents + 2 :] = _CONTENT_RTOL * first[contents + 2 :].abs().max()  # samples: to the largest one
-    return same | ((table - first).abs() <= tol)
-
-
-def _describe(row: list[float]) -> str:
-    ndim, dims = int(row[0]), row[_FIELDS["shapes"]][2:]
-    # Error path only: map the descriptor's dtype code back to a name.
-    dtypes = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-    dtype = dtypes.get(int(row[_FIELDS["dtypes"]][0]), "unknown dtype")
-    grad = ", requires grad" if row[_FIELDS["requires_grad flags"]][0] else ""
-    return f"{tuple(int(d) for d in dims[: min(ndim, _CHECKED_DIMS)])} {dtype}{grad}"
-
-
-def check_same_input(x: torch.Tensor, state: VAEShardState, kind: str) -> None:
-    """Raise the same ``ValueError`` on every rank unless all VAE ranks passed the same ``x``.
-
-    The ranks compute one output together, each from its rows of its *own* copy of the input, so per-rank
-    batches would silently mix rows (same shape) or break the collectives that follow (other shapes). One
-    fixed-size all-gather of :func:`_input_descriptor` (2 KiB), before any other collective of the call.
-    Shape, dtype and grad flag must match exactly, contents up to rounding noise (``_CONTENT_RTOL``).
-    """
-    with torch.no_grad():
-        table = all_gather(_input_descriptor(x).unsqueeze(0), 0, state.group).cpu()  # (world, fields)
-    same = _agree(table)
-    if bool(same.all()):
-        return
-    differ = [name for name, cols in _FIELDS.items() if not bool(same[:, cols].all())]
-    ranks = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table.tolist()))
-    raise ValueError(
-        f"the split VAE needs the same input on every rank (the {state.world} VAE ranks {kind} one tensor "
-        f"together, each its own rows), but the input {' and '.join(differ)} differ ({ranks}). To {kind} "
-        "a different batch on each rank (e.g. data-parallel training), do not split this VAE: call "
-        "patch.remove() first, or apply hfpatch with ParallelConfig(..., vae=1) or to the transformer only; "
-        "or gather the batches so that every rank passes the same tensor"
-    )
-
-
 def session_forward(original: Callable, state: VAEShardState, kind: str) -> Callable:
     """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple)."""
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
-            check_same_input(x, state, kind)
+            # Every rank computes its rows of ONE output from its own copy of x: copies must be identical.
+            named = {"x": x, **{f"arg{i}": a for i, a in enumerate(args, 1)}, **kwargs}
+            check_same_inputs(
+                named,
+                state.group,
+                what=f"{state.name}.{kind}",
+                enabled=state.check_inputs,
+                hint=f"To {kind} a different batch on each rank (e.g. data-parallel training), do not split "
+                "this VAE: call patch.remove() first, or apply hfpatch with ParallelConfig(..., vae=1) or to "
+                "the transformer only; or gather the batches so that every rank passes the same tensor.",
+            )
+            if x.shape[0] == 0:  # an empty batch has no rows to split: run it as the unpatched VAE does
+                return original(x, *args, **kwargs)
         if state.mode is None and x.requires_grad:
             x = _SumGradOverRanks.apply(x, state.group)
         with state.session():
@@ -601,7 +534,7 @@ class VAEParallelFamily(PatchFamily):
     unknown layer may couple rows and silently break exactness.
     """
 
-    options: ClassVar[dict[str, Any]] = {"vae_mode": "precise", "vae_output": "full"}
+    options: ClassVar[dict[str, Any]] = {"vae_mode": "precise", "vae_output": "full", "check_inputs": True}
     role: ClassVar[str] = "vae"
     split_axis: ClassVar[str | None] = "vae"
 
@@ -643,6 +576,8 @@ class VAEParallelFamily(PatchFamily):
             rank=dist.get_rank(group),
             approx=options["vae_mode"] == "approx",
             output=options["vae_output"],
+            name=type(target).__name__,
+            check_inputs=bool(options["check_inputs"]),
         )
         self.install(target, patch, state)
         if state.halos:

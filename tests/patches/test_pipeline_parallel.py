@@ -178,7 +178,8 @@ def _compare(
         "diff": rel_error(out, reference),
         "noise": noise,
         "shape": (tuple(out.shape), tuple(reference.shape)),
-        "bytes": counter.bytes_sent,
+        "bytes": counter.bytes_sent - counter.by_op.get("guard", 0),
+        "guard_calls": counter.calls.get("guard", 0),
         "restored": _restored(snapshot),
         "plan": patch.plan,
     }
@@ -382,6 +383,9 @@ def test_pipeline_parallel_cfg_sends_one_prediction_per_step(two_rank_results):
         assert results["wan_cfg"]["bytes"] == 2 * (512 + 168)
         assert results["wan22_cfg"]["bytes"] == 2 * (512 + 168)
         assert results["wan_cfg_no_guidance"]["bytes"] == 0
+        # Plus the same-input check of every transformer call (2 steps, cond + uncond): one table each.
+        assert results["wan_cfg"]["guard_calls"] == results["wan22_cfg"]["guard_calls"] == 4
+        assert results["wan_cfg_no_guidance"]["guard_calls"] == 2
 
 
 def test_pipeline_parallel_auto_plan_two_ranks_is_cfg(two_rank_results):

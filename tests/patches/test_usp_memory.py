@@ -20,7 +20,7 @@ Communication: bytes sent equal the analytic minimum exactly (no tolerance; both
 fp32 elements): per self-attention call Ulysses sends ``4 (u - 1) / u`` of the local ``[B, S/N, H, D]``
 tensor (q, k, v and the output resharded), Ring ``2 (r - 1)`` local tensors (K and V passed ``r - 1``
 times), times the number of layers; the output gather sends ``N - 1`` local output shards;
-cross-attention to the replicated text sends nothing.
+cross-attention to the replicated text sends nothing; the same-input check sends one fixed-size table.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 
 import hfpatch
 from hfpatch import ParallelConfig
+from hfpatch.distributed.agreement import bytes_per_check
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
 from hfpatch.testing.memory import track_memory
@@ -63,6 +64,7 @@ def _analytic(ring: int, ulysses: int) -> dict[str, int]:
     local = TOKENS // world  # divides: no padding
     qkv = local * HIDDEN * 4  # one local [1, S/N, H, D] fp32 tensor
     counts = {
+        "guard": bytes_per_check(world),  # the same-input check: one fixed-size table per call
         "all_to_all": LAYERS * 4 * (ulysses - 1) * qkv // ulysses,
         "ring": LAYERS * 2 * (ring - 1) * qkv,
         "all_gather": (world - 1) * local * OUT_CHANNELS * PATCH_VOLUME * 4,

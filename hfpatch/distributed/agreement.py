@@ -1,0 +1,326 @@
+"""Same-input guard: the ranks that share one piece of work check that they were given the same inputs.
+
+Sequence parallelism, CFG/data parallelism and the split VAE compute ONE result together, each rank from its
+own copy of the inputs. When a user's script feeds the ranks different data (a data loader sharded per rank,
+an RNG state restored on rank 0 only, accelerate's ``split_between_processes``), the result is a silent
+mixture, or a collective whose shapes disagree aborts in gloo/NCCL. So before the first shape-dependent
+collective of a split call, the ranks exchange one fixed-size table (:data:`SLOTS` x :data:`FIELDS` int64,
+3.3 KiB per rank) describing every argument of the call, and raise the same :class:`InputMismatchError` on
+every rank when the rows differ.
+
+Each argument gets a row: a hash of its name, a hash of its kind (type, dtype, device type, whether it
+takes part in autograd), its shape, the exact bits of a scalar value (so the message can print it), and two
+64-bit content digests. A digest is ``sum_i w_i * word_i`` in wrapping int64 arithmetic over the tensor's
+raw bytes read as integer words, with odd pseudo-random weights ``w_i`` per position. Arithmetic mod 2^64 is
+exact and associative, so the digest does not depend on the reduction order or the CPU kernel; an odd weight
+is invertible mod 2^64, so a change of any single word (down to one bit) always changes the digest, and a
+permutation or a scale of many elements changes it unless two independent 64-bit sums cancel at once. It is
+not a cryptographic hash: it guards against scripts that are wrong, not against adversaries.
+
+>>> import torch
+>>> from hfpatch.distributed.agreement import describe_inputs
+>>> x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+>>> same = describe_inputs({"x": x, "step": 3})
+>>> bool((same == describe_inputs({"x": x.clone(), "step": 3})).all())
+True
+>>> flipped = x.clone()
+>>> flipped.view(torch.int32)[1, 2] ^= 1          # one bit of one element
+>>> bool((same == describe_inputs({"x": flipped, "step": 3})).all())
+False
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FIELDS",
+    "SLOTS",
+    "InputMismatchError",
+    "bytes_per_check",
+    "check_same_inputs",
+    "content_digest",
+    "describe_inputs",
+    "inputs_agreed",
+    "named_arguments",
+]
+
+#: Arguments compared one by one (sorted by name); further ones are folded into the last row.
+SLOTS = 24
+#: Dims of a tensor's shape kept in its row (for the message); the element count covers any further dims.
+_DIMS = 6
+#: Row layout.
+_NAME, _KIND, _NDIM = 0, 1, 2
+_SHAPE = slice(3, 3 + _DIMS)
+_NUMEL, _VALUE, _HAS_VALUE, _DIGEST_A, _DIGEST_B = range(3 + _DIMS, 8 + _DIMS)
+FIELDS = 8 + _DIMS
+#: Words digested per chunk: bounds the temporary int64 buffers to ~2 MiB whatever the tensor size.
+_CHUNK = 1 << 16
+_SEED_A, _SEED_B = 0x243F6A8885A308D3, 0x13198A2E03707344  # digits of pi: two independent weight streams
+
+
+class InputMismatchError(ValueError):
+    """Ranks that share one computation were given different inputs (raised on every one of them alike)."""
+
+
+# ----------------------------------------------------------------------------------------------- hashing
+def _to_int64(value: int) -> int:
+    """``value`` mod 2^64 as a signed int64."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64-style finaliser on int64 (wrapping): well-spread weights from consecutive positions."""
+    z = torch.bitwise_xor(z, torch.bitwise_right_shift(z, 31)) * _to_int64(0xBF58476D1CE4E5B9)
+    z = torch.bitwise_xor(z, torch.bitwise_right_shift(z, 29)) * _to_int64(0x94D049BB133111EB)
+    return torch.bitwise_xor(z, torch.bitwise_right_shift(z, 32))
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``x`` as a flat tensor of the widest integer words that tile them."""
+    flat = x.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # expanded or strided (a size-1 dim counts as contiguous)
+        flat = flat.new_empty(flat.shape).copy_(flat)
+    raw = flat.view(torch.uint8)
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if raw.numel() % size == 0:
+            return raw.view(word)
+    return raw.view(torch.int8)
+
+
+def _chunk_weights(start: int, length: int, device: torch.device) -> torch.Tensor:
+    """``(2, length)`` odd int64 weights of positions ``start ...`` (odd: invertible mod 2^64, so no single
+    change can vanish). Made per chunk and dropped: the check leaves no memory behind."""
+    position = torch.arange(start, start + length, dtype=torch.int64, device=device)
+    return torch.stack([torch.bitwise_or(_mix(position + _to_int64(s)), 1) for s in (_SEED_A, _SEED_B)])
+
+
+def content_digest(x: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit digests of the exact bits of ``x`` (its values in order), computed on ``x``'s device.
+
+    >>> import torch
+    >>> a = torch.arange(6.0)
+    >>> content_digest(a) == content_digest(a.clone()), content_digest(a) == content_digest(a.flip(0))
+    (True, False)
+    """
+    words = _words(x)
+    digest = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start : start + _CHUNK].to(torch.int64)
+        digest += (chunk * _chunk_weights(start, chunk.numel(), chunk.device)).sum(dim=1)
+    a, b = digest.tolist()
+    return a, b
+
+
+# ----------------------------------------------------------------------------------------------- rows
+def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
+    """(path, leaf) pairs of nested tuples, lists and dicts (dict keys sorted)."""
+    if isinstance(value, Mapping):
+        return [leaf for k in sorted(value, key=str) for leaf in _leaves(value[k], f"{path}[{k!r}]")]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, torch.Generator):  # per-rank seeds show in the generator state
+        return value.get_state()
+    if hasattr(value, "__array_interface__") or hasattr(value, "__array__"):  # numpy arrays, PIL images
+        try:
+            import numpy as np
+
+            return torch.from_numpy(np.ascontiguousarray(np.asarray(value)))
+        except Exception:  # not convertible: compared by type only
+            return None
+    return None
+
+
+def _scalar_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _leaf_row(value: Any) -> list[int]:
+    """Row fields (after the name) of one leaf: kind, ndim, shape, numel, value, has-value, digests."""
+    row = [0] * (FIELDS - 1)
+    tensor = _as_tensor(value)
+    if tensor is not None:
+        grad = tensor.requires_grad and torch.is_grad_enabled()
+        row[_KIND - 1] = _hash(f"{type(value).__name__}/{tensor.dtype}/{tensor.device.type}/{grad}")
+        row[_NDIM - 1] = tensor.dim()
+        shape = [*tensor.shape[:_DIMS], *[-1] * (_DIMS - min(tensor.dim(), _DIMS))]
+        row[_SHAPE.start - 1 : _SHAPE.stop - 1] = shape
+        row[_NUMEL - 1] = tensor.numel()
+        if tensor.numel() == 1 and not tensor.is_complex() and isinstance(value, torch.Tensor):
+            row[_VALUE - 1], row[_HAS_VALUE - 1] = _scalar_bits(tensor.item()), 1
+        row[_DIGEST_A - 1], row[_DIGEST_B - 1] = content_digest(tensor)
+        return row
+    if isinstance(value, (bool, int, float)):
+        row[_KIND - 1] = _hash(type(value).__name__)
+        row[_DIGEST_A - 1] = _hash(value.hex() if isinstance(value, float) else repr(value))  # exact
+        try:
+            row[_VALUE - 1], row[_HAS_VALUE - 1] = _scalar_bits(value), 1
+        except OverflowError:  # an int beyond float range: compared by its digest only
+            pass
+        return row
+    if value is None or isinstance(value, (str, bytes, torch.dtype, torch.device)):
+        row[_KIND - 1] = _hash(type(value).__name__)
+        row[_DIGEST_A - 1] = _hash(repr(value))
+        return row
+    # Other objects (callbacks, schedulers, modules): only their type is compared.
+    row[_KIND - 1] = _hash(f"{type(value).__module__}.{type(value).__qualname__}")
+    return row
+
+
+def _fold(rows: Sequence[list[int]]) -> list[int]:
+    """One row standing for several leaves: shape/value of the first, kinds and digests mixed in order."""
+    folded = list(rows[0])
+    for i, row in enumerate(rows[1:], start=1):
+        for field in (_KIND - 1, _DIGEST_A - 1, _DIGEST_B - 1, _NUMEL - 1):
+            folded[field] = _to_int64(folded[field] * 0x100000001B3 + row[field] * (2 * i + 1))
+    return folded
+
+
+def describe_inputs(named: Mapping[str, Any]) -> torch.Tensor:
+    """The ``(SLOTS, FIELDS)`` int64 table of a call's arguments (CPU); see the module docstring."""
+    names = sorted(named)
+    table = torch.zeros(SLOTS, FIELDS, dtype=torch.int64)
+    groups = [[n] for n in names[: SLOTS - 1]] + ([names[SLOTS - 1 :]] if len(names) >= SLOTS else [])
+    for slot, group in enumerate(groups):
+        rows = [_leaf_row(leaf) for name in group for _, leaf in _leaves(named[name], name)] or [
+            _leaf_row(())
+        ]
+        name = group[0] if len(group) == 1 else "+".join(group)
+        table[slot, _NAME] = _hash(name)
+        table[slot, 1:] = torch.tensor(_fold(rows), dtype=torch.int64)
+    return table
+
+
+# ----------------------------------------------------------------------------------------------- check
+def _table_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _slot_names(named: Mapping[str, Any]) -> list[str]:
+    names = sorted(named)
+    return names[: SLOTS - 1] + (["+".join(names[SLOTS - 1 :])] if len(names) >= SLOTS else [])
+
+
+def _value_text(row: list[int]) -> str:
+    shape = row[_SHAPE][: min(row[_NDIM], _DIMS)]
+    parts = []
+    if row[_NDIM] or row[_NUMEL]:
+        parts.append(f"shape {tuple(shape)}")
+    if row[_HAS_VALUE]:
+        parts.append(f"value {struct.unpack('<d', struct.pack('<q', row[_VALUE]))[0]!r}")
+    return ", ".join(parts)
+
+
+def _difference(rows: list[list[int]], rank: int) -> str:
+    """What differs between ``rows[rank]`` and ``rows[0]``, in words."""
+    first, other = rows[0], rows[rank]
+    if first[_NAME] != other[_NAME]:
+        return "a different set of arguments"
+    if first[_KIND] != other[_KIND]:
+        return "another type, dtype, device or requires_grad"
+    if first[_NDIM] != other[_NDIM] or first[_SHAPE] != other[_SHAPE] or first[_NUMEL] != other[_NUMEL]:
+        return "another shape"
+    return "other contents"
+
+
+def bytes_per_check(world: int) -> int:
+    """Bytes one rank sends for one check in a group of ``world`` ranks (all-gather of its table)."""
+    return SLOTS * FIELDS * 8 * (world - 1)
+
+
+def check_same_inputs(
+    named: Mapping[str, Any], group: Any, *, what: str, enabled: bool = True, hint: str = ""
+) -> None:
+    """Raise :class:`InputMismatchError` on every rank of ``group`` unless all passed the same ``named``.
+
+    One ``all_gather`` of :func:`describe_inputs` over ``group`` (fixed size, counted as ``"guard"`` by
+    :func:`hfpatch.distributed.collectives.count_comm`); call it before any collective whose shapes depend on
+    the inputs. ``what`` names the call in the message (``"WanTransformer3DModel.forward"``), ``hint`` adds
+    advice for this kind of call. With
+    ``enabled=False`` (``hfpatch.apply(..., check_inputs=False)``) nothing is checked or sent.
+    """
+    if not enabled or group is None or _AGREED.get() or dist.get_world_size(group) == 1:
+        return
+    from .collectives import _record
+
+    local = describe_inputs(named).to(_table_device(group))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    _record("guard", local.numel() * local.element_size() * (len(gathered) - 1))
+    table = torch.stack(gathered).cpu()  # (world, SLOTS, FIELDS)
+    differs = (table != table[0]).any(dim=-1)  # (world, SLOTS)
+    if not bool(differs.any()):
+        return
+    names = _slot_names(named)
+    ranks = [dist.get_global_rank(group, r) for r in range(table.shape[0])]
+    lines = []
+    for slot in differs.any(dim=0).nonzero().flatten().tolist():
+        name = names[slot] if slot < len(names) else f"argument #{slot}"
+        rows = table[:, slot].tolist()
+        odd = [r for r in range(len(rows)) if bool(differs[r, slot])]
+        detail = "; ".join(
+            f"rank {ranks[r]}: {_difference(rows, r)}"
+            + (f" ({_value_text(rows[r])})" if _value_text(rows[r]) else "")
+            for r in odd
+        )
+        base = _value_text(rows[0])
+        lines.append(f"  {name!r}: differs from rank {ranks[0]}{f' ({base})' if base else ''} on {detail}")
+    raise InputMismatchError(
+        f"hfpatch: the ranks {ranks} compute one {what} together, so they must be given identical inputs, "
+        "but they were not:\n"
+        + "\n".join(lines)
+        + "\nUsual causes: a DataLoader or sampler that gives every rank its own batch (shard over the data "
+        "axis only: the ranks of one sequence/CFG group need the same samples), random noise or timesteps drawn "
+        "from a per-rank RNG state (seed every rank alike, also after resuming from a checkpoint whose RNG state "
+        "was saved by rank 0 only), or accelerate's split_between_processes around a patched call. Pass "
+        "check_inputs=False to hfpatch.apply only if you have made sure the inputs agree."
+        + (f" {hint}" if hint else "")
+    )
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+#: True inside a call whose inputs were already checked over a group that contains every group a nested
+#: patched call would check (a CFG/data-parallel pipeline's transformer call around its sequence-parallel
+#: forward): the nested check is skipped, its ranks slice the same agreed inputs the same way.
+_AGREED: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_inputs_agreed", default=False)
+
+
+@contextmanager
+def inputs_agreed() -> Iterator[None]:
+    """Inside the block, :func:`check_same_inputs` is a no-op (the caller has checked a wider group)."""
+    token = _AGREED.set(True)
+    try:
+        yield
+    finally:
+        _AGREED.reset(token)
+
+
+def named_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``args``/``kwargs`` of a call of ``function`` by parameter name (``arg0``, ... where unbindable)."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    return dict(bound.arguments)
