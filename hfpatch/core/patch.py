@@ -139,20 +139,20 @@ class Patch:
         self.set_attr(attention, "processor", processor)
 
     def add_forward_pre_hook(
-        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True
+        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True, prepend: bool = False
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
-        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_pre_hook"), handle=handle))
         return handle
 
     def add_forward_hook(
-        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True
+        self, module: torch.nn.Module, hook: Callable, *, with_kwargs: bool = True, always_call: bool = False
     ) -> RemovableHandle:
         """``module.register_forward_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
-        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_hook"), handle=handle))
         return handle
 
@@ -214,6 +214,22 @@ class Patch:
             return head + ")"
         shown = lines[:40] + ([f"... {len(lines) - 40} more"] if len(lines) > 40 else [])
         return head + ",\n  " + "\n  ".join(shown) + ")"
+
+    def __deepcopy__(self, memo: dict) -> Patch:
+        raise self._copy_error("deepcopy")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise self._copy_error("pickle (torch.save)")
+
+    def _copy_error(self, how: str) -> TypeError:
+        # A patched object holds its live patch (hooks, process groups, wrapped methods): a copy or a pickle
+        # would carry wrappers bound to the original object and groups of this process. Refuse it clearly.
+        what = self.part_of + "." + self.name if self.part_of else self.name
+        return TypeError(
+            f"cannot {how} {what} while it is patched by hfpatch.apply (its hooks, wrapped methods and process "
+            "groups belong to the live patch). Copy it before hfpatch.apply (e.g. an EMA model) or after "
+            "patch.remove(); to save it, use state_dict() or save_pretrained(), which hold no hfpatch state."
+        )
 
     def _check_live(self) -> None:
         if self._removed:

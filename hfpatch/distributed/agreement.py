@@ -51,6 +51,7 @@ __all__ = [
     "content_digest",
     "describe_inputs",
     "inputs_agreed",
+    "install_call_guard",
     "named_arguments",
 ]
 
@@ -303,7 +304,9 @@ def check_same_inputs(
 # ----------------------------------------------------------------------------------------------- helpers
 #: True inside a call whose inputs were already checked over a group that contains every group a nested
 #: patched call would check (a CFG/data-parallel pipeline's transformer call around its sequence-parallel
-#: forward): the nested check is skipped, its ranks slice the same agreed inputs the same way.
+#: forward): the nested check is skipped, its ranks slice the same agreed inputs the same way. Checking the
+#: widest group first also matters when inputs differ: every rank raises at the same check, instead of one
+#: subgroup raising while the others wait for it in a wider one.
 _AGREED: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_inputs_agreed", default=False)
 
 
@@ -315,6 +318,34 @@ def inputs_agreed() -> Iterator[None]:
         yield
     finally:
         _AGREED.reset(token)
+
+
+def install_call_guard(
+    patch: Any, module: Any, group: Any, what: str, extra: Callable[[], dict[str, Any]] | None = None
+) -> None:
+    """Check every call of ``module`` over ``group`` before anything else runs, and mark it agreed.
+
+    A forward pre-hook placed first (before the split hooks of any family) runs :func:`check_same_inputs`
+    on the call's arguments plus ``extra()`` (settings read at call time), then sets the agreed mark for the
+    rest of the call (nested checks over subgroups are skipped); an always-called forward hook clears it,
+    also when the call raises.
+    """
+    tokens: list[contextvars.Token] = []
+
+    def check_call(_module: Any, args: tuple, kwargs: dict) -> None:
+        named = named_arguments(type(module).forward, (module, *args), kwargs)
+        named.pop("self", None)
+        if extra is not None:
+            named.update(extra())
+        check_same_inputs(named, group, what=what)
+        tokens.append(_AGREED.set(True))
+
+    def clear_mark(_module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
+        if tokens:
+            _AGREED.reset(tokens.pop())
+
+    patch.add_forward_pre_hook(module, check_call, prepend=True)
+    patch.add_forward_hook(module, clear_mark, always_call=True)
 
 
 def named_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -46,7 +46,7 @@ import torch
 from ..core.config import ModelFacts, ParallelConfig
 from ..core.registry import PatchFamily
 from ..distributed import runtime
-from ..distributed.agreement import check_same_inputs, inputs_agreed, named_arguments
+from ..distributed.agreement import install_call_guard
 from ..distributed.collectives import all_gather, even_sizes
 
 __all__ = ["BATCHED_CFG_PIPELINES", "PER_SAMPLE_ARGS", "PipelineParallel", "TWO_CALL_CFG_PIPELINES"]
@@ -148,8 +148,6 @@ class _ParallelForward:
         mode: ``"two_call"``, ``"batched"`` or ``None`` (no CFG parallel).
         cfg_group, data_group: Process groups (``None`` when the degree is 1).
         state: Shared call state of the pipeline.
-        world_group: Every rank of the plan: they run the same pipeline call, so each transformer call
-            first checks that all were given the same arguments and pipeline settings (``check_inputs``).
     """
 
     def __init__(
@@ -161,12 +159,8 @@ class _ParallelForward:
         cfg_group: Any,
         data_group: Any,
         state: _State,
-        world_group: Any = None,
-        check_inputs: bool = True,
     ) -> None:
         self.model = model
-        self.world_group = world_group
-        self.check_inputs = check_inputs
         self.original = original
         self.pipe = pipe
         self.mode = mode
@@ -254,31 +248,7 @@ class _ParallelForward:
         return all_gather(local, dim=0, group=group, sizes=sizes)
 
     # -- the call ---------------------------------------------------------------------------------------
-    def _check_same_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Every rank runs the same pipeline call: same transformer arguments, guidance and timesteps."""
-        if not self.check_inputs or self.world_group is None:
-            return
-        named = named_arguments(type(self.model).forward, (self.model, *args), kwargs)
-        named.pop("self", None)
-        pipe = self.pipe
-        try:
-            guiding = bool(getattr(pipe, "do_classifier_free_guidance", False))
-        except Exception:  # a property reading state this pipeline has not set
-            guiding = None
-        named["pipeline guidance_scale"] = getattr(pipe, "_guidance_scale", None)
-        named["pipeline do_classifier_free_guidance"] = guiding
-        named["pipeline scheduler timesteps"] = getattr(getattr(pipe, "scheduler", None), "timesteps", None)
-        named["transformer cache_context"] = self.context
-        check_same_inputs(named, self.world_group, what=f"{type(pipe).__name__} call of {self.name}")
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_same_inputs(args, kwargs)
-        with inputs_agreed():  # the sequence-parallel ranks inside slice these agreed inputs alike
-            if self.mode is None and self.data_group is None:  # sequence parallel only: nothing to split
-                return self.original(*args, **kwargs)
-            return self._call(args, kwargs)
-
-    def _call(self, args: tuple, kwargs: dict) -> Any:
         bound = self._bind(args, kwargs)
         return_dict = bound.arguments.get("return_dict", True)
         batch = self._batch(bound)
@@ -476,8 +446,9 @@ class PipelineParallel(PatchFamily):
             # diffusers reads the whole dict on every progress_bar(); set a new one so the old one comes back.
             current = getattr(target, "_progress_bar_config", {})
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
-        check_inputs = bool(options["check_inputs"])
-        if config.cfg == 1 and config.data == 1 and (config.world_size == 1 or not check_inputs):
+        if config.world_size > 1 and options["check_inputs"]:
+            self._guard_transformer_calls(target, patch, mesh.group("world"))
+        if config.cfg == 1 and config.data == 1:
             return
         mode = _cfg_mode(target) if config.cfg == 2 else None
         state = _State()
@@ -493,8 +464,6 @@ class PipelineParallel(PatchFamily):
                     mesh.group("cfg"),
                     mesh.group("data"),
                     state,
-                    world_group=mesh.group("world"),
-                    check_inputs=check_inputs,
                 ),
             )
             if mode == "two_call":
@@ -525,3 +494,24 @@ class PipelineParallel(PatchFamily):
         if mode == "two_call":
             patch.wrap_method(target, "progress_bar", reset)
             patch.wrap_method(target, "maybe_free_model_hooks", check_done)
+
+    @staticmethod
+    def _guard_transformer_calls(pipe: Any, patch: Any, world_group: Any) -> None:
+        """Every rank runs the same pipeline call: each transformer call first checks, over all ranks of the
+        plan, its arguments and the pipeline settings it depends on (guidance, timesteps)."""
+        for model in _transformers(pipe):
+
+            def settings() -> dict[str, Any]:
+                try:
+                    guiding = bool(getattr(pipe, "do_classifier_free_guidance", False))
+                except Exception:  # a property reading state this pipeline has not set
+                    guiding = None
+                scheduler = getattr(pipe, "scheduler", None)
+                return {
+                    "pipeline guidance_scale": getattr(pipe, "_guidance_scale", None),
+                    "pipeline do_classifier_free_guidance": guiding,
+                    "pipeline scheduler timesteps": getattr(scheduler, "timesteps", None),
+                }
+
+            what = f"{type(pipe).__name__} call of {type(model).__name__}"
+            install_call_guard(patch, model, world_group, what, extra=settings)
