@@ -1,4 +1,4 @@
-"""Peak memory of a pixel-loss training step: one-shot decode vs the seed's chunked loop vs hfpatch.
+"""Peak memory of a pixel-loss training step: one-shot decode vs a plain per-chunk decode loop without checkpointing vs hfpatch.
 
 Measures peak live tensor bytes (``hfpatch.testing.memory.track_memory``: tensors created during the step,
 parameters and inputs excluded) over forward + backward of the pixel loss, with a frozen tiny VAE and

@@ -5,7 +5,11 @@ in chunks, so the batch size (the number of in-batch negatives) is not limited b
 Runs on CPU in seconds with the tiny random-weight model from ``hfpatch.testing``:
 
     python examples/gradcache_accelerate.py --lora --checkpointing
-    accelerate launch --num_processes 2 examples/gradcache_accelerate.py   # DDP, cross-rank negatives
+    # DDP over 2 CPU processes, cross-rank negatives ("over 32 pairs"); on GPUs drop ACCELERATE_USE_CPU=true
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/gradcache_accelerate.py
+
+Without GPUs, ``accelerate launch --num_processes 2`` starts one process; ``--multi_gpu`` starts two, but
+without ``ACCELERATE_USE_CPU=true`` accelerate reports one process in each (no DDP, no cross-rank negatives).
 
 For a real model swap in ``Qwen3VLModel.from_pretrained(...)`` and a collator built on its processor; the
 batch layout (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``)

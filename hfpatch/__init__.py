@@ -7,20 +7,55 @@
 >>> patch.plan
 ParallelConfig(data=1, cfg=1, ring=1, ulysses=1, vae=1)
 >>> patch.remove()
+
+``import hfpatch`` itself imports no torch: the public names load on first access, so the ``hfpatch``
+command (``--help``, ``--version``) starts in a fraction of a second.
 """
 
-from .core.apply import apply, get_patch
-from .core.config import ModelFacts, ParallelConfig
-from .core.patch import Patch, PatchError
-from .core.registry import PatchFamily, default_registry
-from .distributed.gradients import all_reduce_gradients
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .core.apply import apply, get_patch
+    from .core.config import ModelFacts, ParallelConfig
+    from .core.patch import Patch, PatchError
+    from .core.registry import PatchFamily
+    from .distributed.gradients import all_reduce_gradients
 
 __version__ = "0.1.0"
+
+# Public name -> the submodule that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "apply": ".core.apply",
+    "get_patch": ".core.apply",
+    "ModelFacts": ".core.config",
+    "ParallelConfig": ".core.config",
+    "Patch": ".core.patch",
+    "PatchError": ".core.patch",
+    "PatchFamily": ".core.registry",
+    "all_reduce_gradients": ".distributed.gradients",
+}
 
 
 def register_patch(class_key: str, family: type[PatchFamily] | str) -> None:
     """Register a patch family for a class (``"diffusers.MyTransformer"``); see :class:`PatchFamily`."""
+    from .core.registry import default_registry
+
     default_registry().register(class_key, family)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

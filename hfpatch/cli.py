@@ -4,8 +4,10 @@
 * ``hfpatch selftest [--nproc N]``: collectives and ``usp_attention`` exactness on N local gloo ranks.
 * ``hfpatch bench [NAME]``: list, or run, the scripts in ``benchmarks/`` of a source checkout.
 * ``hfpatch info``: versions, device, world size and the registered patch families.
+* ``hfpatch --version``.
 
-Each prints its report and exits with status 0 on success, 1 on a failed check.
+Each prints its report and exits with status 0 on success, 1 on a failed check, 2 on a usage error
+(arguments are checked before any rank starts). Parsing imports no torch, so ``--help`` is instant.
 
 >>> from hfpatch.cli import build_parser
 >>> build_parser().parse_args(["selftest", "--nproc", "4"]).nproc
@@ -16,35 +18,78 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from . import __version__
 
 __all__ = ["benchmark_dir", "benchmarks", "build_parser", "info_lines", "main"]
 
 _PACKAGES = ("hfpatch", "torch", "diffusers", "transformers", "peft", "accelerate", "xformers")
 
 
+def _int_in_range(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type=``: an int ``>= low`` (and ``<= high``, the reason for that bound in ``why``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}: {why}")
+        return value
+
+    return parse
+
+
+def _tolerance(text: str) -> float:
+    """An argparse ``type=``: a finite float ``>= 0``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEFAULT_ATOL
+    """The ``hfpatch`` argument parser (imports no torch)."""
+    from .demo import DEFAULT_ATOL, MAX_DEMO_NPROC, MAX_SELFTEST_NPROC, demo_limit_reason
 
     parser = argparse.ArgumentParser(
         prog="hfpatch", description="Patch stock Hugging Face models to scale across GPUs and fit in memory."
     )
+    parser.add_argument("--version", action="version", version=f"hfpatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
         help="run the tiny Wan pipeline unpatched and with hfpatch.apply(pipe, parallel=N) on N CPU ranks",
         description="Run the tiny Wan pipeline unpatched and with hfpatch.apply(pipe, parallel=N) on N local "
-        "CPU processes (gloo); report the difference, the plan, peak activation memory and bytes sent per rank. "
-        "Exits with status 1 when an output differs from the unpatched one by more than --atol.",
+        "CPU processes (gloo); report the difference, the plan and how exact each of its paths is, peak "
+        "activation memory and bytes sent per rank. Exits with status 1 when an output differs from the "
+        "unpatched one by more than --atol.",
     )
-    demo.add_argument("--nproc", type=int, default=2, help="number of local ranks (default: 2)")
-    demo.add_argument("--steps", type=int, default=2, help="denoising steps (default: 2)")
     demo.add_argument(
-        "--atol", type=float, default=DEFAULT_ATOL, help=f"pixel tolerance (default: {DEFAULT_ATOL})"
+        "--nproc",
+        type=_int_in_range(1, MAX_DEMO_NPROC, demo_limit_reason()),
+        default=2,
+        help=f"number of local ranks, 1 to {MAX_DEMO_NPROC} (default: 2); more ranks than CPU cores is fine, "
+        "they share the cores",
+    )
+    demo.add_argument("--steps", type=_int_in_range(1), default=2, help="denoising steps, >= 1 (default: 2)")
+    demo.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=DEFAULT_ATOL,
+        help=f"pixel tolerance, >= 0 (default: {DEFAULT_ATOL}; the outputs differ by fp32 reassociation only)",
     )
     selftest = commands.add_parser(
         "selftest",
@@ -53,7 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         "usp_attention with Ulysses, Ring (and both when N factors) against SDPA on the full sequence. Prints "
         "PASS/FAIL per check; exits with status 1 when one fails.",
     )
-    selftest.add_argument("--nproc", type=int, default=2, help="number of local ranks (default: 2)")
+    selftest.add_argument(
+        "--nproc",
+        type=_int_in_range(
+            1,
+            MAX_SELFTEST_NPROC,
+            "selftest starts one local Python process per rank (each imports torch, about 0.2 GiB of memory) "
+            f"and caps them at {MAX_SELFTEST_NPROC}; the checks themselves work for any number of ranks",
+        ),
+        default=2,
+        help=f"number of local ranks, 1 to {MAX_SELFTEST_NPROC} (default: 2); more ranks than CPU cores is "
+        "fine, they share the cores",
+    )
     bench = commands.add_parser(
         "bench",
         help="list, or run, the benchmark scripts of an hfpatch source checkout",

@@ -162,6 +162,7 @@ def apply(
                 if family.split_axis is not None and mesh.size(family.split_axis) > 1:
                     child.reduce_group = mesh.group(family.split_axis)
             child.set_attr(obj, MARKER, child)
+            child.refuse_copies(obj)
     except BaseException as exc:
         try:
             top.remove()

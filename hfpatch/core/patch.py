@@ -215,6 +215,23 @@ class Patch:
         shown = lines[:40] + ([f"... {len(lines) - 40} more"] if len(lines) > 40 else [])
         return head + ",\n  " + "\n  ".join(shown) + ")"
 
+    def refuse_copies(self, obj: Any) -> None:
+        """Make ``copy.deepcopy(obj)``, ``pickle``/``torch.save(obj)`` raise this patch's clear ``TypeError``.
+
+        ``copy`` and ``pickle`` look ``__deepcopy__``/``__reduce_ex__`` up on the instance, so two instance
+        attributes (removed with the patch) stop them at ``obj`` itself, before they reach hooks and wrapped
+        methods that would fail with "Can't pickle local object" or "cannot pickle ProcessGroup".
+        """
+
+        def refuse_deepcopy(memo: dict) -> Any:
+            raise self._copy_error("deepcopy")
+
+        def refuse_pickle(protocol: int) -> Any:
+            raise self._copy_error("pickle (torch.save)")
+
+        self.set_attr(obj, "__deepcopy__", refuse_deepcopy)
+        self.set_attr(obj, "__reduce_ex__", refuse_pickle)
+
     def __deepcopy__(self, memo: dict) -> Patch:
         raise self._copy_error("deepcopy")
 

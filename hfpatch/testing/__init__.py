@@ -1,18 +1,105 @@
 """Public testing support: tiny random-weight stock HF models, a multi-rank runner and a memory tracker.
 
-Everything here runs on CPU without hub access; demos, examples and the test-suite use it.
+Everything here runs on CPU without hub access, in well under a second per model; demos, examples and the
+test-suite use it. Every builder seeds its own generator (``seed=``), so the same call gives the same
+weights on every rank. The model builders import diffusers/transformers only when first used.
+
+Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
+
+* VAEs: :func:`tiny_wan_vae` (``AutoencoderKLWan``, ``"2.1"`` or ``"2.2"``),
+  :func:`tiny_autoencoder_kl` (``AutoencoderKL``).
+* Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
+  :func:`tiny_cogvideox_transformer`.
+* Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`.
+* Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
+  processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
+* Text encoders: :func:`tiny_bert`.
+
+Running and measuring:
+
+* :func:`run_ranks` (one-shot) and :class:`RankPool` (N ranks kept alive): run a module-level function on
+  N local gloo ranks and collect each rank's result; :class:`RankError` carries the ranks' tracebacks.
+* :func:`track_memory`: peak bytes of the tensors created inside a ``with`` block, on any device.
+* :mod:`hfpatch.testing.tolerance` (import it by name): tolerances for "patched equals unpatched" derived
+  from fp32 rounding.
+
+>>> import torch
+>>> from hfpatch.testing import tiny_wan_vae, track_memory
+>>> vae = tiny_wan_vae("2.1")
+>>> with torch.no_grad(), track_memory() as mem:
+...     video = vae.decode(torch.zeros(1, 4, 1, 4, 4)).sample
+>>> tuple(video.shape), mem.peak_bytes > 0
+((1, 3, 1, 32, 32), True)
 """
 
-from .runner import RankError, RankPool, run_ranks
+from __future__ import annotations
 
-__all__ = ["RankError", "RankPool", "run_ranks"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .memory import track_memory
+    from .models import (
+        qwen2_vl_inputs,
+        qwen3_vl_inputs,
+        tiny_autoencoder_kl,
+        tiny_bert,
+        tiny_cogvideox_transformer,
+        tiny_flux_pipe,
+        tiny_flux_transformer,
+        tiny_qwen2_5_vl,
+        tiny_qwen2_vl,
+        tiny_qwen3_vl,
+        tiny_sd3_pipe,
+        tiny_sd3_transformer,
+        tiny_wan_pipe,
+        tiny_wan_transformer,
+        tiny_wan_vae,
+        wan_prompt_embeds,
+    )
+    from .runner import RankError, RankPool, run_ranks
+
+# The public names, imported from their submodule on first access (PEP 562): the model builders pull in
+# diffusers/transformers, which ``import hfpatch.testing`` must not. Every name of ``models.__all__`` is
+# here (a test checks it); the ones not from ``.models`` are in ``_SUBMODULE``.
+__all__ = [
+    "RankError",
+    "RankPool",
+    "qwen2_vl_inputs",
+    "qwen3_vl_inputs",
+    "run_ranks",
+    "tiny_autoencoder_kl",
+    "tiny_bert",
+    "tiny_cogvideox_transformer",
+    "tiny_flux_pipe",
+    "tiny_flux_transformer",
+    "tiny_qwen2_5_vl",
+    "tiny_qwen2_vl",
+    "tiny_qwen3_vl",
+    "tiny_sd3_pipe",
+    "tiny_sd3_transformer",
+    "tiny_wan_pipe",
+    "tiny_wan_transformer",
+    "tiny_wan_vae",
+    "track_memory",
+    "wan_prompt_embeds",
+]
+_SUBMODULE = {
+    "RankError": ".runner",
+    "RankPool": ".runner",
+    "run_ranks": ".runner",
+    "track_memory": ".memory",
+}
 
 
-def __getattr__(name: str):
-    # Model factories import diffusers/transformers: load them only when asked for.
-    import importlib
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SUBMODULE.get(name, ".models"), __name__), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
 
-    models = importlib.import_module(f"{__name__}.models")
-    if name in models.__all__:
-        return getattr(models, name)
-    raise AttributeError(f"module 'hfpatch.testing' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
