@@ -28,7 +28,9 @@ def all_reduce_gradients(
         tensors: A module, or an iterable of tensors/modules whose ``.grad`` to reduce.
         group_or_patch: A process group, or the :class:`hfpatch.Patch` of the module (its ``reduce_group``:
             the ``sp`` group of a sequence-parallel transformer, the ``vae`` group of a split VAE), or
-            ``None`` (a degree-1 mesh axis: nothing to do). Default: the live patch of the modules given.
+            ``None`` (a degree-1 mesh axis: nothing to do). Default: the live patch of the modules given,
+            found through DDP/FSDP/DataParallel and ``torch.compile`` wrappers (what
+            ``accelerator.prepare`` returns works as it is).
 
     Raises:
         ValueError: torch.distributed runs more than one rank but no group could be found (an unpatched
@@ -86,8 +88,11 @@ def _resolve_group(items: list[Any], group_or_patch: Any) -> Any:
     if group_or_patch is not _FROM_PATCH:
         return getattr(group_or_patch, "reduce_group", group_or_patch)
     from ..core.apply import get_patch
+    from ..core.wrappers import unwrap_model
 
-    groups = {id(p.reduce_group): p.reduce_group for item in items if (p := get_patch(item)) is not None}
+    # DDP/FSDP (accelerator.prepare) and torch.compile wrap the patched module: look the patch up inside.
+    patches = [get_patch(unwrap_model(item)) for item in items]
+    groups = {id(p.reduce_group): p.reduce_group for p in patches if p is not None}
     if len(groups) > 1:
         raise ValueError(
             "all_reduce_gradients: the modules are split over different groups; reduce each on its own"
