@@ -110,8 +110,12 @@ def _chunk_weights(start: int, length: int, device: torch.device) -> torch.Tenso
     return torch.stack([torch.bitwise_or(_mix(position + _to_int64(s)), 1) for s in (_SEED_A, _SEED_B)])
 
 
-def content_digest(x: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit digests of the exact bits of ``x`` (its values in order), computed on ``x``'s device.
+def content_digest(x: torch.Tensor, *, on_device: bool | None = None) -> tuple[int, int]:
+    """Two 64-bit digests of the exact bits of ``x`` (its values in order).
+
+    CPU tensors are hashed with BLAKE2b over their bytes (no tensor temporaries, ~1 GB/s); tensors on an
+    accelerator with the weighted word sum on the device (no copy to the host). ``on_device=True`` forces
+    the device path (tests run it on CPU).
 
     >>> import torch
     >>> a = torch.arange(6.0)
@@ -119,6 +123,12 @@ def content_digest(x: torch.Tensor) -> tuple[int, int]:
     (True, False)
     """
     words = _words(x)
+    if not (words.device.type != "cpu" if on_device is None else on_device):
+        raw = hashlib.blake2b(words.numpy().tobytes() if words.numel() else b"", digest_size=16).digest()
+        return (
+            int.from_bytes(raw[:8], "little", signed=True),
+            int.from_bytes(raw[8:], "little", signed=True),
+        )
     digest = torch.zeros(2, dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK):
         chunk = words[start : start + _CHUNK].to(torch.int64)
@@ -200,16 +210,14 @@ def _fold(rows: Sequence[list[int]]) -> list[int]:
 def describe_inputs(named: Mapping[str, Any]) -> torch.Tensor:
     """The ``(SLOTS, FIELDS)`` int64 table of a call's arguments (CPU); see the module docstring."""
     names = sorted(named)
-    table = torch.zeros(SLOTS, FIELDS, dtype=torch.int64)
+    table = [[0] * FIELDS for _ in range(SLOTS)]
     groups = [[n] for n in names[: SLOTS - 1]] + ([names[SLOTS - 1 :]] if len(names) >= SLOTS else [])
     for slot, group in enumerate(groups):
         rows = [_leaf_row(leaf) for name in group for _, leaf in _leaves(named[name], name)] or [
             _leaf_row(())
         ]
-        name = group[0] if len(group) == 1 else "+".join(group)
-        table[slot, _NAME] = _hash(name)
-        table[slot, 1:] = torch.tensor(_fold(rows), dtype=torch.int64)
-    return table
+        table[slot] = [_hash(group[0] if len(group) == 1 else "+".join(group)), *_fold(rows)]
+    return torch.tensor(table, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------- check
