@@ -13,9 +13,14 @@ and too tight for an ill-conditioned one. So the suite measures the rounding sca
   (both fp32 results sit within about one noise of the fp64 one, so their distance is about two; ten leaves
   room for the tail of the error distribution) and never below ``FLOOR_ULPS`` units of roundoff of the
   output scale (where both are single roundings, e.g. a model with few reductions).
+* :func:`low_precision_tol` -- for two bf16/fp16 results that differ in summation order: they share most
+  roundings, so their gap is bounded by the reduced-precision result's own noise against fp64 (factor 1).
 * :func:`summation_tol` -- for a single reduction of ``terms`` values: two summation orders differ by at
   most ``(terms - 1) * eps`` times the sum of magnitudes (the textbook recursive-summation bound, applied to
   both orders).
+* :func:`attention_tol` -- for one softmax attention (and its log-sum-exp) computed in two orders (keys in
+  blocks merged by their log-sum-exp, a fused kernel against matmuls): the same bound carried through the
+  scores, the normaliser and the weighted sum of values.
 
 Errors are relative to a scale (the reference's largest magnitude unless given), so the same tolerance fits
 outputs of size 1 and gradients of size 100.
@@ -42,7 +47,9 @@ __all__ = [
     "FLOOR_ULPS",
     "MAX_NOISE",
     "NOISE_FACTOR",
+    "attention_tol",
     "eps",
+    "low_precision_tol",
     "reassociation_tol",
     "rel_error",
     "rounding_noise",
@@ -101,6 +108,20 @@ def reassociation_tol(
     return max(factor * noise, floor_ulps * eps(dtype))
 
 
+def low_precision_tol(noise: float, dtype: torch.dtype) -> float:
+    """Relative tolerance for two reduced-precision results (bf16/fp16 autocast) that differ only in summation
+    order, e.g. chunked against one-shot: ``noise``, at least ``FLOOR_ULPS`` units of roundoff of ``dtype``.
+
+    ``noise`` is the reduced-precision reference against fp64 (same weights and inputs): the effect of all its
+    roundings to ``dtype``. Both results round the same values the same way except where an fp32
+    reassociation flips a rounding (one ulp of ``dtype``, then carried through the model): a subset of those
+    roundings, so their gap is about ``noise`` at most. ``NOISE_FACTOR`` times it would allow ten times the
+    whole reduced-precision error, which bounds nothing. ``dtype`` is that of the compared values' last
+    rounding (bf16 for gradients through bf16 matmuls; float32 for a loss reduced in fp32).
+    """
+    return max(noise, FLOOR_ULPS * eps(dtype))
+
+
 def summation_tol(terms: int, dtype: torch.dtype = torch.float32) -> float:
     """Bound on two summation orders of ``terms`` values, relative to the sum of their magnitudes.
 
@@ -108,6 +129,58 @@ def summation_tol(terms: int, dtype: torch.dtype = torch.float32) -> float:
     most ``(terms - 1) * eps * sum|x|``.
     """
     return max(terms - 1, 1) * eps(dtype)
+
+
+def attention_tol(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, float]:
+    """Absolute bounds ``(out, lse)`` on two evaluations of ``softmax(scale * q k^T) v`` and of its log-sum-exp
+    that differ only in summation order (keys split into blocks and merged, a fused kernel against matmuls).
+
+    ``q``, ``k``, ``v`` are ``[..., S, D]`` (SDPA's layout), ``n = k.shape[-2]`` keys of ``D`` channels;
+    ``dtype`` is the dtype of the arithmetic (default: ``q``'s, at least float32: half-precision kernels
+    accumulate in float32 and the caller adds their roundings to half precision). With ``u = eps / 2`` per
+    rounding, each bound below is for both orders together (twice one order's worst case):
+
+    * a score ``scale * q.k`` sums ``D`` products and is scaled once: it errs by at most
+      ``ds = (D + 1) * eps * scale * A``, ``A`` the largest ``sum_d |q_d k_d|``;
+    * the log-sum-exp: that score error, ``n`` roundings of the normaliser sum, up to ``n`` rescalings by a
+      new running maximum (online softmax, block merges), the exp/log roundings and the rounding of ``lse``
+      itself (``|lse|`` ulps): ``dlse = ds + (3n + 2 + max|lse|) * eps``;
+    * a probability ``exp(s - lse)`` then errs by ``ds + dlse`` (plus 2 roundings) relative, and the output
+      sums ``n`` probability-weighted values (``n`` roundings of at most ``max|v|``) and is normalised once:
+      ``dout = max|v| * (2 ds + (4n + 5 + max|lse|) * eps)``.
+
+    A worst case over every sum, so it holds on any kernel and blocking (``ATEN_CPU_CAPABILITY``), typically
+    10-100x above what two orders really differ by; wrong rows, keys or scales are off by O(max|v|).
+
+    >>> import torch
+    >>> from hfpatch.testing.tolerance import attention_tol
+    >>> q, k, v = (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    >>> scores = q @ k.mT * 8**-0.5
+    >>> full, full_lse = torch.softmax(scores, -1) @ v, scores.logsumexp(-1)
+    >>> blocks = [(scores[..., s], v[:, s]) for s in (slice(0, 2), slice(2, 5))]  # two key blocks, merged
+    >>> lses = [s.logsumexp(-1, keepdim=True) for s, _ in blocks]
+    >>> lse = torch.logaddexp(*lses)
+    >>> merged = sum((s - lse).exp() @ vb for s, vb in blocks)
+    >>> out_tol, lse_tol = attention_tol(q, k, v)
+    >>> bool((merged - full).abs().max() <= out_tol), bool((lse[..., 0] - full_lse).abs().max() <= lse_tol)
+    (True, True)
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = torch.promote_types(q.dtype, torch.float32) if dtype is None else dtype
+    n, d, e = k.shape[-2], q.shape[-1], eps(dtype)
+    q64, k64 = q.detach().double(), k.detach().double()
+    magnitude = (q64.abs() @ k64.abs().transpose(-1, -2)).max().item()  # A: largest sum_d |q_d k_d|
+    lse = (q64 @ k64.transpose(-1, -2) * scale).logsumexp(-1).abs().max().item()
+    ds = (d + 1) * e * scale * magnitude
+    lse_tol = ds + (3 * n + 2 + lse) * e
+    out_tol = v.detach().abs().max().item() * (2 * ds + (4 * n + 5 + lse) * e)
+    return out_tol, lse_tol
 
 
 def to_fp64(value: Any) -> Any:

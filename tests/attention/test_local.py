@@ -1,7 +1,12 @@
 """Local kernels, the backend registry, the online-softmax merge and single-process ring attention.
 
-Tolerances: fp32 kernels vs SDPA differ only in summation order (1e-6 on O(1) values); gradcheck runs in
-float64 with its default tolerances.
+Tolerances (``hfpatch.testing.tolerance``): a kernel against SDPA, or key blocks merged against one block,
+computes the same attention in another summation order, so forward results are compared within
+``attention_tol`` (the two-order bound of every sum: ulps of the scores and values times the number of keys
+and channels). Backward chains are longer, so gradients are compared within ``reassociation_tol`` of the
+fp32 SDPA gradients' own rounding noise against fp64. bf16 results are compared with exact (fp64) attention
+of the same bf16-rounded inputs, within the bf16 roundings the kernel makes (``eps(bfloat16)`` times the
+magnitudes each rounding scales). gradcheck runs in float64 with its default tolerances.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from hfpatch.attention.local import (
     register_backend,
     resolve_backend,
 )
+from hfpatch.testing.tolerance import attention_tol, eps, reassociation_tol, rel_error, rounding_noise
 
 CPU_BACKENDS = ["math", "flash_cpu"]
 
@@ -33,6 +39,39 @@ def _sdpa_bshd(q, k, v):
     return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
 
 
+def _bhsd(*tensors):
+    return [t.transpose(1, 2) for t in tensors]
+
+
+def _bf16_grad_bounds(q, k, v, dout, out=None, lse=None, scale=None) -> tuple[float, float, float]:
+    """Largest errors of bf16 ``(dq, dk, dv)`` of one key block against exact attention of the same bf16 values.
+
+    bhsd tensors; ``out``/``lse`` are the global forward results (default: this block's own). A bf16 flash
+    backward accumulates in fp32 but rounds to bf16 (``u = eps / 2`` relative each): the probabilities ``P``,
+    ``dS = P (dO v^T - delta)``, and the outputs; ``delta = rowsum(dO * out)`` uses the bf16-rounded ``out``.
+    So ``|error dS| <= E = 2u |dS| + u P rowsum(|dO| |out|)`` and, with ``dq = scale dS k``,
+    ``dk = scale dS^T q``, ``dv = P^T dO``: ``|error| <= scale E |k| + u |dq|``, ``scale E^T |q| + u |dk|``,
+    ``u P^T |dO| + u |dv|``, computed here in fp64. (fp32 accumulation adds ``(n + D) eps(fp32)`` of the same
+    magnitudes: ~1e-4 of these bounds, left out.)
+    """
+    u = eps(torch.bfloat16) / 2
+    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.mT * scale
+    lse = scores.logsumexp(-1) if lse is None else lse.double()
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    out = probs @ v if out is None else out.detach().double()
+    dscores = probs * (dout @ v.mT - (dout * out).sum(-1, keepdim=True))
+    error = 2 * u * dscores.abs() + u * probs * (dout.abs() * out.abs()).sum(-1, keepdim=True)
+    dq, dk, dv = scale * dscores @ k, scale * dscores.mT @ q, probs.mT @ dout
+    bounds = (
+        scale * error @ k.abs() + u * dq.abs(),
+        scale * error.mT @ q.abs() + u * dk.abs(),
+        u * probs.mT @ dout.abs() + u * dv.abs(),
+    )
+    return tuple(b.max().item() for b in bounds)
+
+
 def test_available_backends_on_cpu_lists_math_and_flash():
     assert set(CPU_BACKENDS) <= set(available_backends("cpu", torch.float32))
     assert resolve_backend("auto", "cpu", torch.float32).name == "flash_cpu"
@@ -43,8 +82,12 @@ def test_local_attention_backend_matches_sdpa_and_logsumexp(backend):
     q, k, v = _qkv()
     out, lse = local_attention(q, k, v, scale=0.3, backend=backend)
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
-    assert (out - F.scaled_dot_product_attention(q, k, v, scale=0.3)).abs().max() <= 1e-6
-    assert lse.dtype == torch.float32 and (lse - scores.logsumexp(-1)).abs().max() <= 1e-6
+    out_tol, lse_tol = attention_tol(q, k, v, scale=0.3)  # same attention, other summation order
+    out_err = (out - F.scaled_dot_product_attention(q, k, v, scale=0.3)).abs().max().item()
+    lse_err = (lse - scores.logsumexp(-1)).abs().max().item()
+    print(f"{backend}: out {out_err:.2e} / {out_tol:.2e}, lse {lse_err:.2e} / {lse_tol:.2e}")
+    assert out_err <= out_tol
+    assert lse.dtype == torch.float32 and lse_err <= lse_tol
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -53,27 +96,38 @@ def test_local_attention_backward_blocks_sum_to_autograd_grads(backend):
     ref = F.scaled_dot_product_attention(q, k, v)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     ref.backward(dout)
+    exact = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    F.scaled_dot_product_attention(*exact).backward(dout.double())
     with torch.no_grad():
         out, lse = local_attention(q, k, v, backend=backend)
         parts = [local_attention_backward(dout, q, k[:, :, s], v[:, :, s], out, lse, backend=backend) for s in
                  (slice(0, 4), slice(4, 9))]  # fmt: skip
 
-    # Per-block recompute of the probabilities (exp(s - lse)) and the sum of two partial dq's reassociate a
-    # few fp32 roundings per element: 16 ulps of the largest gradient (measured 2-6 ulps over seeds).
-    def tol(grad):
-        return 16 * torch.finfo(torch.float32).eps * grad.abs().max()
-
-    assert (sum(p[0] for p in parts) - q.grad).abs().max() <= tol(q.grad)
-    assert (torch.cat([p[1] for p in parts], 2) - k.grad).abs().max() <= tol(k.grad)
-    assert (torch.cat([p[2] for p in parts], 2) - v.grad).abs().max() <= tol(v.grad)
+    # Per-block recompute of the probabilities (exp(s - lse)) and the sum of two partial dq's only reorder
+    # fp32 sums: each gradient within reassociation_tol of the SDPA gradient's own fp32-vs-fp64 noise.
+    blocks = (
+        sum(p[0] for p in parts),
+        torch.cat([p[1] for p in parts], 2),
+        torch.cat([p[2] for p in parts], 2),
+    )
+    for name, got, mine, full in zip(("dq", "dk", "dv"), blocks, (q, k, v), exact):
+        error, tol = rel_error(got, mine.grad), reassociation_tol(rounding_noise(mine.grad, full.grad))
+        print(f"{backend} {name}: {error:.2e} / {tol:.2e}")
+        assert error <= tol, (name, error, tol)
 
 
 def test_local_attention_flash_cpu_bfloat16_close_to_float32():
-    q, k, v = _qkv()
-    out, lse = local_attention(*(t.bfloat16() for t in (q, k, v)), backend="flash_cpu")
+    q, k, v = (t.bfloat16() for t in _qkv())
+    out, lse = local_attention(q, k, v, backend="flash_cpu")
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    # bf16 inputs carry ~3 significant digits; 3e-2 on O(1) outputs.
-    assert (out.float() - F.scaled_dot_product_attention(q, k, v)).abs().max() <= 3e-2
+    # Against exact attention of the same bf16 values: the kernel accumulates in fp32 and rounds twice to
+    # bf16, the probabilities before P @ v and the output, each by u = eps(bf16) / 2 of at most max|v|; plus
+    # its fp32 reassociation (attention_tol).
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    tol = eps(torch.bfloat16) * v.abs().max().item() + attention_tol(q, k, v)[0]
+    error = (out.double() - exact).abs().max().item()
+    print(f"bf16 out {error:.2e} / {tol:.2e}")
+    assert error <= tol
 
 
 def test_resolve_backend_unknown_or_unsupported_raises_with_choices():
@@ -94,10 +148,11 @@ def test_register_backend_taken_name_raises():
 def test_merge_blocks_any_split_equals_one_block():
     q, k, v = _qkv(sk=10)
     ref, ref_lse = local_attention(q, k, v)
+    out_tol, lse_tol = attention_tol(q, k, v)  # merging blocks reorders the sums over keys
     for cuts in ([0, 10], [0, 3, 10], [0, 1, 2, 7, 10]):
         blocks = [local_attention(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
         out, lse = merge_blocks(blocks[::-1])  # order only changes rounding
-        assert (out - ref).abs().max() <= 1e-6 and (lse - ref_lse).abs().max() <= 1e-6
+        assert (out - ref).abs().max() <= out_tol and (lse - ref_lse).abs().max() <= lse_tol
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -117,8 +172,10 @@ def test_ring_attention_single_rank_gradcheck_with_joint_and_padding(backend):
 
     assert torch.autograd.gradcheck(fn, (q, k, v, jq, jk, jv))
     out, joint_out = fn(q, k, v, jq, jk, jv)
-    ref = _sdpa_bshd(torch.cat([jq, q], 1), torch.cat([jk, k[:, :4]], 1), torch.cat([jv, v[:, :4]], 1))
-    assert (torch.cat([joint_out, out], 1) - ref).abs().max() <= 1e-12
+    cat = (torch.cat([jq, q], 1), torch.cat([jk, k[:, :4]], 1), torch.cat([jv, v[:, :4]], 1))
+    ref = _sdpa_bshd(*cat)
+    tol, _ = attention_tol(*_bhsd(*cat))  # float64: another summation order, eps = 2.2e-16
+    assert (torch.cat([joint_out, out], 1) - ref).abs().max() <= tol
 
 
 def test_usp_attention_degree_one_joint_back_equals_sdpa():
@@ -128,22 +185,34 @@ def test_usp_attention_degree_one_joint_back_equals_sdpa():
         q, k, v, ulysses_group=None, ring_group=None, joint_query=jq, joint_key=jk, joint_value=jv,
         joint_position="back",
     )  # fmt: skip
-    ref = _sdpa_bshd(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1))
-    assert (torch.cat([out, joint_out], 1) - ref).abs().max() <= 1e-6
+    cat = (torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1))
+    ref = _sdpa_bshd(*cat)
+    tol, _ = attention_tol(*_bhsd(*cat))  # the joint block merged after the image block: another order
+    assert (torch.cat([out, joint_out], 1) - ref).abs().max() <= tol
 
 
 def test_ring_attention_bfloat16_accumulates_in_float32():
-    q, k, v = (t.requires_grad_(True) for t in _qkv(sq=6, sk=6, layout="bshd"))
-    ref = _sdpa_bshd(q, k, v)
-    ref.sum().backward()
-    low = [t.detach().bfloat16().requires_grad_(True) for t in (q, k, v)]
+    low = [t.bfloat16().requires_grad_(True) for t in _qkv(sq=6, sk=6, layout="bshd")]
     out, _ = ring_attention(*low, group=None, valid_len=None)
     out.float().sum().backward()
     assert out.dtype == low[0].grad.dtype == torch.bfloat16
-    # bf16 inputs carry ~3 significant digits; softmax statistics and accumulators are float32: 3e-2.
-    assert (out.float() - ref).abs().max() <= 3e-2
-    for mine, full in zip(low, (q, k, v)):
-        assert (mine.grad.float() - full.grad).abs().max() <= 3e-2
+    # Against exact (fp64) attention of the same bf16 values. Softmax statistics and accumulators are fp32,
+    # so only roundings to bf16 remain: forward, the probabilities, the block output and the merged output,
+    # each u = eps(bf16) / 2 of at most max|v| (plus fp32 reassociation, attention_tol); backward, the
+    # roundings _bf16_grad_bounds counts. With fp32 accumulators bf16 rounding would be 100x these.
+    exact = [t.detach().double().requires_grad_(True) for t in low]
+    ref = _sdpa_bshd(*exact)
+    ref.sum().backward()
+    bhsd = _bhsd(*low)
+    out_tol = 1.5 * eps(torch.bfloat16) * low[2].abs().max().item() + attention_tol(*bhsd)[0]
+    out_err = (out.double() - ref).abs().max().item()
+    print(f"bf16 ring out {out_err:.2e} / {out_tol:.2e}")
+    assert out_err <= out_tol
+    bounds = _bf16_grad_bounds(*bhsd, torch.ones_like(bhsd[0]), out=out.transpose(1, 2))
+    for name, mine, full, tol in zip(("dq", "dk", "dv"), low, exact, bounds):
+        error = (mine.grad.double() - full.grad).abs().max().item()
+        print(f"bf16 ring {name} {error:.2e} / {tol:.2e}")
+        assert error <= tol, (name, error, tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -155,11 +224,17 @@ def test_cuda_backend_matches_math_forward_and_block_backward(name):
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     out, lse = local_attention(q, k, v, backend=name)
     ref, ref_lse = local_attention(q, k, v, backend="math")
-    # bf16 outputs (~3 significant digits); lse is float32 in both: 2e-2 and 1e-3.
-    assert (out.float() - ref.float()).abs().max() <= 2e-2 and (lse - ref_lse).abs().max() <= 1e-3
+    # Same bf16 inputs, fp32 accumulation in both (attention_tol); bf16 roundings of u = eps(bf16) / 2 of at
+    # most max|v|: the kernel's probabilities and output, math's output. lse is fp32 in both.
+    out_tol, lse_tol = attention_tol(q, k, v)
+    out_tol += 1.5 * eps(torch.bfloat16) * v.abs().max().item()
+    assert (out.float() - ref.float()).abs().max() <= out_tol and (lse - ref_lse).abs().max() <= lse_tol
     cut = 40  # a block backward with the global out/lse must give that block's share
     for s in (slice(0, cut), slice(cut, 90)):
         mine = local_attention_backward(dout, q, k[:, :, s], v[:, :, s], ref, ref_lse, backend=name)
         theirs = local_attention_backward(dout, q, k[:, :, s], v[:, :, s], ref, ref_lse, backend="math")
-        for a, b in zip(mine, theirs):
-            assert (a.float() - b.float()).abs().max() <= 5e-2
+        # The kernel's bf16 roundings (_bf16_grad_bounds) plus math's one rounding of its fp32 result.
+        bounds = _bf16_grad_bounds(q, k[:, :, s], v[:, :, s], dout, out=ref, lse=ref_lse)
+        for a, b, tol in zip(mine, theirs, bounds):
+            tol += eps(torch.bfloat16) / 2 * b.float().abs().max().item()
+            assert (a.float() - b.float()).abs().max() <= tol

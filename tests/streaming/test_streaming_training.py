@@ -14,6 +14,7 @@ from hfpatch.streaming import (
     convert_native_to_diffusers,
 )
 from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing.tolerance import eps
 
 CONFIG = StreamingConfig(num_frame_per_block=2, local_attn_size=6, sink_size=2)
 
@@ -46,7 +47,7 @@ def test_generate_next_chunk_fixed_size_overlap_and_mask_on_new_frames():
     assert new % 2 == 0 and 2 <= new <= 6 and trainer.current_length == 6 + new
     assert info1.chunk_start_frame == 6 + new - 6
     assert info1.gradient_mask.tolist() == [[False] * (6 - new) + [True] * new]
-    # The overlap is the tail of the previous chunk, unchanged.
+    # The overlap is the tail of the previous chunk, unchanged (a copy: exact).
     assert torch.equal(second[:, :, : 6 - new], first[:, :, new:])
     assert len(info1.exit_steps) == new // 2 and all(0 <= e < 3 for e in info1.exit_steps)
 
@@ -175,19 +176,36 @@ def test_converter_native_to_diffusers_loads_strict_and_round_trips():
     fresh.load_state_dict(
         convert_native_to_diffusers({"generator": {"model." + k: v for k, v in native.items()}}), strict=True
     )
+    # Renaming only: the values are copied, exact.
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
 def test_converter_merges_peft_lora_into_base_weights():
     model = tiny_wan_transformer()
-    checkpoint = _native_checkpoint(model, {"blocks.0.self_attn.q": 2, "blocks.1.ffn.0": 3}, alpha=4.0)
+    lora_modules = {"blocks.0.self_attn.q": 2, "blocks.1.ffn.0": 3}
+    checkpoint = _native_checkpoint(model, lora_modules, alpha=4.0)
+    lora = {  # diffusers weight name -> the LoRA term scale * B @ A the checkpoint subtracted from it
+        name: (4.0 / rank) * (checkpoint["generator_ema"][f"model.{module}.lora_B.default.weight"]
+                              @ checkpoint["generator_ema"][f"model.{module}.lora_A.default.weight"])
+        for module, rank in lora_modules.items()
+        for name in convert_native_to_diffusers({f"{module}.weight": torch.zeros(1)})
+    }  # fmt: skip
+    assert len(lora) == 2
     fresh = tiny_wan_transformer(seed=1)
     fresh.load_state_dict(convert_native_to_diffusers(checkpoint, lora_alpha=4.0), strict=True)
     for (name, a), b in zip(fresh.state_dict().items(), model.state_dict().values()):
-        # base + scale * B @ A recomputed in fp32: rounding of one matmul of rank <= 3.
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
-    wrong_scale = convert_native_to_diffusers(checkpoint, lora_alpha=2.0)
-    assert not torch.allclose(wrong_scale["blocks.0.attn1.to_q.weight"], model.blocks[0].attn1.to_q.weight)
+        if name not in lora:  # copied: exact
+            assert torch.equal(a, b), name
+            continue
+        # The checkpoint holds fl(W - T) and the merge computes fl(fl(W - T) + T) with the same fp32 product
+        # T = scale * B @ A (same kernel, same shapes): two roundings, each at most eps / 2 of
+        # |W| + |T|, elementwise.
+        tol = eps() * (b.abs() + lora[name].abs())
+        assert ((a - b).abs() <= tol).all(), f"{name}: {((a - b).abs() / tol).max():.2f} x the rounding bound"
+    # A wrong alpha merges half the LoRA term: off by |T| / 2, far beyond those two roundings.
+    wrong = convert_native_to_diffusers(checkpoint, lora_alpha=2.0)["blocks.0.attn1.to_q.weight"]
+    name, reference = "blocks.0.attn1.to_q.weight", model.blocks[0].attn1.to_q.weight
+    assert ((wrong - reference).abs() > eps() * (reference.abs() + lora[name].abs())).any()
 
 
 def test_converter_unknown_or_incomplete_keys_raise():

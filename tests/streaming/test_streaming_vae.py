@@ -7,10 +7,20 @@ import torch
 
 from hfpatch.streaming import StreamingWanDecoder
 from hfpatch.testing import tiny_wan_vae
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
-# Identical ops on identical frames (the causal cache carries the same two frames per conv): exact in
-# practice; 1e-5 leaves room for a backend that blocks convolutions differently for a different frame count.
-ATOL = 1e-5
+
+def _whole_decode(vae, z: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(``vae.decode(z)``, tolerance relative to its largest magnitude for a decode of ``z`` in pieces).
+
+    The decoder runs frame by frame either way (the causal cache carries the same two frames per conv), but
+    ``post_quant_conv`` and the cache's concatenations see another frame count, and a CPU backend may block
+    a convolution of another shape differently (another summation order), which the decoder then carries
+    on: so the tolerance is reassociation_tol of the whole decode's own fp32-vs-fp64 noise.
+    """
+    whole = vae.decode(z).sample
+    noise = rounding_noise(whole, to_fp64(vae).decode(z.double()).sample)
+    return whole, reassociation_tol(noise)
 
 
 @pytest.mark.parametrize("version", ["2.1", "2.2"])
@@ -18,7 +28,7 @@ def test_streaming_decode_in_pieces_equals_whole_decode(version):
     vae = tiny_wan_vae(version)
     z = torch.randn(1, 4, 4, 2, 2, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        whole = vae.decode(z).sample
+        whole, tol = _whole_decode(vae, z)
         for pieces in ([1, 1, 1, 1], [1, 3], [2, 2]):
             decoder = StreamingWanDecoder(vae)
             outs, start = [], 0
@@ -26,7 +36,8 @@ def test_streaming_decode_in_pieces_equals_whole_decode(version):
                 outs.append(decoder.decode(z[:, :, start : start + size]))
                 start += size
             assert [o.shape[2] for o in outs] == [4 * size - 3 * (i == 0) for i, size in enumerate(pieces)]
-            torch.testing.assert_close(torch.cat(outs, dim=2), whole, atol=ATOL, rtol=0)
+            error = rel_error(torch.cat(outs, dim=2), whole)
+            assert error <= tol, (pieces, error, tol)
 
 
 def test_streaming_decode_reset_starts_a_new_video_and_cache_is_bounded():
@@ -40,7 +51,11 @@ def test_streaming_decode_reset_starts_a_new_video_and_cache_is_bounded():
         sizes.append(decoder.nbytes)
         decoder.reset()
         again = torch.cat([decoder.decode(z[:, :, :2]), decoder.decode(z[:, :, 2:])], dim=2)
-    assert torch.equal(first, again)
+        _, tol = _whole_decode(vae, z)
+    # Other pieces ([2, 1] after [1, 1, 1]): the same reassociation as pieces against the whole decode. A
+    # cache left over from the first video would put other frames into the first ones: O(1) off.
+    error = rel_error(again, first)
+    assert error <= tol, (error, tol)
     assert sizes[0] == sizes[1] > 0  # two frames per causal conv, whatever the video length
 
 

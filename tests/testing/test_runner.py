@@ -12,6 +12,7 @@ from hfpatch.testing.runner import RankError, RankPool, run_ranks
 
 
 def _rank_and_sum():
+    # Ranks are small integers: fp32 sums them exactly in any order, so callers compare with ==.
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
     return dist.get_rank(), t.item()
