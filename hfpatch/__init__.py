@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError
     from .core.registry import PatchFamily
+    from .distributed.agreement import InputMismatchError
     from .distributed.gradients import all_reduce_gradients
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ _LAZY = {
     "PatchError": ".core.patch",
     "PatchFamily": ".core.registry",
     "all_reduce_gradients": ".distributed.gradients",
+    "InputMismatchError": ".distributed.agreement",
 }
 
 
@@ -59,6 +61,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "InputMismatchError",
     "ModelFacts",
     "ParallelConfig",
     "Patch",
