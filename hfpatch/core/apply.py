@@ -1,7 +1,19 @@
-"""``hfpatch.apply``: validate everything on every rank, then mutate through one :class:`Patch`."""
+"""``hfpatch.apply``: validate everything on every rank, agree, then mutate through one :class:`Patch`.
+
+When the plan spans several ranks, the ranks first run a short handshake (:func:`_handshake`, over the
+default group's store, bounded by ``HFPATCH_TIMEOUT_S``): each posts what it was asked to do (target class
+and config, resolved plan and options, or the error its own checks raised). Ranks that were given different
+arguments, or where only some ranks' checks failed, raise the same :class:`ApplyMismatchError` listing every
+rank's call; ranks whose peers never call ``apply`` raise
+:class:`hfpatch.distributed.runtime.CollectiveError` within the timeout. Nothing is patched on any rank then.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -11,10 +23,14 @@ from .config import ModelFacts, ParallelConfig, resolve_parallel
 from .patch import Patch
 from .registry import PatchFamily, Registry, class_key, default_registry
 
-__all__ = ["apply", "get_patch"]
+__all__ = ["ApplyMismatchError", "apply", "get_patch"]
 
 #: Instance attribute holding the live patch of an object (removed with the patch).
 MARKER = "_hfpatch_patch"
+
+
+class ApplyMismatchError(ValueError):
+    """The ranks called ``hfpatch.apply`` with different arguments (raised alike on every rank; nothing patched)."""
 
 
 def get_patch(obj: Any) -> Patch | None:
@@ -68,42 +84,61 @@ def _requested_world(parallel: int | ParallelConfig | None) -> int | None:
     return None
 
 
-def apply(
-    target: Any,
-    parallel: int | ParallelConfig | None = None,
-    *,
-    registry: Registry | None = None,
-    **options: Any,
-) -> Patch:
-    """Patch ``target`` in place and return the :class:`Patch` that undoes it.
+def _text(value: Any) -> str:
+    """``repr`` without memory addresses (the same object on every rank prints alike)."""
+    if isinstance(value, ParallelConfig):
+        return _config_text(value)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
-    Every rank must call this with the same arguments. All checks run before any collective or mutation,
-    so invalid input raises the same error on every rank and leaves ``target`` untouched.
 
-    Args:
-        target: A diffusers ``DiffusionPipeline``, a diffusers model (DiT transformer or VAE) or a
-            transformers ``PreTrainedModel``. A pipeline's components are found by type.
-        parallel: ``None`` (the current world size), an int number of ranks (planned automatically; read
-            ``patch.plan``) or an explicit :class:`hfpatch.ParallelConfig`.
-        registry: Registry to look families up in (default: the built-in one).
-        **options: Feature options of the target's families (``hfpatch info`` lists them).
+def _config_text(config: ParallelConfig) -> str:
+    """``ParallelConfig(ring=2, ulysses=2)``: the degrees that are not their default."""
+    defaults = ParallelConfig()
+    product = config.data * config.cfg * config.ring * config.ulysses
+    shown = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in fields(config)
+        if getattr(config, f.name) != (product if f.name == "vae" else getattr(defaults, f.name))
+    ]
+    return f"ParallelConfig({', '.join(shown)})"
 
-    Returns:
-        The live :class:`Patch`; ``patch.remove()`` (or leaving a ``with`` block) restores the originals.
 
-    Raises:
-        TypeError: Unsupported target (the supported classes are listed) or an unknown option.
-        ValueError: Degrees that do not fit the world or the model, or a conflicting second apply.
-        RuntimeError: More than one rank requested without torch.distributed or a launcher environment.
+def _portable(value: Any) -> Any:
+    """A config value without the entries that may differ between machines (paths, versions, private keys)."""
+    if isinstance(value, Mapping):
+        return {
+            str(k): _portable(v)
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+            if not str(k).startswith("_") and not str(k).endswith(("_version", "name_or_path"))
+        }
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    return value
 
-    >>> import hfpatch, torch
-    >>> from hfpatch.testing import tiny_autoencoder_kl
-    >>> vae = tiny_autoencoder_kl()
-    >>> with hfpatch.apply(vae) as patch:
-    ...     patch.plan.world_size
-    1
-    """
-    registry = registry or default_registry()
+
+def _model_digest(target: Any) -> str:
+    """Short digest of the model configs of ``target`` (and of a pipeline's components)."""
+    objects = list(target.components.values()) if _is_pipeline(target) else [target]
+    parts = []
+    for obj in objects:
+        config = getattr(obj, "config", None)
+        try:
+            if isinstance(config, Mapping):  # diffusers: a FrozenDict of the constructor's arguments
+                items = dict(config)
+            elif hasattr(config, "to_dict"):  # transformers
+                items = config.to_dict()
+            else:
+                continue
+        except Exception:  # an unusual config object: compared by type only
+            items = {}
+        parts.append(f"{type(obj).__name__}:{_text(_portable(items))}")
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=6).hexdigest()
+
+
+def _check(
+    target: Any, parallel: Any, registry: Registry, options: dict[str, Any]
+) -> tuple[list[tuple[Any, list[PatchFamily]]], ParallelConfig, dict[str, Any], Patch | None]:
+    """Every local check of ``apply``: (units, plan, resolved options, the live identical patch or None)."""
     units = _units(target, registry)
     if not any(families for _, families in units):
         supported = ", ".join(k.split(".", 1)[1] for k in registry.supported()) or "none registered"
@@ -130,7 +165,7 @@ def apply(
     existing = get_patch(target)
     if existing is not None:
         if existing.plan == config and existing.options == resolved_options:
-            return existing
+            return units, config, resolved_options, existing
         owner = f" as part of {existing.part_of}" if existing.part_of else ""
         raise ValueError(
             f"{type(target).__name__} is already patched{owner} with plan={existing.plan}, "
@@ -147,6 +182,140 @@ def apply(
     for obj, families in units:
         for family in families:
             family.validate(obj, config, {k: resolved_options[k] for k in family.options})
+    return units, config, resolved_options, None
+
+
+def _handshake(
+    target: Any,
+    parallel: Any,
+    options: dict[str, Any],
+    config: ParallelConfig | None,
+    resolved_options: dict[str, Any] | None,
+    error: Exception | None,
+) -> None:
+    """Check that every rank made the same ``apply`` call; raise :class:`ApplyMismatchError` alike on all if not.
+
+    Raises:
+        CollectiveError: A rank did not call ``apply`` within ``HFPATCH_TIMEOUT_S``.
+    """
+    call = ", ".join(
+        [type(target).__name__, f"parallel={_text(parallel)}"]
+        + [f"{k}={_text(v)}" for k, v in sorted(options.items())]
+    )
+    mine = {
+        "call": f"hfpatch.apply({call})",
+        "parallel": _text(parallel),
+        "target": type(target).__name__,
+        "model": _model_digest(target),
+        "plan": None if config is None else _text(config),
+        "options": None
+        if resolved_options is None
+        else [[k, _text(v)] for k, v in sorted(resolved_options.items())],
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+    every = runtime.exchange(
+        "apply",
+        mine,
+        what="hfpatch.apply",
+        hint="; a rank that passes parallel=1 runs alone and takes no part",
+    )
+    compared = ("target", "model", "plan", "options", "error")
+    if all(all(p[k] == every[0][k] for k in compared) for p in every):
+        return
+    lines: dict[str, list[int]] = {}
+    models = {p["model"] for p in every}
+    for rank, p in enumerate(every):
+        line = p["call"]
+        if p["error"] is not None:
+            line += f" raised {p['error']}"
+        elif p["plan"] is not None and p["plan"] != p["parallel"]:
+            line += f" -> plan {p['plan']}"
+        if len(models) > 1:
+            line += f" (model config digest {p['model']})"
+        lines.setdefault(line, []).append(rank)
+    listing = "\n".join(
+        f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {line}"
+        for line, ranks in lines.items()
+    )
+    hint = (
+        " The models differ too (their config digests are shown): build the same model on every rank."
+        if len(models) > 1
+        else ""
+    )
+    mismatch = ApplyMismatchError(
+        "hfpatch.apply: every rank must call hfpatch.apply with the same target and arguments (the ranks compute "
+        f"one result together), but they did not; nothing was patched on any rank:\n{listing}\n"
+        f"Pass the same parallel= and options on every rank (do not derive them from the rank).{hint}"
+    )
+    raise mismatch from error
+
+
+def apply(
+    target: Any,
+    parallel: int | ParallelConfig | None = None,
+    *,
+    registry: Registry | None = None,
+    **options: Any,
+) -> Patch:
+    """Patch ``target`` in place and return the :class:`Patch` that undoes it.
+
+    Every rank must call this with the same arguments. All checks run before any collective or mutation,
+    so invalid input raises the same error on every rank and leaves ``target`` untouched. When the plan spans
+    several ranks, a short handshake (bounded by ``HFPATCH_TIMEOUT_S``) then checks that every rank made the
+    same call; every process group the patch communicates over is hfpatch's own, with that timeout.
+
+    Args:
+        target: A diffusers ``DiffusionPipeline``, a diffusers model (DiT transformer or VAE) or a
+            transformers ``PreTrainedModel``. A pipeline's components are found by type.
+        parallel: ``None`` (the current world size), an int number of ranks (planned automatically; read
+            ``patch.plan``) or an explicit :class:`hfpatch.ParallelConfig`.
+        registry: Registry to look families up in (default: the built-in one).
+        **options: Feature options of the target's families (``hfpatch info`` lists them).
+
+    Returns:
+        The live :class:`Patch`; ``patch.remove()`` (or leaving a ``with`` block) restores the originals.
+
+    Raises:
+        TypeError: Unsupported target (the supported classes are listed) or an unknown option.
+        ValueError: Degrees that do not fit the world or the model, or a conflicting second apply.
+        ApplyMismatchError: (a ``ValueError``) The ranks called ``apply`` with different targets, arguments
+            or model configs, or its checks failed on some ranks only: raised alike on every rank, listing
+            each rank's call.
+        RuntimeError: More than one rank requested without torch.distributed or a launcher environment.
+        CollectiveError: (a ``RuntimeError``, :mod:`hfpatch.distributed.runtime`) Not every rank called
+            ``apply`` (or joined the process group) within ``HFPATCH_TIMEOUT_S``.
+
+    >>> import hfpatch, torch
+    >>> from hfpatch.testing import tiny_autoencoder_kl
+    >>> vae = tiny_autoencoder_kl()
+    >>> with hfpatch.apply(vae) as patch:
+    ...     patch.plan.world_size
+    1
+    """
+    registry = registry or default_registry()
+    error: Exception | None = None
+    config = resolved_options = existing = None
+    units: list[tuple[Any, list[PatchFamily]]] = []
+    try:
+        units, config, resolved_options, existing = _check(target, parallel, registry, options)
+    except Exception as exc:  # raised below, after the other ranks heard of it
+        error = exc
+    # Several ranks compute together: agree on the call before any group is created (bounded wait).
+    world = runtime.launched_world_size()
+    if world > 1 and _requested_world(parallel) != 1 and (config is None or config.world_size > 1):
+        try:
+            runtime.ensure_process_group(world)
+            _handshake(target, parallel, options, config, resolved_options, error)
+        except runtime.CollectiveError as exc:
+            if error is None:
+                raise
+            if hasattr(error, "add_note"):  # this rank's own error stays the one to fix first
+                error.add_note(str(exc))
+    if error is not None:
+        raise error
+    assert config is not None and resolved_options is not None
+    if existing is not None:
+        return existing
 
     mesh = runtime.get_mesh(config)  # the first collective: every check above passed on every rank
 

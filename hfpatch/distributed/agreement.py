@@ -272,11 +272,17 @@ def check_same_inputs(
     """
     if not enabled or group is None or _AGREED.get() or dist.get_world_size(group) == 1:
         return
+    from . import runtime
     from .collectives import _record
 
     local = describe_inputs(named).to(_table_device(group))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
+    try:
+        dist.all_gather(gathered, local, group=group)
+    except RuntimeError as exc:  # a rank failed, exited or is late: name the check and the group
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error(f"the same-input check of {what}", group, exc) from exc
     _record("guard", local.numel() * local.element_size() * (len(gathered) - 1))
     table = torch.stack(gathered).cpu()  # (world, SLOTS, FIELDS)
     differs = (table != table[0]).any(dim=-1)  # (world, SLOTS)

@@ -8,6 +8,11 @@ and benchmarks can compare communication with the analytic minimum.
 Shape comments use ``W`` for the group size and ``r`` for this rank's index in the group. As in
 torch.distributed, ``group=None`` means the default (world) group; a degree-1 mesh axis (``None`` from
 :meth:`hfpatch.distributed.runtime.ParallelMesh.group`) must not be passed here: callers skip the collective.
+
+A collective that fails because another rank failed, exited or timed out (gloo/NCCL timeouts, closed
+connections) raises :class:`hfpatch.distributed.runtime.CollectiveError` naming the op and the group, with
+the backend's error as its cause. Point-to-point waits on gloo are bounded by the group's timeout
+(:func:`hfpatch.distributed.runtime.wait_timeout`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import runtime
 
 __all__ = [
     "CommCounter",
@@ -91,6 +98,35 @@ def _global(group: ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _all_to_all_single(
+    op: str, recv: torch.Tensor, send: torch.Tensor, recv_sizes, send_sizes, group
+) -> None:
+    """``dist.all_to_all_single`` whose peer failures raise :class:`~hfpatch.distributed.runtime.CollectiveError`."""
+    try:
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error(op, group, exc) from exc
+
+
+def _wait(works: Sequence[dist.Work], op: str, group) -> None:
+    """Wait for point-to-point ``works`` (bounded on gloo); peer failures raise ``CollectiveError``."""
+    if not works:
+        return
+    timeout = runtime.wait_timeout(group)
+    try:
+        for work in works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error(op, group, exc) from exc
+
+
 def even_sizes(total: int, parts: int) -> list[int]:
     """Split ``total`` into ``parts`` sizes that differ by at most one, larger ones first.
 
@@ -134,7 +170,7 @@ def _all_to_all(
         recv_shapes.append(shape)
     recv_numel = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = x.new_empty(sum(recv_numel))
-    dist.all_to_all_single(recv, send, recv_numel, send_numel, group=group)
+    _all_to_all_single("all_to_all", recv, send, recv_numel, send_numel, group)
     _record("all_to_all", (send.numel() - send_numel[me]) * x.element_size())
     del send
     chunks = [c.view(s) for c, s in zip(recv.split(recv_numel), recv_shapes)]
@@ -214,7 +250,7 @@ def _gather(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
         shapes.append(shape)
     numels = [int(torch.Size(s).numel()) for s in shapes]
     recv = x.new_empty(sum(numels))
-    dist.all_to_all_single(recv, send, numels, [flat.numel()] * world, group=group)
+    _all_to_all_single("all_gather", recv, send, numels, [flat.numel()] * world, group)
     _record("all_gather", (world - 1) * flat.numel() * x.element_size())
     return torch.cat([c.view(s) for c, s in zip(recv.split(numels), shapes)], dim=dim)
 
@@ -225,7 +261,9 @@ def _reduce_scatter(grad: torch.Tensor, dim: int, group, sizes: list[int]) -> to
     pieces = [p.contiguous().reshape(-1) for p in grad.split(sizes, dim=dim)]
     send = torch.cat(pieces)
     recv = grad.new_empty(pieces[me].numel() * world)
-    dist.all_to_all_single(recv, send, [pieces[me].numel()] * world, [p.numel() for p in pieces], group=group)
+    _all_to_all_single(
+        "reduce_scatter", recv, send, [pieces[me].numel()] * world, [p.numel() for p in pieces], group
+    )
     _record("reduce_scatter", (send.numel() - pieces[me].numel()) * grad.element_size())
     shape = list(grad.shape)
     shape[dim] = sizes[me]
@@ -290,8 +328,14 @@ def _p2p(
     ops = [dist.P2POp(dist.isend, t, _global(group, peer), group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, _global(group, peer), group) for t, peer in recvs]
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        what = f"{op} send/recv"
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error(what, group, exc) from exc
+        _wait(works, what, group)
     _record(op, sum(t.numel() * t.element_size() for t, _ in sends))
 
 
@@ -302,19 +346,26 @@ def ring_shift(
 
     Not differentiable: ring attention passes K/V blocks with it inside its own autograd function. Returns
     ``(received, wait)``; compute on the current block, then call ``wait()`` before reading ``received``,
-    so communication overlaps computation.
+    so communication overlaps computation. ``wait()`` raises
+    :class:`~hfpatch.distributed.runtime.CollectiveError` when a neighbour failed, exited or timed out.
     """
     world, me = _size(group), _rank(group)
     nxt, prv = _global(group, (me + 1) % world), _global(group, (me - 1) % world)
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    works = dist.batch_isend_irecv(ops) if world > 1 else []
+    works = []
+    if world > 1:
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error("ring send/recv", group, exc) from exc
     _record("ring", sum(t.numel() * t.element_size() for t in tensors) if world > 1 else 0)
 
     def wait() -> None:
-        for work in works:
-            work.wait()
+        _wait(works, "ring send/recv", group)
 
     if world == 1:
         received = [t for t in tensors]

@@ -3,13 +3,24 @@
 hfpatch never starts processes: under ``torchrun`` (or accelerate's launchers) it initialises the default
 process group from the environment the launcher set (NCCL on CUDA, gloo on CPU); otherwise it explains how
 to launch. Groups for the named axes come from a :class:`torch.distributed.device_mesh.DeviceMesh`.
+
+Bounded waits: every process group hfpatch communicates over is its own, created with
+:func:`default_timeout` (``HFPATCH_TIMEOUT_S``), whoever initialised the default group (hfpatch from the
+launcher's environment, the user's script or accelerate, whose default groups keep their own timeout and
+are never used or changed by hfpatch). A rank that fails, exits or stalls therefore makes the others fail
+within the timeout instead of torch's 30 minutes, and :class:`CollectiveError` says which collective over
+which group failed. :func:`exchange` is the bounded rank-to-rank handshake ``hfpatch.apply`` runs over the
+default group's store before creating any group.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,11 +29,17 @@ from ..core.config import ParallelConfig
 
 __all__ = [
     "AXES",
+    "CollectiveError",
     "ParallelMesh",
+    "collective_error",
     "default_timeout",
+    "describe_group",
     "ensure_process_group",
+    "exchange",
     "get_mesh",
+    "is_peer_failure",
     "rank",
+    "wait_timeout",
     "world_size",
 ]
 
@@ -33,7 +50,136 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def default_timeout() -> timedelta:
     """Collective timeout: ``HFPATCH_TIMEOUT_S`` seconds (default 600), so a failed rank cannot hang the rest."""
-    return timedelta(seconds=float(os.environ.get("HFPATCH_TIMEOUT_S", "600")))
+    text = os.environ.get("HFPATCH_TIMEOUT_S", "600")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:  # also rejects nan
+        raise ValueError(f"HFPATCH_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return timedelta(seconds=seconds)
+
+
+def _seconds(timeout: timedelta) -> str:
+    return f"{timeout.total_seconds():g}"
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class CollectiveError(RuntimeError):
+    """A collective (or the handshake, or group creation) failed because another rank did not take part.
+
+    Raised on the ranks that were left waiting: a peer raised, exited, or is slower than
+    ``HFPATCH_TIMEOUT_S``. The message names the operation, the group and its timeout; the backend's own
+    error is chained as ``__cause__``. The rank that failed first raises its own error, not this one.
+
+    Attributes:
+        op: What was running (``"all_to_all"``, ``"ring send/recv"``, ``"hfpatch.apply handshake"``, ...).
+        group: The group in words (``"ulysses group of global ranks [0, 1]"``).
+        timeout: The group's timeout.
+    """
+
+    def __init__(self, message: str, *, op: str = "", group: str = "", timeout: timedelta | None = None):
+        super().__init__(message)
+        self.op = op
+        self.group = group
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple:  # picklable with its attributes (launchers ship errors between processes)
+        return type(self), (str(self),), dict(self.__dict__)
+
+
+# Error texts of gloo, NCCL and the c10d store when a peer is gone or late (the exception types vary with the
+# backend and the torch version: RuntimeError, DistBackendError, DistNetworkError, DistStoreError).
+_PEER_FAILURE = re.compile(
+    r"timed out|timeout|connection (closed|reset|refused|was)|closed by peer|reset by peer|broken pipe|"
+    r"failed to recv|remote (worker|server|process)|communicator was aborted|watchdog",
+    re.IGNORECASE,
+)
+
+
+# ... and local causes that look alike (a store that cannot listen on MASTER_PORT): torch's error says it.
+_LOCAL_FAILURE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by a collective, a store or group creation) means another rank is gone or late."""
+    if isinstance(exc, CollectiveError) or _LOCAL_FAILURE.search(str(exc)):
+        return False  # already explained, or this rank's own problem
+    store_or_network = tuple(
+        getattr(dist, name) for name in ("DistStoreError", "DistNetworkError") if hasattr(dist, name)
+    )
+    if store_or_network and isinstance(exc, store_or_network):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_PEER_FAILURE.search(str(exc)))
+
+
+# Group name -> (description, timeout) of every group hfpatch created, for the error messages.
+_GROUPS: dict[str, tuple[str, timedelta]] = {}
+
+
+def _register_group(group: Any, axis: str, timeout: timedelta) -> None:
+    ranks = dist.get_process_group_ranks(group)
+    _GROUPS[group.group_name] = (f"{axis} group of global ranks {ranks}", timeout)
+
+
+def describe_group(group: Any) -> str:
+    """``group`` in words: its hfpatch axis and global ranks (``"ulysses group of global ranks [0, 1]"``)."""
+    if group is None or group is dist.group.WORLD:
+        return f"default (world) process group of {dist.get_world_size()} ranks"
+    known = _GROUPS.get(getattr(group, "group_name", None))
+    if known is not None:
+        return known[0]
+    try:
+        return f"process group of global ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # not a group this rank belongs to, or torch.distributed torn down
+        return "process group"
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    known = _GROUPS.get(getattr(group, "group_name", None)) if group is not None else None
+    return None if known is None else known[1]
+
+
+def wait_timeout(group: Any) -> timedelta | None:
+    """Timeout to pass to ``Work.wait`` for point-to-point work over ``group`` (``None``: the group's own).
+
+    gloo point-to-point work ignores a timeout set on the group after its creation, so the waits bound it
+    themselves (hfpatch's groups carry the timeout from creation; this also bounds the default group). NCCL
+    is left to its watchdog: a timed ``wait`` would block the host until the GPU finished, losing overlap.
+    """
+    try:
+        backend = dist.get_backend(group)
+    except Exception:
+        return None
+    if backend != "gloo":
+        return None
+    return _group_timeout(group) or default_timeout()
+
+
+def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError:
+    """The :class:`CollectiveError` for ``exc``, raised by ``op`` over ``group`` (``raise ... from exc``)."""
+    where = describe_group(group)
+    timeout = _group_timeout(group)
+    if timeout is None and (group is None or group is dist.group.WORLD):
+        limit = "the default group's timeout"
+    elif timeout is None:
+        limit = "the group's timeout"
+    else:
+        limit = f"HFPATCH_TIMEOUT_S={_seconds(timeout)}s"
+    me = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveError(
+        f"hfpatch: {op} over the {where} failed on rank {me}: another rank of the group failed, exited or "
+        f"did not get there within {limit}. The rank that failed first shows the cause in its own "
+        f"log; this rank only saw: {_first_line(exc)}",
+        op=op,
+        group=where,
+        timeout=timeout,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def world_size() -> int:
@@ -94,7 +240,22 @@ def ensure_process_group(required: int) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=default_timeout())
+        timeout = default_timeout()
+        try:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise CollectiveError(
+                f"hfpatch could not initialise the default process group of WORLD_SIZE={required} ranks "
+                f"(RANK={os.environ.get('RANK')}, MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')}) within HFPATCH_TIMEOUT_S={_seconds(timeout)}s: "
+                "not every rank got there (one failed or exited before, or called hfpatch.apply on some ranks "
+                f"only), or the address is unreachable. This rank saw: {_first_line(exc)}",
+                op="init_process_group",
+                group=f"default process group of {required} ranks",
+                timeout=timeout,
+            ) from exc
     if dist.get_world_size() != required:
         raise ValueError(
             f"hfpatch was asked for {required} ranks but the world size is {dist.get_world_size()}; "
@@ -110,7 +271,8 @@ class ParallelMesh:
         config: The degrees.
         device_mesh: The torch ``DeviceMesh`` with dims ``AXES`` (``None`` for a single rank).
         groups: Axis name -> ProcessGroup (``None`` when the axis has degree 1). ``"sp"`` is ring x ulysses,
-            ``"vae"`` is every rank (when the VAE is split), ``"world"`` every rank of the plan.
+            ``"vae"`` is every rank (when the VAE is split), ``"world"`` every rank of the plan (both hfpatch's
+            own group of every rank, not the default group). Every group carries :func:`default_timeout`.
     """
 
     config: ParallelConfig
@@ -134,42 +296,97 @@ class ParallelMesh:
 
 # Process groups are expensive (gloo opens sockets), so meshes are built once per shape per process.
 _MESHES: dict[tuple, ParallelMesh] = {}
+# hfpatch's own group of every rank (the "vae" and "world" axes), one per default group and timeout.
+_WORLD_GROUPS: dict[tuple, Any] = {}
 
 
 def _reset_state() -> None:
     """Forget the cached meshes (tests, or before re-initialising torch.distributed in one process)."""
     _MESHES.clear()
+    _WORLD_GROUPS.clear()
+    _GROUPS.clear()
+
+
+def _backend_options(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
+    """``init_device_mesh`` backend override that creates every mesh group with ``timeout`` (None: unknown)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return backend, options
+
+
+def _timed_group(group: Any, timeout: timedelta) -> None:
+    """Set ``timeout`` on a group created without one (a backend hfpatch has no creation options for)."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    except Exception:  # an exotic backend without settable timeouts: keep its own
+        pass
+
+
+def _world_group(key: tuple, timeout: timedelta) -> Any:
+    """hfpatch's copy of the world group, with ``timeout`` (the user's default group is left untouched)."""
+    if key not in _WORLD_GROUPS:
+        group = dist.new_group(timeout=timeout)
+        _register_group(group, "hfpatch world", timeout)
+        _WORLD_GROUPS[key] = group
+    return _WORLD_GROUPS[key]
 
 
 def get_mesh(config: ParallelConfig) -> ParallelMesh:
-    """The :class:`ParallelMesh` for ``config`` over the default process group (collective on first use)."""
+    """The :class:`ParallelMesh` for ``config`` over the default process group (collective on first use).
+
+    Every group of the mesh is created by hfpatch with :func:`default_timeout` (read when the mesh is first
+    built), also the groups spanning every rank: the default group is never used for hfpatch's collectives.
+
+    Raises:
+        CollectiveError: Creating the groups failed because a rank did not take part (within the timeout).
+    """
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae", "world")})
     ensure_process_group(config.world_size)
+    timeout = default_timeout()
+    backend = dist.get_backend()
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
-    key = (
-        id(dist.group.WORLD),
-        dist.get_backend(),
-        config.data,
-        config.cfg,
-        config.ring,
-        config.ulysses,
-        config.vae,
-    )
+    world_key = (id(dist.group.WORLD), backend, timeout)
+    key = (*world_key, config.data, config.cfg, config.ring, config.ulysses, config.vae)
     if key in _MESHES:
         return _MESHES[key]
+    try:
+        result = _build_mesh(config, backend, timeout, world_key)
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        raise CollectiveError(
+            f"hfpatch: creating the process groups of {config} failed on rank {dist.get_rank()}: not every "
+            f"rank took part within HFPATCH_TIMEOUT_S={_seconds(timeout)}s (a rank failed, exited or is late). "
+            f"This rank saw: {_first_line(exc)}",
+            op="process group creation",
+            group=f"default process group of {dist.get_world_size()} ranks",
+            timeout=timeout,
+        ) from exc
+    _MESHES[key] = result
+    return result
+
+
+def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_key: tuple) -> ParallelMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    override = _backend_options(backend, timeout)
     groups: dict[str, object | None] = {}
     product = config.data * config.cfg * config.ring * config.ulysses
     if product > 1:
         shape = (config.data, config.cfg, config.ring, config.ulysses)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        overrides = {"backend_override": {axis: override for axis in AXES}} if override else {}
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, **overrides)
         for axis in AXES:
             groups[axis] = mesh.get_group(axis) if getattr(config, axis) > 1 else None
         groups["sp"] = (  # DeviceMesh._flatten (torch >= 2.4): ring x ulysses in sp order, ulysses innermost
-            mesh["ring", "ulysses"]._flatten("sp").get_group()
+            mesh["ring", "ulysses"]._flatten("sp", backend_override=override).get_group()
             if config.ring > 1 and config.ulysses > 1
             else (groups["ring"] or groups["ulysses"])
         )
@@ -177,8 +394,69 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         mesh = None
         groups.update({a: None for a in AXES})
         groups["sp"] = None
-    groups["vae"] = dist.group.WORLD if config.vae > 1 else None
-    groups["world"] = dist.group.WORLD  # every rank of the plan (same-input checks of a pipeline call)
-    result = ParallelMesh(config, mesh, groups)
-    _MESHES[key] = result
-    return result
+    world = _world_group(world_key, timeout)
+    for axis in (*AXES, "sp"):
+        group = groups[axis]
+        if group is None:
+            continue
+        if group is dist.group.WORLD:  # no creation options for this backend: the mesh reused the default
+            groups[axis] = group = world
+        elif override is None:
+            _timed_group(group, timeout)
+        if group is not world and group.group_name not in _GROUPS:  # sp: only a flattened group is new
+            _register_group(group, "sp (ring x ulysses)" if axis == "sp" else axis, timeout)
+    groups["vae"] = world if config.vae > 1 else None
+    groups["world"] = world  # every rank of the plan (same-input checks of a pipeline call)
+    return ParallelMesh(config, mesh, groups)
+
+
+# ----------------------------------------------------------------------------------------------- handshake
+def _default_store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def exchange(tag: str, payload: dict[str, Any], *, what: str, hint: str = "") -> list[dict[str, Any]]:
+    """Every rank's ``payload`` (JSON-able), by global rank: a bounded handshake over the default group's store.
+
+    Needs no process group of hfpatch's, so it runs before any is created; the wait is bounded by
+    :func:`default_timeout` whatever the default group's own timeout. The ``n``-th call with ``tag`` on one
+    rank meets the ``n``-th call on the others (each rank counts its calls in the store itself, so a new
+    default group starts from 1).
+
+    Raises:
+        CollectiveError: Not every rank posted within the timeout (``what`` names the call they must all
+            make, ``hint`` adds to the message), or the store is gone (the rank that hosts it exited).
+    """
+    store = _default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    timeout = default_timeout()
+    keys: list[str] = []
+    try:
+        n = store.add(f"hfpatch/{tag}/calls/{me}", 1)
+        keys = [f"hfpatch/{tag}/{n}/{r}" for r in range(world)]
+        store.set(keys[me], json.dumps(payload))
+        store.wait(keys, timeout)
+        return [json.loads(store.get(k)) for k in keys]
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        missing: list[int] = []
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except RuntimeError:  # the store itself is gone
+            pass
+        if missing:
+            who = f"ranks {missing} of {world} did not call {what} within HFPATCH_TIMEOUT_S={_seconds(timeout)}s"
+        else:
+            who = (
+                "the store (hosted by rank 0 or the launcher) became unreachable, so not every rank could be "
+                f"heard from within HFPATCH_TIMEOUT_S={_seconds(timeout)}s"
+            )
+        raise CollectiveError(
+            f"hfpatch: {what} handshake failed on rank {me}: {who}. Every rank must call {what} with the same "
+            "arguments (a rank that failed or exited before it, or an `if rank == 0:` around it, leaves the "
+            f"others here{hint}). This rank saw: {_first_line(exc)}",
+            op=f"{what} handshake",
+            group=f"default process group of {world} ranks",
+            timeout=timeout,
+        ) from exc
