@@ -18,12 +18,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from .core.apply import apply, get_patch
+    from .core.apply import ApplyMismatchError, apply, get_patch
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError
     from .core.registry import PatchFamily
     from .distributed.agreement import InputMismatchError
     from .distributed.gradients import all_reduce_gradients
+    from .distributed.runtime import CollectiveError
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,8 @@ _LAZY = {
     "PatchFamily": ".core.registry",
     "all_reduce_gradients": ".distributed.gradients",
     "InputMismatchError": ".distributed.agreement",
+    "CollectiveError": ".distributed.runtime",
+    "ApplyMismatchError": ".core.apply",
 }
 
 
@@ -61,6 +64,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ApplyMismatchError",
+    "CollectiveError",
     "InputMismatchError",
     "ModelFacts",
     "ParallelConfig",

@@ -35,8 +35,7 @@ import contextvars
 import hashlib
 import inspect
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +49,6 @@ __all__ = [
     "check_same_inputs",
     "content_digest",
     "describe_inputs",
-    "inputs_agreed",
     "install_call_guard",
     "named_arguments",
 ]
@@ -324,26 +322,25 @@ def check_same_inputs(
 _AGREED: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_inputs_agreed", default=False)
 
 
-@contextmanager
-def inputs_agreed() -> Iterator[None]:
-    """Inside the block, :func:`check_same_inputs` is a no-op (the caller has checked a wider group)."""
-    token = _AGREED.set(True)
-    try:
-        yield
-    finally:
-        _AGREED.reset(token)
-
-
 def install_call_guard(
-    patch: Any, module: Any, group: Any, what: str, extra: Callable[[], dict[str, Any]] | None = None
+    patch: Any,
+    module: Any,
+    group: Any,
+    what: str,
+    extra: Callable[[], dict[str, Any]] | None = None,
+    deferred_error: Callable[[], BaseException | None] | None = None,
 ) -> None:
     """Check every call of ``module`` over ``group`` before anything else runs, and mark it agreed.
 
     A forward pre-hook placed first (before the split hooks of any family) runs :func:`check_same_inputs`
     on the call's arguments plus ``extra()`` (settings read at call time), then sets the agreed mark for the
     rest of the call (nested checks over subgroups are skipped); an always-called forward hook clears it,
-    also when the call raises.
+    also when the call raises. When the check fails because a peer did not get there
+    (:class:`~hfpatch.distributed.runtime.CollectiveError`) and ``deferred_error()`` returns an error this
+    rank raised earlier and has not reported yet, that error is raised instead: it is why the peer is late.
     """
+    from .runtime import CollectiveError
+
     tokens: list[contextvars.Token] = []
 
     def check_call(_module: Any, args: tuple, kwargs: dict) -> None:
@@ -351,7 +348,13 @@ def install_call_guard(
         named.pop("self", None)
         if extra is not None:
             named.update(extra())
-        check_same_inputs(named, group, what=what)
+        try:
+            check_same_inputs(named, group, what=what)
+        except CollectiveError:
+            earlier = deferred_error() if deferred_error is not None else None
+            if earlier is None:
+                raise
+            raise earlier  # noqa: B904 - the CollectiveError stays attached as __context__
         tokens.append(_AGREED.set(True))
 
     def clear_mark(_module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:

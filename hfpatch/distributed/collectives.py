@@ -18,6 +18,7 @@ the backend's error as its cause. Point-to-point waits on gloo are bounded by th
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,33 +99,80 @@ def _global(group: ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+# How long to wait for gloo's worker thread to drop a finished op's buffers: a bound that is never reached
+# (over the attention, distributed and patch tests on 2 busy cores the longest wait was 3 ms).
+RELEASE_WAIT_S = 1.0
+
+
+def _use_counts(buffers: Sequence[torch.Tensor]) -> list[int]:
+    """Reference counts of ``buffers`` for :func:`_await_release` (empty where it does not wait)."""
+    if not buffers or buffers[0].device.type != "cpu" or torch.compiler.is_compiling():
+        return []
+    return [b._use_count() for b in buffers]
+
+
+def _await_release(buffers: Sequence[torch.Tensor], before: Sequence[int]) -> None:
+    """Let the backend drop its references to ``buffers`` (CPU tensors only; at most ``RELEASE_WAIT_S``).
+
+    gloo wakes the caller *before* its worker thread releases the finished work, which holds the send and
+    receive buffers. On a busy CPU that thread may not run again for milliseconds while the caller allocates
+    the next activations, so buffers the caller already dropped stay allocated: peak memory then depends on
+    thread scheduling (a Ulysses layer kept its output exchange's two buffers through the MLP in one call of
+    five). Sleeping (so the worker can run on this core) until the reference counts are back to what they
+    were before the op keeps the peak what the algorithm allocates; usually they already are. CUDA buffers
+    are left to the caching allocator and stream semantics, compiled code to the compiler.
+    """
+    deadline = None
+    while any(b._use_count() > n for b, n in zip(buffers, before)):
+        now = time.monotonic()
+        deadline = deadline or now + RELEASE_WAIT_S
+        if now > deadline:  # the backend keeps them for its own reasons: only memory, never results
+            return
+        time.sleep(5e-5)
+
+
 def _all_to_all_single(
     op: str, recv: torch.Tensor, send: torch.Tensor, recv_sizes, send_sizes, group
 ) -> None:
     """``dist.all_to_all_single`` whose peer failures raise :class:`~hfpatch.distributed.runtime.CollectiveError`."""
+    before = _use_counts((recv, send))
     try:
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     except RuntimeError as exc:
         if not runtime.is_peer_failure(exc):
             raise
         raise runtime.collective_error(op, group, exc) from exc
+    _await_release((recv, send), before)
 
 
-def _wait(works: Sequence[dist.Work], op: str, group) -> None:
-    """Wait for point-to-point ``works`` (bounded on gloo); peer failures raise ``CollectiveError``."""
+def _wait(
+    works: list[dist.Work],
+    op: str,
+    group,
+    buffers: Sequence[torch.Tensor] = (),
+    before: Sequence[int] = (),
+) -> None:
+    """Wait for point-to-point ``works`` (bounded on gloo); peer failures raise ``CollectiveError``.
+
+    Empties ``works`` (finished works hold their buffers), then lets the backend release ``buffers`` (their
+    use counts ``before`` the op given), see :func:`_await_release`.
+    """
     if not works:
         return
     timeout = runtime.wait_timeout(group)
     try:
-        for work in works:
+        while works:  # popped: a finished work holds its buffers
+            work = works.pop()
             if timeout is None:
                 work.wait()
             else:
                 work.wait(timeout)
+            del work
     except RuntimeError as exc:
         if not runtime.is_peer_failure(exc):
             raise
         raise runtime.collective_error(op, group, exc) from exc
+    _await_release(buffers, before)
 
 
 def even_sizes(total: int, parts: int) -> list[int]:
@@ -329,13 +377,16 @@ def _p2p(
     ops += [dist.P2POp(dist.irecv, t, _global(group, peer), group) for t, peer in recvs]
     if ops:
         what = f"{op} send/recv"
+        buffers = [t for t, _ in (*sends, *recvs)]
+        before = _use_counts(buffers)
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             if not runtime.is_peer_failure(exc):
                 raise
             raise runtime.collective_error(what, group, exc) from exc
-        _wait(works, what, group)
+        del ops
+        _wait(works, what, group, buffers, before)
     _record(op, sum(t.numel() * t.element_size() for t, _ in sends))
 
 
@@ -352,20 +403,23 @@ def ring_shift(
     world, me = _size(group), _rank(group)
     nxt, prv = _global(group, (me + 1) % world), _global(group, (me - 1) % world)
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    works = []
+    works: list[dist.Work] = []
+    before: list[int] = []
     if world > 1:
+        before = _use_counts(received)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             if not runtime.is_peer_failure(exc):
                 raise
             raise runtime.collective_error("ring send/recv", group, exc) from exc
+        del ops
     _record("ring", sum(t.numel() * t.element_size() for t in tensors) if world > 1 else 0)
 
     def wait() -> None:
-        _wait(works, "ring send/recv", group)
+        _wait(works, "ring send/recv", group, received, before)  # also frees the send buffers
 
     if world == 1:
         received = [t for t in tensors]

@@ -446,12 +446,12 @@ class PipelineParallel(PatchFamily):
             # diffusers reads the whole dict on every progress_bar(); set a new one so the old one comes back.
             current = getattr(target, "_progress_bar_config", {})
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
+        state = _State()
         if config.world_size > 1 and options["check_inputs"]:
-            self._guard_transformer_calls(target, patch, mesh.group("world"))
+            self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
             return
         mode = _cfg_mode(target) if config.cfg == 2 else None
-        state = _State()
         for model in _transformers(target):
             forward = patch.wrap_method(
                 model,
@@ -496,9 +496,22 @@ class PipelineParallel(PatchFamily):
             patch.wrap_method(target, "maybe_free_model_hooks", check_done)
 
     @staticmethod
-    def _guard_transformer_calls(pipe: Any, patch: Any, world_group: Any) -> None:
+    def _guard_transformer_calls(pipe: Any, patch: Any, world_group: Any, state: _State) -> None:
         """Every rank runs the same pipeline call: each transformer call first checks, over all ranks of the
-        plan, its arguments and the pipeline settings it depends on (guidance, timesteps)."""
+        plan, its arguments and the pipeline settings it depends on (guidance, timesteps).
+
+        A cond-call error that cfg rank 0 deferred to the uncond call (see ``_ParallelForward._two_call``) is
+        raised there if the uncond call's check times out: its sequence-parallel peers still wait in the
+        failed cond call, so the check cannot complete, and the rank's own error says why.
+        """
+
+        def deferred_error() -> BaseException | None:
+            pending = state.pending
+            if pending is None or pending.error is None:
+                return None
+            state.pending = None
+            return pending.error
+
         for model in _transformers(pipe):
 
             def settings() -> dict[str, Any]:
@@ -514,4 +527,4 @@ class PipelineParallel(PatchFamily):
                 }
 
             what = f"{type(pipe).__name__} call of {type(model).__name__}"
-            install_call_guard(patch, model, world_group, what, extra=settings)
+            install_call_guard(patch, model, world_group, what, extra=settings, deferred_error=deferred_error)
