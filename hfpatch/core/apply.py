@@ -330,7 +330,7 @@ def apply(
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})
                 if family.split_axis is not None and mesh.size(family.split_axis) > 1:
                     child.reduce_group = mesh.group(family.split_axis)
-            child.set_attr(obj, MARKER, child)
+            child.set_attr(obj, MARKER, child, keep_when_disabled=True)  # get_patch works inside disabled()
             child.refuse_copies(obj)
     except BaseException as exc:
         try:

@@ -109,10 +109,13 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
             f"cfg=2 needs a pipeline that runs classifier-free guidance in a form hfpatch can split; "
             f"{facts.name} does not (see `hfpatch info`). Use cfg=1 and put the ranks into ulysses/ring."
         )
-    if config.data > 1 and not facts.pipeline:
+    # On a transformer, data > 1 means replicas of a sequence-parallel model: each replica's sp group splits
+    # its own samples (the training script's sampler and DDP work over the data axis, hfpatch.distributed.data).
+    if config.data > 1 and not facts.pipeline and not (facts.num_heads and config.sequence_parallel > 1):
         raise ValueError(
             f"data={config.data} splits a pipeline's prompts over ranks; {facts.name} is not a pipeline. "
-            "Apply hfpatch to the pipeline, or use data=1 (wrap the model in DDP for data parallel training)."
+            "Apply hfpatch to the pipeline, or use data=1 (wrap the model in DDP for data parallel training). "
+            "On a transformer, data>1 only adds replicas to sequence parallel (ulysses/ring > 1)."
         )
     if config.sequence_parallel > 1 and facts.num_heads is None:
         raise ValueError(

@@ -19,8 +19,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +80,7 @@ class _Entry:
     new: Any = ABSENT  # the value the patch set (attr entries)
     handle: Any = None
     undo: Callable[[], None] | None = None
+    keep: bool = False  # bookkeeping (the patch marker, copy refusal): stays while the patch is disabled
 
     def __str__(self) -> str:
         if self.kind == "attr":
@@ -107,14 +110,22 @@ class Patch:
     reduce_group: Any = None
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
+    # Depth of ``disabled()`` blocks, and what they swapped out: per patch, so patches never share a flag.
+    _disabled_depth: int = field(default=0, repr=False)
+    _swaps: list[tuple[Any, str, Any, Any]] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ primitives
-    def set_attr(self, obj: Any, name: str, value: Any) -> None:
-        """Set ``obj.name = value`` (through the object's own ``__setattr__``) and log the old value."""
+    def set_attr(self, obj: Any, name: str, value: Any, *, keep_when_disabled: bool = False) -> None:
+        """Set ``obj.name = value`` (through the object's own ``__setattr__``) and log the old value.
+
+        ``keep_when_disabled``: bookkeeping that stays in place inside :meth:`disabled` (the patch marker).
+        """
         self._check_live()
         old = _instance_value(obj, name)
         setattr(obj, name, value)
-        self._log.append(_Entry("attr", obj, name, old, new=_instance_value(obj, name)))
+        self._log.append(
+            _Entry("attr", obj, name, old, new=_instance_value(obj, name), keep=keep_when_disabled)
+        )
 
     def wrap_method(self, obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Callable:
         """Replace the bound method ``obj.name`` by ``wrapper(original_bound_method)`` on this instance only.
@@ -143,7 +154,7 @@ class Patch:
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
-        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+        handle = module.register_forward_pre_hook(self._gated(hook), with_kwargs=with_kwargs, prepend=prepend)
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_pre_hook"), handle=handle))
         return handle
 
@@ -152,9 +163,22 @@ class Patch:
     ) -> RemovableHandle:
         """``module.register_forward_hook``; removed by handle (removing it earlier is fine too)."""
         self._check_live()
-        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call)
+        handle = module.register_forward_hook(
+            self._gated(hook), with_kwargs=with_kwargs, always_call=always_call
+        )
         self._log.append(_Entry("hook", module, getattr(hook, "__name__", "forward_hook"), handle=handle))
         return handle
+
+    def _gated(self, hook: Callable) -> Callable:
+        """``hook``, inert while this patch is :meth:`disabled` (a hook returning ``None`` changes nothing)."""
+
+        @functools.wraps(hook)
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if self._disabled_depth:
+                return None
+            return hook(*args, **kwargs)
+
+        return gated
 
     def add_child(self, child: Patch) -> Patch:
         """Make ``child`` (a component's patch) part of this one; it is undone at its place in the log."""
@@ -173,10 +197,97 @@ class Patch:
     def is_active(self) -> bool:
         return not self._removed
 
+    @property
+    def is_disabled(self) -> bool:
+        """Whether a :meth:`disabled` block of this patch is running (the model runs unpatched)."""
+        return self._disabled_depth > 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel replica: ranks with the same ``data_rank`` must get the same batch.
+
+        See :func:`hfpatch.distributed.data.data_parallel_position`.
+        """
+        from ..distributed.data import data_parallel_position
+
+        return data_parallel_position(self)[0]
+
+    @property
+    def num_data_ranks(self) -> int:
+        """Number of data-parallel replicas (distinct batches per step) over the launched world."""
+        from ..distributed.data import data_parallel_position
+
+        return data_parallel_position(self)[1]
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[Patch]:
+        """Run the patched model or pipeline unpatched inside the block, on whichever ranks enter it.
+
+        Every hook of the patch (and of its children: a pipeline's transformer and VAE) is inert and every
+        swapped attribute (wrapped methods, attention processors, replaced ``forward``) holds its pre-patch
+        value, so nothing communicates and no same-input guard runs: validation or sampling on the main
+        process only. On exit (also on an exception) the patched behaviour comes back; nested blocks are
+        fine. Only the patch marker and the copy refusal stay, so :func:`hfpatch.get_patch` still finds
+        the patch. State is this patch's own: other patches are unaffected. Call an unwrapped model inside
+        (``accelerator.unwrap_model(model)``): DDP's own forward synchronises with the other ranks.
+
+        >>> import torch
+        >>> from hfpatch.core.patch import Patch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> x = torch.ones(1, 2)
+        >>> plain = layer(x)
+        >>> patch = Patch("demo")
+        >>> _ = patch.wrap_method(layer, "forward", lambda orig: (lambda x: 2 * orig(x)))
+        >>> with patch.disabled():
+        ...     torch.equal(layer(x), plain)
+        True
+        >>> torch.equal(layer(x), 2 * plain), patch.is_disabled
+        (True, False)
+        >>> patch.remove()
+        """
+        self._check_live()
+        self._disabled_depth += 1
+        if self._disabled_depth > 1:  # nested: already unpatched
+            try:
+                yield self
+            finally:
+                self._disabled_depth -= 1
+            return
+        children = contextlib.ExitStack()
+        try:
+            for entry in reversed(self._log):
+                if entry.kind == "child":
+                    children.enter_context(entry.obj.disabled())
+                elif entry.kind == "attr" and not entry.keep:
+                    swap = _swap_out(entry)
+                    if swap is not None:
+                        self._swaps.append(swap)
+            yield self
+        finally:
+            self._disabled_depth = 0
+            try:
+                self._restore_swaps()
+            finally:
+                children.close()
+
+    def _restore_swaps(self) -> None:
+        """Put back what :meth:`disabled` swapped out (the patched values), latest swap first."""
+        while self._swaps:
+            obj, slot, patched, unpatched = self._swaps.pop()
+            if _instance_value(obj, slot) is unpatched:
+                _set_slot(obj, slot, patched)
+            else:
+                warnings.warn(
+                    f"{_describe(obj)}.{slot} was changed inside patch.disabled(); keeping that change, so "
+                    "that part of the patch stays off. Do not modify patched objects inside disabled().",
+                    stacklevel=4,
+                )
+
     def remove(self) -> None:
         """Undo every mutation (children included) in exact reverse order of application. Idempotent."""
         if self._removed:
             return
+        self._restore_swaps()  # removed inside disabled(): undo from the patched state, as always
         errors: list[BaseException] = []
         for entry in reversed(self._log):
             try:
@@ -229,8 +340,8 @@ class Patch:
         def refuse_pickle(protocol: int) -> Any:
             raise self._copy_error("pickle (torch.save)")
 
-        self.set_attr(obj, "__deepcopy__", refuse_deepcopy)
-        self.set_attr(obj, "__reduce_ex__", refuse_pickle)
+        self.set_attr(obj, "__deepcopy__", refuse_deepcopy, keep_when_disabled=True)
+        self.set_attr(obj, "__reduce_ex__", refuse_pickle, keep_when_disabled=True)
 
     def __deepcopy__(self, memo: dict) -> Patch:
         raise self._copy_error("deepcopy")
@@ -273,6 +384,33 @@ def _undo(entry: _Entry) -> None:
             setattr(entry.obj, entry.name, entry.old)
         else:
             object.__setattr__(entry.obj, entry.name, entry.old)
+
+
+def _set_slot(obj: Any, name: str, value: Any) -> None:
+    """Store ``value`` on the instance (``ABSENT``: delete the instance attribute), bypassing e.g.
+    ``DiffusionPipeline.__setattr__``; modules route submodules/parameters to their stores."""
+    if value is ABSENT:
+        if isinstance(obj, torch.nn.Module) or name in obj.__dict__:
+            delattr(obj, name)
+    elif isinstance(obj, torch.nn.Module):
+        setattr(obj, name, value)
+    else:
+        object.__setattr__(obj, name, value)
+
+
+def _swap_out(entry: _Entry) -> tuple[Any, str, Any, Any] | None:
+    """Put the pre-patch value of an attr entry in place: ``(obj, slot, patched, unpatched)``, or ``None``
+    when the patched value is no longer there (replaced since; left alone)."""
+    obj, slot, unpatched = entry.obj, entry.name, entry.old
+    if _instance_value(obj, slot) is not entry.new:
+        # An accelerate hook added after apply keeps the patched forward in ``_old_forward``.
+        if entry.name != "forward" or _instance_value(obj, "_old_forward") is not entry.new:
+            return None
+        slot = "_old_forward"
+        if unpatched is ABSENT:
+            unpatched = type(obj).forward.__get__(obj, type(obj))
+    _set_slot(obj, slot, unpatched)
+    return obj, slot, entry.new, _instance_value(obj, slot)
 
 
 def _still_ours(entry: _Entry) -> bool:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["unwrap_model"]
+__all__ = ["unwrap_model", "unwrap_once"]
 
 
-def _inner(module: torch.nn.Module) -> torch.nn.Module | None:
+def unwrap_once(module: torch.nn.Module) -> torch.nn.Module | None:
     """The module one wrapper layer holds, or ``None`` if ``module`` is not a known wrapper."""
     compiled = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule (a submodule)
     if isinstance(compiled, torch.nn.Module):
@@ -42,7 +42,7 @@ def _inner(module: torch.nn.Module) -> torch.nn.Module | None:
 def unwrap_model(obj: Any) -> Any:
     """``obj`` without its DDP/FSDP/DataParallel/``torch.compile`` wrappers (anything else unchanged)."""
     while isinstance(obj, torch.nn.Module):
-        inner = _inner(obj)
+        inner = unwrap_once(obj)
         if inner is None:
             return obj
         obj = inner

@@ -19,6 +19,7 @@ VALID = [
     (None, 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 2)),  # None = the world size
     (ParallelConfig(cfg=2, ulysses=2, ring=2), 8, ModelFacts(num_heads=4, guides=True), (1, 2, 2, 2, 8)),
     (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4, pipeline=True), (2, 1, 1, 2, 4)),
+    (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4), (2, 1, 1, 2, 4)),  # sp replicas
     (ParallelConfig(ulysses=2, vae=1), 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 1)),
     (1, 4, ModelFacts(num_heads=4), (1, 1, 1, 1, 1)),  # parallel=1 in a bigger world: each rank on its own
 ]
@@ -37,7 +38,8 @@ INVALID = [
         2,
         ModelFacts(num_heads=4, name="WanTransformer3DModel"),
         "data=2 splits a pipeline's prompts over ranks; WanTransformer3DModel is not a pipeline. Apply hfpatch "
-        "to the pipeline, or use data=1 (wrap the model in DDP for data parallel training).",
+        "to the pipeline, or use data=1 (wrap the model in DDP for data parallel training). On a transformer, "
+        "data>1 only adds replicas to sequence parallel (ulysses/ring > 1).",
     ),
     (
         ParallelConfig(ulysses=6),
