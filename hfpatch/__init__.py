@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.patch import Patch, PatchError
     from .core.registry import PatchFamily
     from .distributed.agreement import InputMismatchError
-    from .distributed.gradients import all_reduce_gradients
+    from .distributed.data import data_parallel_sampler, step_generator
+    from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
 
 __version__ = "0.1.0"
@@ -38,6 +39,9 @@ _LAZY = {
     "PatchError": ".core.patch",
     "PatchFamily": ".core.registry",
     "all_reduce_gradients": ".distributed.gradients",
+    "register_ddp_hook": ".distributed.gradients",
+    "data_parallel_sampler": ".distributed.data",
+    "step_generator": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".core.apply",
@@ -75,6 +79,9 @@ __all__ = [
     "__version__",
     "all_reduce_gradients",
     "apply",
+    "data_parallel_sampler",
     "get_patch",
+    "register_ddp_hook",
     "register_patch",
+    "step_generator",
 ]
