@@ -1,23 +1,27 @@
 """Training features bigger than a patch: bounded-memory pixel loss, GradCache.
 
 Importing this package imports torch only (no diffusers/transformers); ``GradCacheTrainer`` imports
-transformers, so it loads on first access.
+transformers, so it loads on first access; so do ``GradCacheLoss`` and ``tiny_sentence_transformer``
+(:mod:`hfpatch.training.sentence_transformers`, which needs sentence-transformers).
 """
 
-from .gradcache import GradCache, RngState, split_inputs
+from .gradcache import GradCache, RngState, is_sentence_transformer, split_inputs
 from .pixel_loss import chunked_pixel_loss
 from .pooling import pool
 from .vlm_split import VisionTokenSpec, split_vlm_inputs
 
 __all__ = [
     "GradCache",
+    "GradCacheLoss",
     "GradCacheTrainer",
     "RngState",
     "VisionTokenSpec",
     "chunked_pixel_loss",
+    "is_sentence_transformer",
     "pool",
     "split_inputs",
     "split_vlm_inputs",
+    "tiny_sentence_transformer",
 ]
 
 
@@ -26,4 +30,8 @@ def __getattr__(name: str):
         from .trainer import GradCacheTrainer
 
         return GradCacheTrainer
+    if name in ("GradCacheLoss", "tiny_sentence_transformer"):
+        from . import sentence_transformers
+
+        return getattr(sentence_transformers, name)
     raise AttributeError(f"module 'hfpatch.training' has no attribute {name!r}")

@@ -68,6 +68,7 @@ Mixed precision and distribution:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from .pooling import Pooling, default_rep
 from .vlm_split import VisionTokenSpec, has_grids, has_media, split_vlm_inputs, validate_vlm_chunk
 
-__all__ = ["GradCache", "RngState", "split_inputs"]
+__all__ = ["GradCache", "RngState", "is_sentence_transformer", "split_inputs"]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -234,7 +235,33 @@ def _with_vision_features(encoder: nn.Module, chunk: Mapping[str, Any]) -> dict[
     return out
 
 
-def _call(model: nn.Module, chunk: Any) -> Any:
+def is_sentence_transformer(model: Any) -> bool:
+    """Whether ``model`` (DDP/``torch.compile`` wrappers unwrapped) is a sentence-transformers model
+    (``SentenceTransformer`` and its siblings: ``model(features_dict)`` returning a dict). Never imports
+    sentence_transformers: a model of it can only exist once it is imported.
+
+    >>> import torch
+    >>> is_sentence_transformer(torch.nn.Linear(2, 2))
+    False
+    """
+    if sys.modules.get("sentence_transformers") is None or not isinstance(model, nn.Module):
+        return False
+    try:
+        from sentence_transformers.base.model import BaseModel  # sentence-transformers >= 6
+    except ImportError:  # pragma: no cover - older layout
+        try:
+            from sentence_transformers import SentenceTransformer as BaseModel
+        except ImportError:
+            return False
+    model = _unwrap(model)
+    return isinstance(getattr(model, "_orig_mod", model), BaseModel)
+
+
+def _call(model: nn.Module, chunk: Any, features_dict: bool = False) -> Any:
+    if features_dict:
+        # sentence-transformers modules write their outputs (token_embeddings, ...) into the dict they get:
+        # a shallow copy keeps them out of the chunk, which pass 2 reuses.
+        return model(dict(chunk))
     if isinstance(chunk, Mapping):
         return model(**chunk)
     if isinstance(chunk, (tuple, list)):
@@ -275,6 +302,9 @@ class GradCache:
         cross_rank: All-gather embeddings over ``process_group`` and compute the global-batch loss.
         process_group: Group for ``cross_rank`` (default: world).
         vision_spec: Token ids and merge size for Qwen-VL splitting (default: read from each model's config).
+        features_dict: Call the model with each chunk as one dict, ``model(chunk)``, instead of
+            ``model(**chunk)``. Default: on for sentence-transformers models (``SentenceTransformer``, DDP
+            wrapped or not), whose output dict's ``"sentence_embedding"`` is then the embedding.
         reuse_frozen_vision: For Qwen-VL models whose vision tower is frozen (e.g. LoRA on the language model
             only), run the tower once in the first pass and feed its outputs (``mm_encoder_outputs``) to the
             second pass instead of the pixels. Saves the tower's second forward and its activations; costs
@@ -304,6 +334,7 @@ class GradCache:
         process_group: dist.ProcessGroup | None = None,
         vision_spec: VisionTokenSpec | None = None,
         reuse_frozen_vision: bool = False,
+        features_dict: bool | None = None,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(
@@ -332,6 +363,9 @@ class GradCache:
         self.vision_specs = [vision_spec or _vision_spec(m) for m in self.models]
         self.vision_encoders = [
             _frozen_vision_encoder(m) if reuse_frozen_vision else None for m in self.models
+        ]
+        self.features_dict = [
+            is_sentence_transformer(m) if features_dict is None else features_dict for m in self.models
         ]
 
     def __repr__(self) -> str:
@@ -374,8 +408,8 @@ class GradCache:
             return model.no_sync()
         return contextlib.nullcontext()
 
-    def _embed(self, model: nn.Module, chunk: Any) -> torch.Tensor:
-        output = _call(model, chunk)
+    def _embed(self, model: nn.Module, chunk: Any, features_dict: bool = False) -> torch.Tensor:
+        output = _call(model, chunk, features_dict)
         rep = (
             self.rep_fn(output, chunk)
             if self.rep_fn is not None
@@ -414,21 +448,54 @@ class GradCache:
             *inputs: One model input per encoder input (e.g. queries, positives, negatives).
             **loss_kwargs: Passed to ``loss_fn``.
         """
+        loss, finish = self.prepare(*inputs, **loss_kwargs)
+        finish()
+        return loss
+
+    def prepare(
+        self, *inputs: Any, **loss_kwargs: Any
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor | None], None]]:
+        """Steps 1 and 2 of :meth:`step`; step 3 (the parameter backward) is left to the returned callable.
+
+        For callers whose framework runs the backward itself, e.g. a loss module whose returned tensor a
+        ``Trainer`` back-propagates (:class:`hfpatch.training.sentence_transformers.GradCacheLoss` calls
+        ``finish`` from a hook on it). Gradients of the loss's own parameters (step 2) are accumulated here.
+        Under ``torch.no_grad()`` (evaluation) only the chunked no-graph embedding and the loss run, and
+        ``finish`` must not be called.
+
+        Returns:
+            ``(loss, finish)``: the detached loss and ``finish(scale=None)``, which back-propagates the cached
+            embedding gradients times ``scale`` (a scalar, e.g. the gradient a Trainer's backward hands to
+            the loss: accumulation division, fp16 loss scale) into the encoders. Call it at most once.
+
+        >>> import torch
+        >>> encoder = torch.nn.Linear(4, 2)
+        >>> gc = GradCache(encoder, lambda q, p: (q @ p.T).logsumexp(-1).mean(), chunk_size=2)
+        >>> loss, finish = gc.prepare(torch.randn(4, 4), torch.randn(4, 4))
+        >>> encoder.weight.grad is None          # nothing back-propagated into the encoder yet
+        True
+        >>> finish(torch.tensor(0.5))            # e.g. gradient accumulation over 2 steps
+        >>> encoder.weight.grad.shape
+        torch.Size([2, 4])
+        """
         if len(self.models) not in (1, len(inputs)):
             raise ValueError(
                 f"GradCache has {len(self.models)} models but step() got {len(inputs)} inputs; "
                 "give one shared model or one per input."
             )
-        models = self.models * len(inputs) if len(self.models) == 1 else self.models
-        specs = self.vision_specs * len(inputs) if len(self.models) == 1 else self.vision_specs
-        encoders = self.vision_encoders * len(inputs) if len(self.models) == 1 else self.vision_encoders
+        one = len(self.models) == 1
+        models = self.models * len(inputs) if one else self.models
+        specs = self.vision_specs * len(inputs) if one else self.vision_specs
+        encoders = self.vision_encoders * len(inputs) if one else self.vision_encoders
+        as_dict = self.features_dict * len(inputs) if one else self.features_dict
         chunks = [self._split(x, spec) for x, spec in zip(inputs, specs)]
+        grad_enabled = torch.is_grad_enabled()
 
         # The last chunk of the last input keeps its graph in pass 1 (nothing runs between its forward and
         # the loss), so pass 2 back-propagates it first and re-embeds only the others: one chunk's forward
         # fewer per step at the same peak memory (luyug/GradCache re-runs every chunk).
-        kept = (len(inputs) - 1, len(chunks[-1]) - 1)
-        last_model = models[kept[0]]
+        kept = (len(inputs) - 1, len(chunks[-1]) - 1) if grad_enabled else None
+        last_model = models[-1]
         kept_syncs = sum(len(c) for m, c in zip(models, chunks) if m is last_model) == 1
 
         # 1. Embeddings without a graph; the RNG state before each chunk is kept for the second pass.
@@ -444,15 +511,17 @@ class GradCache:
                     if (k, j) == kept:
                         with torch.enable_grad(), self._sync_context(model, kept_syncs):
                             with self._autocast(model):  # DDP decides at forward time whether to sync
-                                kept_rep = self._embed(model, chunk)
+                                kept_rep = self._embed(model, chunk, as_dict[k])
                         model_states.append(None)
                         model_reps.append(kept_rep.detach())
                         continue
                     model_states.append(
-                        RngState.capture(*_tensors(chunk), *params) if self.replay_rng else None
+                        RngState.capture(*_tensors(chunk), *params)
+                        if self.replay_rng and grad_enabled
+                        else None
                     )
                     with self._autocast(model):
-                        rep = self._embed(model, chunk)
+                        rep = self._embed(model, chunk, as_dict[k])
                     model_reps.append(rep.clone() if rep._base is not None else rep)  # don't pin token states
                 reps.append(model_reps)
                 states.append(model_states)
@@ -463,6 +532,8 @@ class GradCache:
             loss = self.loss_fn(*full, **loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {loss!r:.80}.")
+        if not grad_enabled:
+            return loss.detach(), _no_backward
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         grads = []
         for leaf, model_reps in zip(leaves, reps):
@@ -474,35 +545,56 @@ class GradCache:
                 grads.append([None] * len(model_reps))
                 continue
             grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
+        shapes = [[r.shape for r in model_reps] for model_reps in reps]
+        del reps, leaves, full, loss_kwargs
+        pending = {"kept_rep": kept_rep}
+        del kept_rep
 
         # 3. Back-propagate the kept chunk, then re-embed every other chunk with a graph under its saved RNG
         # state and back-propagate its cached gradient. DDP all-reduces with each model's last backward: the
         # kept chunk's model goes first, so the order of models is the same on every rank.
-        kept_grad = grads[kept[0]][kept[1]]
-        if kept_grad is not None:
-            with self._sync_context(last_model, kept_syncs):  # FSDP decides at backward time
-                kept_rep.backward(gradient=kept_grad.to(kept_rep.dtype))
-        del kept_rep
-        rerun = [
-            (k, j)
-            for k, c in enumerate(chunks)
-            for j in range(len(c))
-            if (k, j) != kept and grads[k][j] is not None
-        ]
-        rerun.sort(key=lambda kj: models[kj[0]] is not last_model)  # stable: input order otherwise
-        last_use = {id(models[k]): (k, j) for k, j in rerun}
-        for k, j in rerun:
-            model, chunk = models[k], chunks[k][j]
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(self._sync_context(model, last_use[id(model)] == (k, j)))
-                if states[k][j] is not None:
-                    stack.enter_context(states[k][j].replay())
-                with self._autocast(model):
-                    rep = self._embed(model, chunk)
-                if rep.shape != reps[k][j].shape:
-                    raise RuntimeError(
-                        f"input {k} chunk {j}: the second forward gave shape {tuple(rep.shape)}, the first "
-                        f"{tuple(reps[k][j].shape)}; the encoder must be deterministic given its inputs and RNG."
-                    )
-                rep.backward(gradient=grads[k][j].to(rep.dtype))
-        return loss.detach()
+        def finish(scale: torch.Tensor | None = None) -> None:
+            if "kept_rep" not in pending:
+                raise RuntimeError("GradCache.prepare's finish() was already called for this batch.")
+            kept_rep = pending.pop("kept_rep")
+
+            def scaled(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                return (grad if scale is None else grad * scale.to(grad.dtype)).to(dtype)
+
+            with torch.enable_grad():
+                kept_grad = grads[kept[0]][kept[1]]
+                if kept_grad is not None:
+                    with self._sync_context(last_model, kept_syncs):  # FSDP decides at backward time
+                        kept_rep.backward(gradient=scaled(kept_grad, kept_rep.dtype))
+                del kept_rep
+                rerun = [
+                    (k, j)
+                    for k, c in enumerate(chunks)
+                    for j in range(len(c))
+                    if (k, j) != kept and grads[k][j] is not None
+                ]
+                rerun.sort(key=lambda kj: models[kj[0]] is not last_model)  # stable: input order otherwise
+                last_use = {id(models[k]): (k, j) for k, j in rerun}
+                for k, j in rerun:
+                    model, chunk = models[k], chunks[k][j]
+                    with contextlib.ExitStack() as stack:
+                        stack.enter_context(self._sync_context(model, last_use[id(model)] == (k, j)))
+                        if states[k][j] is not None:
+                            stack.enter_context(states[k][j].replay())
+                        with self._autocast(model):
+                            rep = self._embed(model, chunk, as_dict[k])
+                        if rep.shape != shapes[k][j]:
+                            raise RuntimeError(
+                                f"input {k} chunk {j}: the second forward gave shape {tuple(rep.shape)}, the "
+                                f"first {tuple(shapes[k][j])}; the encoder must be deterministic given its "
+                                "inputs and RNG."
+                            )
+                        rep.backward(gradient=scaled(grads[k][j], rep.dtype))
+            chunks.clear()  # release the inputs and RNG states of this batch
+            states.clear()
+
+        return loss.detach(), finish
+
+
+def _no_backward(scale: torch.Tensor | None = None) -> None:
+    raise RuntimeError("GradCache.prepare ran under torch.no_grad(): there is no backward to finish.")

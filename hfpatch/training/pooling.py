@@ -58,13 +58,16 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: Poolin
 def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tensor:
     """Turn a model output into ``[B, D]`` embeddings.
 
-    A ``[B, D]`` tensor is returned as is; ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
+    A ``[B, D]`` tensor, or the ``"sentence_embedding"`` of a sentence-transformers output dict, is returned
+    as is; ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
     ``ModelOutput``/dict, else its last ``hidden_states`` entry as in a ``*ForCausalLM`` output with
     ``output_hidden_states=True``, or the first element of a tuple) are pooled with
     ``inputs["attention_mask"]`` when the inputs are a mapping that has one. A bare tensor input means no
     padding; positional (tuple) inputs are refused for token states, since which of them is the mask is
     unknown.
     """
+    if isinstance(output, Mapping) and isinstance(output.get("sentence_embedding"), torch.Tensor):
+        return output["sentence_embedding"]  # a sentence-transformers model's (already pooled) output
     if isinstance(output, Mapping) or hasattr(output, "last_hidden_state"):
         get = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
         hidden = get("last_hidden_state")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .gradcache import GradCache
+from .gradcache import GradCache, is_sentence_transformer
 from .pooling import Pooling, default_rep
 
 __all__ = ["GradCacheTrainer", "info_nce"]
@@ -45,6 +45,31 @@ def info_nce(
     docs = nn.functional.normalize(torch.cat([positive, *negatives]).float(), dim=-1)
     logits = q @ docs.T / temperature
     return nn.functional.cross_entropy(logits, torch.arange(len(q), device=logits.device))
+
+
+_ST_HINT = (
+    "from hfpatch.training.sentence_transformers import GradCacheLoss; "
+    "SentenceTransformerTrainer(model, args, train_dataset, loss=GradCacheLoss(MultipleNegativesRankingLoss(model), "
+    "mini_batch_size=32))"
+)
+
+
+def _refuse_sentence_transformers(model: Any, kwargs: dict[str, Any]) -> None:
+    """GradCacheTrainer runs on transformers models and nested batches; sentence-transformers training goes
+    through its own Trainer, whose loss= takes :class:`~hfpatch.training.sentence_transformers.GradCacheLoss`."""
+    collator = kwargs.get("data_collator")
+    reason = None
+    if is_sentence_transformer(model):
+        reason = f"model is a sentence-transformers {type(model).__name__}"
+    elif "loss" in kwargs:
+        reason = "loss= is a SentenceTransformerTrainer argument (GradCacheTrainer takes loss_fn=)"
+    elif type(collator).__module__.startswith("sentence_transformers"):
+        reason = f"data_collator is sentence-transformers' {type(collator).__name__}"
+    if reason is not None:
+        raise TypeError(
+            f"GradCacheTrainer does not drive sentence-transformers training: {reason}. Keep "
+            f"SentenceTransformerTrainer and wrap its loss instead: {_ST_HINT}."
+        )
 
 
 class GradCacheTrainer(Trainer):
@@ -64,8 +89,12 @@ class GradCacheTrainer(Trainer):
     (with ``reuse_frozen_vision=True`` also pass ``autocast_dtype``: the tower then runs outside that forward).
     Evaluation computes the plain, unchunked loss. DeepSpeed is refused: its engine owns the backward.
 
+    sentence-transformers models, losses and collators are refused: use ``SentenceTransformerTrainer`` with
+    ``loss=GradCacheLoss(...)`` (:mod:`hfpatch.training.sentence_transformers`) instead.
+
     Raises:
         ValueError: ``remove_unused_columns=True``, no ``chunk_size``, or a DeepSpeed configuration.
+        TypeError: A sentence-transformers model, ``loss=`` or the sentence-transformers data collator.
     """
 
     def __init__(
@@ -90,6 +119,7 @@ class GradCacheTrainer(Trainer):
             "autocast_dtype",
         }
         self.gradcache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in gradcache_keys}
+        _refuse_sentence_transformers(args[0] if args else kwargs.get("model"), kwargs)
         super().__init__(*args, **kwargs)
         if self.args.remove_unused_columns:
             raise ValueError(
@@ -114,6 +144,12 @@ class GradCacheTrainer(Trainer):
 
     def _batch_inputs(self, inputs: dict[str, Any]) -> list[Any]:
         missing = [k for k in self.input_keys if k not in inputs]
+        if missing and any(str(k).endswith("_input_ids") for k in inputs):
+            raise TypeError(
+                f"batch has flat sentence-transformers columns {sorted(inputs)}; GradCacheTrainer takes "
+                "{input_key: model inputs} batches. For sentence-transformers training use "
+                f"SentenceTransformerTrainer(loss=GradCacheLoss(...)) instead ({_ST_HINT})."
+            )
         if missing:
             raise ValueError(
                 f"batch has keys {sorted(inputs)} but input_keys asks for {missing}; "
