@@ -20,6 +20,30 @@ generated in full, then sliced), and every rank returns the full output.
   ``num_images_per_prompt``, and both CFG halves where they are batched) is split over the data ranks,
   unevenly where it does not divide, and the outputs are all-gathered.
 
+Any diffusers pipeline works, whatever its denoiser class. The denoisers are the components whose class is
+in :data:`PER_SAMPLE_ARGS`, plus the diffusers models named ``transformer``, ``transformer_2`` or ``unet``
+(:data:`DENOISER_NAMES`). How each forward argument is split:
+
+- *Known classes* (:data:`PER_SAMPLE_ARGS`): an explicit list of batched arguments and of arguments passed
+  whole (Flux's ``txt_ids``/``img_ids`` are ``[seq, 3]`` positions, not per sample); anything else is refused.
+- *Any other class*, decided per call (:func:`generic_split`): the batch is the leading dim of the first
+  forward argument (``hidden_states``, ``sample``). A tensor with that leading dim is split; ``None``, plain
+  Python values, 0-d tensors and tensors of leading dim 1 pass whole; a tensor of another leading dim, or a
+  dict/list/tuple holding tensors (``joint_attention_kwargs`` with IP-adapter embeds), raises ``TypeError``
+  naming the argument, on every rank alike and before the split's collectives. **Limit:** a tensor without
+  a batch dim whose leading dim happens to equal the batch (batch 3 and a ``[3, k]`` table) cannot be told
+  apart from a batched one and is split: register such classes in :data:`PER_SAMPLE_ARGS`. Per-sample Python
+  lists (QwenImage's ``img_shapes``) pass whole.
+
+CFG parallel for a pipeline in neither CFG table: only for diffusers' batched-CFG pattern (the pipeline
+defines ``do_classifier_free_guidance`` and its ``__call__`` builds ``torch.cat([latents] * 2)``, with no
+``cache_context("uncond")`` call). Each call made with no ``cache_context`` or in
+``cache_context("cond_uncond")`` has its batch (``[uncond, cond]``) split over the cfg ranks, which is exact
+whatever the batch holds; any other call raises. The two-call pattern (``cache_context("cond")`` then
+``("uncond")``) relies on how the pipeline uses the cond prediction before the uncond call, checked for
+:data:`TWO_CALL_CFG_PIPELINES` only; other pipelines (``FluxPipeline`` and ``QwenImagePipeline`` decide their
+true-CFG call from a local ``true_cfg_scale``) are refused ``cfg=2``: use ``cfg=1`` with ``data``.
+
 Sequence parallelism of the transformer (its own family, mesh axes ``"ring"``/``"ulysses"``) runs inside
 these calls unchanged: the data and cfg groups are orthogonal to the sequence-parallel group. The wrapper
 replaces the transformer's ``forward`` (per object), so module hooks on submodules run only where the
@@ -49,7 +73,14 @@ from ..distributed import runtime
 from ..distributed.agreement import install_call_guard
 from ..distributed.collectives import all_gather, even_sizes
 
-__all__ = ["BATCHED_CFG_PIPELINES", "PER_SAMPLE_ARGS", "PipelineParallel", "TWO_CALL_CFG_PIPELINES"]
+__all__ = [
+    "BATCHED_CFG_PIPELINES",
+    "DENOISER_NAMES",
+    "PER_SAMPLE_ARGS",
+    "PipelineParallel",
+    "TWO_CALL_CFG_PIPELINES",
+    "generic_split",
+]
 
 #: Pipelines that call the transformer twice per step, in ``cache_context("cond")`` then ``("uncond")``,
 #: and expose ``do_classifier_free_guidance`` (read at the cond call to know that an uncond call follows).
@@ -69,7 +100,21 @@ PER_SAMPLE_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
         ("return_dict", "joint_attention_kwargs", "skip_layers"),
     ),
+    # txt_ids/img_ids are [seq, 3] positions shared by the batch (a 3-D batched form is deprecated in
+    # diffusers, which reads its first row); guidance is expanded to the batch by FluxPipeline.
+    "FluxTransformer2DModel": (
+        ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
+        ("return_dict", "joint_attention_kwargs", "txt_ids", "img_ids", "controlnet_blocks_repeat"),
+    ),
 }
+
+#: Pipeline component names of denoisers whose class is not in :data:`PER_SAMPLE_ARGS` (split by
+#: :func:`generic_split`). Only diffusers models (``ModelMixin``) under these names are wrapped.
+DENOISER_NAMES: tuple[str, ...] = ("transformer", "transformer_2", "unet")
+
+#: ``cache_context`` names under which a pipeline outside the CFG tables may call its denoiser with cfg=2
+#: (``None``: no context): one call holding the whole batch, ``[uncond, cond]`` when guiding.
+_BATCHED_CONTEXTS: tuple[str | None, ...] = (None, "cond_uncond")
 
 
 def _class_names(obj: Any) -> list[str]:
@@ -81,22 +126,104 @@ def _known(obj: Any, table: Any) -> str | None:
     return next((name for name in _class_names(obj) if name in table), None)
 
 
+def _is_diffusers_model(obj: Any) -> bool:
+    return any(
+        f"{c.__module__.split('.')[0]}.{c.__name__}" == "diffusers.ModelMixin" for c in type(obj).__mro__
+    )
+
+
 def _transformers(pipe: Any) -> list[torch.nn.Module]:
-    """The pipeline's denoisers: components whose class is in :data:`PER_SAMPLE_ARGS` (found by type)."""
+    """The pipeline's denoisers, in component order: components whose class is in :data:`PER_SAMPLE_ARGS`
+    (found by type), and diffusers models named in :data:`DENOISER_NAMES`."""
     found: list[torch.nn.Module] = []
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module) and _known(component, PER_SAMPLE_ARGS):
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        known = _known(component, PER_SAMPLE_ARGS) is not None
+        if known or (name in DENOISER_NAMES and _is_diffusers_model(component)):
             if all(component is not f for f in found):
                 found.append(component)
     return found
 
 
+def _batches_cfg(pipe: Any) -> bool:
+    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it defines
+    ``do_classifier_free_guidance`` and its ``__call__`` builds ``torch.cat([latents] * 2)`` and makes no
+    ``cache_context("uncond")`` call (a read of its source: 75 stock diffusers pipelines match)."""
+    if not hasattr(type(pipe), "do_classifier_free_guidance"):
+        return False
+    try:
+        source = inspect.getsource(type(pipe).__call__)
+    except (OSError, TypeError):  # no source (compiled, interactive): not recognised
+        return False
+    return "[latents] * 2" in source and 'cache_context("uncond")' not in source
+
+
 def _cfg_mode(pipe: Any) -> str | None:
+    """``"two_call"``/``"batched"`` for the CFG tables, ``"generic"`` for another pipeline that batches its
+    CFG (:func:`_batches_cfg`; batched calls only, see the module docstring), else ``None``."""
     if _known(pipe, TWO_CALL_CFG_PIPELINES):
         return "two_call"
     if _known(pipe, BATCHED_CFG_PIPELINES):
         return "batched"
+    if _batches_cfg(pipe):
+        return "generic"
     return None
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether a dict/list/tuple/set holds a tensor, at any depth."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) -> tuple[str, ...]:
+    """The arguments of a forward call of an unlisted denoiser class to split along dim 0 (see module doc).
+
+    Args:
+        model_name: The class name, for errors.
+        arguments: Argument name -> value of the call (``**kwargs`` entries flattened in, ``self`` left out).
+        batch_arg: The argument whose leading dim is the batch (the forward's first parameter).
+
+    Raises:
+        TypeError: An argument whose batch dim cannot be told: a tensor of another leading dim than the
+            batch (and not 1), or a container holding tensors.
+
+    >>> import torch
+    >>> x = torch.zeros(2, 4)
+    >>> generic_split("M", {"hidden_states": x, "t": torch.zeros(2), "ids": torch.zeros(1, 3), "n": 3}, "hidden_states")
+    ('hidden_states', 't')
+    """
+    hidden = arguments.get(batch_arg)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0:
+        raise TypeError(
+            f"{model_name}.forward needs {batch_arg} as a batched tensor, got {type(hidden).__name__}"
+        )
+    batch = hidden.shape[0]
+    split: list[str] = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0 and value.shape[0] == batch:
+                split.append(name)
+            elif value.dim() > 0 and value.shape[0] != 1:
+                raise TypeError(
+                    f"hfpatch data/CFG parallel cannot tell whether {model_name}.forward argument {name} (shape "
+                    f"{tuple(value.shape)}) carries the batch dim: its leading dim is neither the batch {batch} of "
+                    f"{batch_arg} nor 1. Use cfg=1 and data=1 for this pipeline, or list {model_name} in "
+                    "hfpatch.patches.pipeline.PER_SAMPLE_ARGS."
+                )
+        elif _holds_tensor(value):
+            raise TypeError(
+                f"hfpatch data/CFG parallel cannot tell whether the tensors inside {model_name}.forward argument "
+                f"{name} ({type(value).__name__}) carry the batch dim. Use cfg=1 and data=1 for this call, or list "
+                f"{model_name} in hfpatch.patches.pipeline.PER_SAMPLE_ARGS."
+            )
+    return tuple(split)
 
 
 # dtype codes of the metadata the cfg ranks exchange before gathering predictions (-1: any other dtype).
@@ -145,7 +272,8 @@ class _ParallelForward:
         model: The transformer (to name it in errors and match cond/uncond calls).
         original: Its forward before this patch (possibly already wrapped by its sequence-parallel family).
         pipe: The pipeline (read ``do_classifier_free_guidance`` at call time).
-        mode: ``"two_call"``, ``"batched"`` or ``None`` (no CFG parallel).
+        mode: ``"two_call"``, ``"batched"``, ``"generic"`` (batched calls of a pipeline outside the CFG
+            tables) or ``None`` (no CFG parallel).
         cfg_group, data_group: Process groups (``None`` when the degree is 1).
         state: Shared call state of the pipeline.
     """
@@ -169,12 +297,23 @@ class _ParallelForward:
         self.state = state
         self.context: str | None = None  # name of the open cache_context, set by _recording_cache_context
         self.name = type(model).__name__
-        self.split_args, self.plain_args = PER_SAMPLE_ARGS[_known(model, PER_SAMPLE_ARGS)]
         self.signature = inspect.signature(type(model).forward)
+        parameters = list(self.signature.parameters.values())
+        known = _known(model, PER_SAMPLE_ARGS)
+        # Known class: its table; any other: generic_split, per call (split_args/plain_args None).
+        self.split_args: tuple[str, ...] | None = None
+        self.plain_args: tuple[str, ...] | None = None
+        if known is not None:
+            self.split_args, self.plain_args = PER_SAMPLE_ARGS[known]
+        # The argument whose leading dim is the batch: hidden_states, or the first parameter (UNet's sample).
+        self.batch_arg = "hidden_states" if known is not None else parameters[1].name
+        self.varkw = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
 
     # -- argument handling ----------------------------------------------------------------------------
     def _bind(self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
         bound = self.signature.bind(self.model, *args, **kwargs)
+        if self.split_args is None or self.plain_args is None:
+            return bound  # generic class: checked by generic_split in _split_names
         unknown = [
             name
             for name, value in bound.arguments.items()
@@ -188,7 +327,7 @@ class _ParallelForward:
             )
         for name in self.plain_args:
             value = bound.arguments.get(name)
-            if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+            if isinstance(value, dict) and _holds_tensor(value):
                 raise TypeError(
                     f"{self.name}.forward got tensors in {name}={sorted(value)}; hfpatch data/CFG parallel "
                     "cannot tell whether they carry a batch dim. Use cfg=1 and data=1 for this call."
@@ -196,27 +335,50 @@ class _ParallelForward:
         return bound
 
     def _batch(self, bound: inspect.BoundArguments) -> int:
-        hidden = bound.arguments["hidden_states"]
+        hidden = bound.arguments.get(self.batch_arg)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0:
             raise TypeError(
-                f"{self.name}.forward needs hidden_states as a batched tensor, got {type(hidden)}"
+                f"{self.name}.forward needs {self.batch_arg} as a batched tensor, got {type(hidden)}"
             )
         return hidden.shape[0]
 
-    def _slice(self, bound: inspect.BoundArguments, start: int, length: int, batch: int):
-        sliced = inspect.BoundArguments(bound.signature, bound.arguments.copy())
+    def _arguments(self, bound: inspect.BoundArguments) -> dict[str, Any]:
+        """The call's arguments by name, ``**kwargs`` entries flattened in, ``self`` left out."""
+        named = {k: v for k, v in bound.arguments.items() if k not in ("self", self.varkw)}
+        if self.varkw is not None:
+            named.update(bound.arguments.get(self.varkw, {}))
+        return named
+
+    def _split_names(self, bound: inspect.BoundArguments) -> tuple[str, ...]:
+        """The arguments this call splits along dim 0 (checked here, before any collective of the split)."""
+        batch = self._batch(bound)
+        if self.split_args is None:
+            return generic_split(self.name, self._arguments(bound), self.batch_arg)
+        names = []
         for name in self.split_args:
-            value = sliced.arguments.get(name)
+            value = bound.arguments.get(name)
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue  # None, or a scalar timestep shared by the batch
             if value.shape[0] == batch:
-                sliced.arguments[name] = value.narrow(0, start, length)
+                names.append(name)
             elif value.shape[0] != 1:  # size 1 broadcasts over the batch
                 raise ValueError(
                     f"{self.name}.forward: {name} has leading dim {value.shape[0]}, expected the batch size "
                     f"{batch} of hidden_states (or 1)"
                 )
-        return sliced
+        return tuple(names)
+
+    def _slice(
+        self, bound: inspect.BoundArguments, names: tuple[str, ...], start: int, length: int
+    ) -> inspect.BoundArguments:
+        """A copy of ``bound`` with the arguments ``names`` narrowed to rows ``start:start + length``."""
+        arguments = bound.arguments.copy()
+        if self.varkw is not None and self.varkw in arguments:
+            arguments[self.varkw] = dict(arguments[self.varkw])
+        for name in names:
+            holder = arguments if name in arguments else arguments[self.varkw]
+            holder[name] = holder[name].narrow(0, start, length)
+        return inspect.BoundArguments(bound.signature, arguments)
 
     # -- compute ----------------------------------------------------------------------------------------
     def _compute(self, bound: inspect.BoundArguments) -> torch.Tensor:
@@ -229,31 +391,37 @@ class _ParallelForward:
             )
         return out[0]
 
-    def _split_compute(self, bound: inspect.BoundArguments, groups: list[Any]) -> torch.Tensor:
-        """Split the batch over each group in ``groups`` in turn (``None``: degree 1), compute, gather back."""
+    def _split_compute(
+        self, bound: inspect.BoundArguments, groups: list[Any], names: tuple[str, ...]
+    ) -> torch.Tensor:
+        """Split the arguments ``names`` over each group in ``groups`` in turn (``None``: degree 1), compute,
+        gather back."""
         if not groups:
             return self._compute(bound)
         group, rest = groups[0], groups[1:]
         if group is None:
-            return self._split_compute(bound, rest)
+            return self._split_compute(bound, rest, names)
         batch = self._batch(bound)
         world = torch.distributed.get_world_size(group)
         if batch < world:
             # Only the cfg axis gets here (data batches are checked in __call__, before any collective): a
             # call without guidance and batch 1. Every cfg rank computes it: redundant, still exact.
-            return self._split_compute(bound, rest)
+            return self._split_compute(bound, rest, names)
         sizes = even_sizes(batch, world)
         me = torch.distributed.get_rank(group)
-        local = self._split_compute(self._slice(bound, sum(sizes[:me]), sizes[me], batch), rest)
+        local = self._split_compute(self._slice(bound, names, sum(sizes[:me]), sizes[me]), rest, names)
         return all_gather(local, dim=0, group=group, sizes=sizes)
 
     # -- the call ---------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._bind(args, kwargs)
+        names = self._split_names(bound)
         return_dict = bound.arguments.get("return_dict", True)
         batch = self._batch(bound)
         data_world = 1 if self.data_group is None else torch.distributed.get_world_size(self.data_group)
-        batched_cfg = self.mode == "batched" and self.cfg_group is not None
+        if self.mode == "generic" and self.context not in _BATCHED_CONTEXTS:
+            raise self._pattern_error(f"a call inside cache_context({self.context!r})")
+        batched_cfg = self.mode in ("batched", "generic") and self.cfg_group is not None
         data_batch = batch // 2 if batched_cfg and batch >= 2 else batch  # the smaller cfg half
         if data_batch < data_world:
             raise ValueError(
@@ -262,24 +430,24 @@ class _ParallelForward:
                 "call, or use fewer data ranks"
             )
         if self.mode == "two_call" and self.cfg_group is not None:
-            out = self._two_call(bound)
+            out = self._two_call(bound, names)
         elif batched_cfg:
-            out = self._split_compute(bound, [self.cfg_group, self.data_group])
+            out = self._split_compute(bound, [self.cfg_group, self.data_group], names)
         else:
-            out = self._split_compute(bound, [self.data_group])
-        if return_dict:
+            out = self._split_compute(bound, [self.data_group], names)
+        if return_dict:  # the output type of diffusers transformers (a UNet's has the same `sample` field)
             from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
             return Transformer2DModelOutput(sample=out)
         return (out,)
 
-    def _two_call(self, bound: inspect.BoundArguments) -> torch.Tensor:
+    def _two_call(self, bound: inspect.BoundArguments, names: tuple[str, ...]) -> torch.Tensor:
         data_only = [self.data_group]
         guiding = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
         if not guiding:  # guidance_scale <= 1: a single call per step, computed on both cfg ranks
             if self.state.pending is not None:
                 raise self._pattern_error("a call without guidance while an uncond call was due")
-            return self._split_compute(bound, data_only)
+            return self._split_compute(bound, data_only, names)
         cfg_rank = torch.distributed.get_rank(self.cfg_group)
         if self.context == "cond":
             if self.state.pending is not None:
@@ -291,7 +459,7 @@ class _ParallelForward:
             error = None
             if cfg_rank == 0:
                 try:
-                    tensor = self._split_compute(bound, data_only)
+                    tensor = self._split_compute(bound, data_only, names)
                 except Exception as exc:
                     # cfg rank 1 returns without communicating and meets this rank at the uncond call's
                     # exchange: raise there, on both ranks, instead of leaving rank 1 waiting.
@@ -299,10 +467,10 @@ class _ParallelForward:
             self.state.pending = _Pending(self.model, tensor, error)
             return tensor
         if self.context == "uncond":
-            return self._uncond(bound, cfg_rank)
+            return self._uncond(bound, cfg_rank, names)
         raise self._pattern_error(f"a call inside cache_context({self.context!r})")
 
-    def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int) -> torch.Tensor:
+    def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int, names: tuple[str, ...]) -> torch.Tensor:
         pending = self.state.pending
         if pending is None or pending.model is not self.model:
             raise self._pattern_error("an uncond call without a cond call of the same transformer before it")
@@ -314,7 +482,7 @@ class _ParallelForward:
             local = pending.tensor  # the cond prediction; cfg rank 1 computes the uncond one
         else:
             try:
-                local = self._split_compute(bound, [self.data_group])
+                local = self._split_compute(bound, [self.data_group], names)
             except Exception as exc:  # re-raised below, once cfg rank 0 knows it must raise too
                 error, local = exc, pending.tensor
         self._agree_before_gather(local, pending.tensor, error, cfg_rank)
@@ -356,6 +524,14 @@ class _ParallelForward:
 
     def _pattern_error(self, what: str) -> RuntimeError:
         self.state.pending = None
+        if self.mode == "generic":
+            return RuntimeError(
+                f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. For "
+                "pipelines outside hfpatch's CFG tables it splits only calls that hold the whole batch (no "
+                "cache_context, or cache_context('cond_uncond')); the two-call pattern (cache_context('cond') then "
+                f"('uncond')) is supported for {', '.join(TWO_CALL_CFG_PIPELINES)} only. Apply with cfg=1 (data=N "
+                "still splits the prompts)."
+            )
         return RuntimeError(
             f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. It supports "
             "the pattern of diffusers' "
@@ -382,6 +558,29 @@ def _recording_cache_context(forward: _ParallelForward) -> Callable[[Callable], 
     return wrapper
 
 
+def _quiet_progress_bar(pipe: Any) -> Callable[[Callable], Callable]:
+    """Wrap ``pipe.progress_bar`` so that its bars are disabled whatever ``_progress_bar_config`` says then."""
+
+    def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def progress_bar(*args: Any, **kwargs: Any) -> Any:
+            missing = "_progress_bar_config" not in vars(pipe)
+            config = vars(pipe).get("_progress_bar_config")
+            if config is not None and not isinstance(config, dict):
+                return original(*args, **kwargs)  # diffusers raises its own error
+            pipe._progress_bar_config = {**(config or {}), "disable": True}
+            try:
+                return original(*args, **kwargs)  # the bar reads the config now, once
+            finally:
+                if missing:
+                    del pipe._progress_bar_config
+                else:
+                    pipe._progress_bar_config = config
+
+        return progress_bar
+
+    return wrapper
+
+
 # ----------------------------------------------------------------------------------------------- family
 class PipelineParallel(PatchFamily):
     """CFG parallel and data parallel for a diffusers ``DiffusionPipeline`` (applied after its components).
@@ -389,8 +588,10 @@ class PipelineParallel(PatchFamily):
     Every rank calls the pipeline with the same arguments (same prompts, same generator seeds) and gets the
     full output of the unpatched pipeline. Progress bars show on global rank 0 only.
 
-    Supported: CFG parallel for :data:`TWO_CALL_CFG_PIPELINES` and :data:`BATCHED_CFG_PIPELINES`; data
-    parallel for pipelines whose transformer is in :data:`PER_SAMPLE_ARGS`.
+    Supported: CFG parallel for :data:`TWO_CALL_CFG_PIPELINES` and :data:`BATCHED_CFG_PIPELINES`, and for
+    the batched calls of other pipelines that define ``do_classifier_free_guidance``; data parallel for any
+    pipeline whose denoiser calls can be split by batch (module docstring: known classes by
+    :data:`PER_SAMPLE_ARGS`, others by :func:`generic_split`).
 
     >>> import torch
     >>> from hfpatch.testing import tiny_sd3_pipe
@@ -417,8 +618,10 @@ class PipelineParallel(PatchFamily):
             if _cfg_mode(target) is None:
                 raise ValueError(
                     f"cfg=2 is not supported for {name}: hfpatch runs CFG parallel for "
-                    f"{', '.join(TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES)}. Use cfg=1 and put the ranks "
-                    "into ulysses/ring."
+                    f"{', '.join(TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES)}, and for other pipelines that "
+                    "define do_classifier_free_guidance and batch [uncond, cond] into one call (torch.cat([latents] "
+                    f"* 2)); {name} does not show that pattern. Use cfg=1: data=N splits the prompts, ulysses/ring "
+                    "the sequence."
                 )
             if not hasattr(type(target), "do_classifier_free_guidance"):
                 raise ValueError(f"cfg=2 needs {name}.do_classifier_free_guidance, which it does not have")
@@ -429,8 +632,9 @@ class PipelineParallel(PatchFamily):
                     type(c).__name__ for c in target.components.values() if isinstance(c, torch.nn.Module)
                 )
                 raise ValueError(
-                    f"data={config.data}, cfg={config.cfg} split the transformer calls of {name}, but none of its "
-                    f"components ({found or 'none'}) is a supported transformer ({', '.join(PER_SAMPLE_ARGS)})"
+                    f"data={config.data}, cfg={config.cfg} split the denoiser calls of {name}, but none of its "
+                    f"components ({found or 'none'}) is a denoiser: a diffusers model named "
+                    f"{'/'.join(DENOISER_NAMES)}, or one of {', '.join(PER_SAMPLE_ARGS)}"
                 )
             if _cfg_mode(target) == "two_call" and config.cfg == 2:
                 for model in models:
@@ -446,6 +650,8 @@ class PipelineParallel(PatchFamily):
             # diffusers reads the whole dict on every progress_bar(); set a new one so the old one comes back.
             current = getattr(target, "_progress_bar_config", {})
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
+            # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
+            patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
         state = _State()
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
@@ -466,7 +672,7 @@ class PipelineParallel(PatchFamily):
                     state,
                 ),
             )
-            if mode == "two_call":
+            if mode == "two_call" or (mode == "generic" and callable(getattr(model, "cache_context", None))):
                 patch.wrap_method(model, "cache_context", _recording_cache_context(forward))
 
         def reset(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,10 +11,12 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 * Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
   :func:`tiny_cogvideox_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
-  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`.
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`; with text encoders and in-memory tokenizers:
+  :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
-* Text encoders: :func:`tiny_bert`.
+* Text encoders: :func:`tiny_bert`, :func:`tiny_clip_text_model` with :func:`tiny_clip_tokenizer`,
+  :func:`tiny_t5_encoder` with :func:`tiny_t5_tokenizer`.
 
 Running and measuring:
 
@@ -45,14 +47,19 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         qwen3_vl_inputs,
         tiny_autoencoder_kl,
         tiny_bert,
+        tiny_clip_text_model,
+        tiny_clip_tokenizer,
         tiny_cogvideox_transformer,
         tiny_flux_pipe,
+        tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
+        tiny_t5_encoder,
+        tiny_t5_tokenizer,
         tiny_wan_pipe,
         tiny_wan_transformer,
         tiny_wan_vae,
@@ -71,14 +78,19 @@ __all__ = [
     "run_ranks",
     "tiny_autoencoder_kl",
     "tiny_bert",
+    "tiny_clip_text_model",
+    "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
     "tiny_flux_pipe",
+    "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
+    "tiny_t5_encoder",
+    "tiny_t5_tokenizer",
     "tiny_wan_pipe",
     "tiny_wan_transformer",
     "tiny_wan_vae",

@@ -19,14 +19,19 @@ __all__ = [
     "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
     "tiny_bert",
+    "tiny_clip_text_model",
+    "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
     "tiny_flux_pipe",
+    "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
+    "tiny_t5_encoder",
+    "tiny_t5_tokenizer",
     "tiny_wan_pipe",
     "tiny_wan_transformer",
     "tiny_wan_vae",
@@ -526,3 +531,106 @@ def tiny_cogvideox_transformer(
         use_rotary_positional_embeddings=True,
     )
     return _build(CogVideoXTransformer3DModel, config, overrides, seed)
+
+
+_TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def tiny_clip_tokenizer(model_max_length: int = 8):
+    """A ``CLIPTokenizer`` built in memory (no hub): one token per lowercase letter, with and without ``</w>``.
+
+    >>> from hfpatch.testing.models import tiny_clip_tokenizer
+    >>> tiny_clip_tokenizer()("ab", padding="max_length", max_length=8).input_ids
+    [0, 2, 29, 1, 1, 1, 1, 1]
+    """
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in _TOKEN_CHARS:
+        vocab[char] = len(vocab)
+    for char in _TOKEN_CHARS:
+        vocab[f"{char}</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer(model_max_length: int = 8):
+    """A ``T5TokenizerFast`` (Unigram) built in memory (no hub): one piece per lowercase letter, ``</s>`` is 1.
+
+    >>> from hfpatch.testing.models import tiny_t5_tokenizer
+    >>> tiny_t5_tokenizer()("ab").input_ids[-1]
+    1
+    """
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(char, -2.0) for char in _TOKEN_CHARS] + [(f"\u2581{c}", -1.5) for c in _TOKEN_CHARS]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def tiny_clip_text_model(seed: int = 0, **overrides: Any):
+    """A stock ``CLIPTextModel`` (hidden 16, 8 positions) matching :func:`tiny_clip_tokenizer`'s vocabulary."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = dict(
+        vocab_size=2 + 2 * len(_TOKEN_CHARS),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        projection_dim=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(CLIPTextModel(CLIPTextConfig(**config)), seed)
+
+
+def tiny_t5_encoder(seed: int = 0, **overrides: Any):
+    """A stock ``T5EncoderModel`` (d_model 16) matching :func:`tiny_t5_tokenizer`'s vocabulary."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = dict(
+        vocab_size=4 + 2 * len(_TOKEN_CHARS),
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    config.update(overrides)
+    with _seeded(seed):
+        return _randomize(T5EncoderModel(T5Config(**config)), seed)
+
+
+def tiny_flux_pipe_with_text_encoders(seed: int = 0):
+    """A stock ``FluxPipeline`` with tiny CLIP and T5 text encoders and in-memory tokenizers: call it with
+    ``prompt=`` (lowercase letters and spaces) and ``max_sequence_length=8``.
+
+    >>> import torch
+    >>> from hfpatch.testing.models import tiny_flux_pipe_with_text_encoders
+    >>> pipe = tiny_flux_pipe_with_text_encoders()
+    >>> out = pipe(prompt=["a cat", "a dog"], height=16, width=16, num_inference_steps=2, max_sequence_length=8,
+    ...            output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (2, 16, 16)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        text_encoder=tiny_clip_text_model(seed=seed),
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=tiny_t5_encoder(seed=seed),
+        tokenizer_2=tiny_t5_tokenizer(),
+        transformer=tiny_flux_transformer(seed=seed),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,359 @@
+"""Data and CFG parallel of ``hfpatch.patches.pipeline`` for pipelines whose denoiser hfpatch has no USP
+family for, or whose class is not in its tables: a stock ``FluxPipeline`` with tiny CLIP/T5 text encoders
+and in-memory tokenizers, and the SD3 pipeline with its table entries hidden (so the generic per-call rule,
+:func:`hfpatch.patches.pipeline.generic_split`, decides what to split). Gloo ranks, fp32.
+
+Tolerances. Data parallel at ``data=B`` over ``B`` prompts gives each rank one row: its transformer call is a
+batch-1 call on the same inputs as the batch-1 call of an unpatched run of that prompt alone (the text
+encoders, the scheduler step and the latents are computed on the full batch; encoders and scheduler act on
+each row independently). So the patched row must equal the per-prompt unpatched run where the batch-2 text
+encoding gives the same rows as batch-1 encoding; where it does not, the gap is reassociation, bounded by
+``reassociation_tol`` of that run's fp32-vs-fp64 noise. Against the unpatched batch-``B`` run (other GEMM
+shapes in the transformer) the bound is ``reassociation_tol`` too. The generic rule and the explicit table
+split the same arguments the same way: bit-exact to each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.core.registry import Registry
+from hfpatch.distributed.collectives import count_comm
+from hfpatch.patches import pipeline as pipeline_module
+from hfpatch.patches.pipeline import PipelineParallel
+from hfpatch.testing import tiny_flux_pipe_with_text_encoders, tiny_sd3_pipe, tiny_wan_pipe
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
+
+PROMPTS = ["a cat", "a dog", "the sea"]  # at most 8 CLIP tokens with BOS/EOS: no truncation
+
+
+def _registry() -> Registry:
+    """Only the pipeline family: the results isolate the batch/CFG split (transformer families have tests)."""
+    registry = Registry()
+    registry.register("diffusers.DiffusionPipeline", PipelineParallel)
+    return registry
+
+
+@contextmanager
+def _unlisted(*classes: str) -> Iterator[None]:
+    """Hide ``classes`` from the pipeline family's tables, as if hfpatch had never heard of them."""
+    saved = (
+        dict(pipeline_module.PER_SAMPLE_ARGS),
+        pipeline_module.TWO_CALL_CFG_PIPELINES,
+        pipeline_module.BATCHED_CFG_PIPELINES,
+    )
+    for name in classes:
+        pipeline_module.PER_SAMPLE_ARGS.pop(name, None)
+    pipeline_module.TWO_CALL_CFG_PIPELINES = tuple(c for c in saved[1] if c not in classes)
+    pipeline_module.BATCHED_CFG_PIPELINES = tuple(c for c in saved[2] if c not in classes)
+    try:
+        yield
+    finally:
+        pipeline_module.PER_SAMPLE_ARGS.clear()
+        pipeline_module.PER_SAMPLE_ARGS.update(saved[0])
+        pipeline_module.TWO_CALL_CFG_PIPELINES, pipeline_module.BATCHED_CFG_PIPELINES = saved[1:]
+
+
+#: Attributes that every pipeline call replaces by new objects, patched or not: compared by presence only.
+RUN_STATE: dict[str, frozenset[str]] = {
+    "FlowMatchEulerDiscreteScheduler": frozenset({"timesteps", "sigmas"}),
+    "FluxPipeline": frozenset({"_joint_attention_kwargs"}),  # a new {} per call
+}
+
+
+def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
+    objs: list[Any] = [pipe]
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            objs += list(component.modules())
+        elif component is not None:
+            objs.append(component)
+    return [(obj, dict(vars(obj))) for obj in objs]
+
+
+def _restored(snapshot: list[tuple[Any, dict[str, Any]]]) -> bool:
+    return all(
+        vars(obj).keys() == before.keys()
+        and all(
+            vars(obj)[k] is v for k, v in before.items() if k not in RUN_STATE.get(type(obj).__name__, ())
+        )
+        for obj, before in snapshot
+    )
+
+
+# ----------------------------------------------------------------------------------------------- runs
+def _flux_latents(pipe: Any, batch: int) -> torch.Tensor:
+    """The packed fp32 noise the pipeline would draw for ``batch`` images of 16x16 (seed 0)."""
+    latents, _ = pipe.prepare_latents(
+        batch,
+        pipe.transformer.config.in_channels // 4,
+        16,
+        16,
+        torch.float32,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )
+    return latents
+
+
+def _flux(
+    pipe: Any, prompts: list[str] | None, latents: torch.Tensor, **embeds: torch.Tensor
+) -> torch.Tensor:
+    return pipe(
+        prompt=prompts,
+        **embeds,
+        latents=latents.to(pipe.transformer.dtype),
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        max_sequence_length=8,
+        output_type="latent",
+    ).images
+
+
+def _sd3(pipe: Any, batch: int) -> torch.Tensor:
+    """SD3 with CFG (batch ``2 * batch`` per call); the fp32 draws, cast to the pipe's dtype."""
+    gen = torch.Generator().manual_seed(5)
+    dtype = pipe.transformer.dtype
+    embeds = {
+        "prompt_embeds": torch.randn(batch, 7, 16, generator=gen),
+        "pooled_prompt_embeds": torch.randn(batch, 16, generator=gen),
+        "negative_prompt_embeds": torch.randn(batch, 7, 16, generator=gen),
+        "negative_pooled_prompt_embeds": torch.randn(batch, 16, generator=gen),
+    }
+    latents = torch.randn(batch, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    return pipe(
+        **{k: v.to(dtype) for k, v in embeds.items()},
+        latents=latents.to(dtype),
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        output_type="latent",
+    ).images
+
+
+def _outcome(fn: Any) -> str:
+    """``"ok"`` or the error's type and message, plus the bytes hfpatch sent besides the input guard."""
+    with count_comm() as counter:
+        try:
+            fn()
+            result = "ok"
+        except Exception as exc:
+            result = f"{type(exc).__name__}: {exc}"
+    return f"{result} [sent {counter.bytes_sent - counter.by_op.get('guard', 0)} B]"
+
+
+# ----------------------------------------------------------------------------------------------- rank fns
+def _flux_cases() -> dict[str, Any]:
+    """FluxPipeline at data=world: rows, per-prompt references, progress bar, ambiguity errors, removal."""
+    world = torch.distributed.get_world_size()
+    prompts = PROMPTS[:world]
+    pipe = tiny_flux_pipe_with_text_encoders()
+    pipe.set_progress_bar_config(desc="denoise")  # no "disable": diffusers' own default would decide
+    latents = _flux_latents(pipe, world)
+    fp64 = to_fp64(pipe)
+    results: dict[str, Any] = {}
+
+    # Unpatched references: each prompt alone, on the rows of the batch's own text encoding (so its batch-1
+    # transformer calls see exactly the inputs of a rank's: bit-exact), and the batch together.
+    # no_grad as inside the pipeline: T5's kernels differ with autograd on (~7e-7 here).
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=8)
+    rows = [
+        {"prompt_embeds": embeds[i : i + 1], "pooled_prompt_embeds": pooled[i : i + 1]} for i in range(world)
+    ]
+    alone = [_flux(pipe, None, latents[i : i + 1], **rows[i]) for i in range(world)]
+    alone_noise = [
+        rounding_noise(
+            a, _flux(fp64, None, latents[i : i + 1], **{k: v.double() for k, v in rows[i].items()})
+        )
+        for i, a in enumerate(alone)
+    ]
+    batched = _flux(pipe, prompts, latents)
+    batched_noise = rounding_noise(batched, _flux(fp64, prompts, latents))
+
+    snapshot = _snapshot(pipe)
+    before_bar = pipe._progress_bar_config
+    patch = hfpatch.apply(pipe, ParallelConfig(data=world), registry=_registry())
+    results["plan"] = patch.plan
+    results["bar_config"] = dict(pipe._progress_bar_config)
+    out = _flux(pipe, prompts, latents)
+    results["rows_vs_alone"] = [(rel_error(out[i : i + 1], a), alone_noise[i]) for i, a in enumerate(alone)]
+    results["vs_batched"] = (rel_error(out, batched), batched_noise)
+    results["shape"] = (tuple(out.shape), tuple(batched.shape))
+
+    # A bar config set after apply still shows the bar on rank 0 only.
+    patched_bar = pipe._progress_bar_config
+    pipe.set_progress_bar_config(disable=False, desc="later")
+    bar = pipe.progress_bar(total=1)
+    results["bar_disabled_after_set"] = bar.disable
+    bar.close()
+    pipe._progress_bar_config = patched_bar  # undo the test's change: remove() warns about later changes
+
+    # Tensors inside joint_attention_kwargs: refused by name, on every rank, before any split collective.
+    gen = torch.Generator().manual_seed(3)
+    call = dict(
+        hidden_states=torch.randn(world, 16, 16, generator=gen),
+        encoder_hidden_states=torch.randn(world, 8, 16, generator=gen),
+        pooled_projections=torch.randn(world, 16, generator=gen),
+        timestep=torch.full((world,), 0.5),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+    kwargs_with_tensor = {"ip_adapter_image_embeds": [torch.zeros(world, 16)]}
+    results["dict_error"] = _outcome(
+        lambda: pipe.transformer(**call, joint_attention_kwargs=kwargs_with_tensor)
+    )
+    patch.remove()
+    results["restored"] = _restored(snapshot) and "progress_bar" not in vars(pipe)
+    results["bar_restored"] = pipe._progress_bar_config is before_bar
+
+    # The generic rule on Flux (class hidden from the table): img_ids [16, 3] (the first of the [seq, 3] position
+    # tables in Flux's signature) has no batch dim: refused by name.
+    with (
+        _unlisted("FluxTransformer2DModel"),
+        hfpatch.apply(pipe, ParallelConfig(data=world), registry=_registry()),
+    ):
+        results["generic_flux"] = _outcome(lambda: _flux(pipe, prompts, latents))
+        # txt_ids of `world` rows (a text of `world` tokens) would be taken for batched: the documented limit.
+        results["generic_flux_coincidence"] = pipeline_module.generic_split(
+            "FluxTransformer2DModel",
+            {"hidden_states": call["hidden_states"], "txt_ids": torch.zeros(world, 3)},
+            "hidden_states",
+        )
+    return results
+
+
+def _sd3_generic_cases() -> dict[str, Any]:
+    """SD3 through the generic rule (hidden from the tables) against the table path and the unpatched pipe."""
+    pipe = tiny_sd3_pipe()
+    results: dict[str, Any] = {}
+    for case, config, batch in (
+        ("data", ParallelConfig(data=2), 2),  # CFG batch 4 over 2 data ranks
+        ("cfg", ParallelConfig(cfg=2), 1),  # [uncond, cond] over the cfg ranks
+    ):
+        reference = _sd3(pipe, batch)
+        noise = rounding_noise(reference, _sd3(to_fp64(pipe), batch))
+        with hfpatch.apply(pipe, config, registry=_registry()):
+            table = _sd3(pipe, batch)
+        snapshot = _snapshot(pipe)
+        with _unlisted("StableDiffusion3Pipeline", "SD3Transformer2DModel"):
+            with hfpatch.apply(pipe, config, registry=_registry()) as patch:
+                generic = _sd3(pipe, batch)
+                mode = pipe.transformer.forward.mode
+        results[case] = {
+            "vs_table": rel_error(generic, table),
+            "vs_unpatched": (rel_error(generic, reference), noise),
+            "mode": mode,
+            "plan": patch.plan,
+            "restored": _restored(snapshot),
+        }
+
+    # A pipeline outside the CFG tables that calls cond and uncond separately: cfg=2 is refused at apply
+    # (alike on every rank). A call in cache_context("cond") of a generic batched-CFG pipeline raises at the
+    # call (SD3's transformer has no cache_context: the wrapper's recorded context is set by hand).
+    wan = tiny_wan_pipe()
+    with _unlisted("WanPipeline"):
+        results["two_call_unlisted"] = _outcome(
+            lambda: hfpatch.apply(wan, ParallelConfig(cfg=2), registry=_registry())
+        )
+    with (
+        _unlisted("StableDiffusion3Pipeline"),
+        hfpatch.apply(pipe, ParallelConfig(cfg=2), registry=_registry()),
+    ):
+        pipe.transformer.forward.context = "cond"
+        results["generic_cond_context"] = _outcome(lambda: _sd3(pipe, 1))
+    return results
+
+
+def _all_cases() -> dict[str, Any]:
+    return {"flux": _flux_cases(), "sd3": _sd3_generic_cases()}
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def results(rank_pool) -> list[dict[str, Any]]:
+    return rank_pool(2).run(_all_cases)
+
+
+def test_flux_data_parallel_rows_equal_per_prompt_runs(results):
+    for rank, result in enumerate(results):
+        flux = result["flux"]
+        assert flux["plan"] == ParallelConfig(data=2)
+        assert flux["shape"][0] == flux["shape"][1]
+        # Each rank's batch-1 transformer calls get the inputs of the per-prompt run (views of the batch's
+        # rows instead of tensors of their own): same kernels, equal to reassociation tolerance at most.
+        for diff, noise in flux["rows_vs_alone"]:
+            assert diff <= reassociation_tol(noise), (rank, flux["rows_vs_alone"])
+        # Against the batch-2 run (other GEMM shapes): reassociation only.
+        diff, noise = flux["vs_batched"]
+        assert diff <= reassociation_tol(noise), (rank, diff, noise)
+
+
+def test_flux_progress_bar_only_on_rank_zero(results):
+    assert results[0]["flux"]["bar_config"] == {"desc": "denoise"}
+    assert results[1]["flux"]["bar_config"] == {"desc": "denoise", "disable": True}
+    # set_progress_bar_config(disable=False) after apply: rank 1 still shows no bar.
+    assert [r["flux"]["bar_disabled_after_set"] for r in results] == [False, True]
+    assert all(r["flux"]["bar_restored"] and r["flux"]["restored"] for r in results)
+
+
+def test_ambiguous_arguments_raise_the_same_error_on_every_rank(results):
+    dict_errors = {r["flux"]["dict_error"] for r in results}
+    generic_errors = {r["flux"]["generic_flux"] for r in results}
+    assert len(dict_errors) == len(generic_errors) == 1  # alike on every rank
+    (dict_error,), (generic_error,) = dict_errors, generic_errors
+    assert dict_error.startswith(
+        "TypeError: FluxTransformer2DModel.forward got tensors in joint_attention_kwargs"
+    )
+    assert dict_error.endswith("[sent 0 B]")  # raised before any collective of the split
+    assert generic_error.startswith("TypeError: hfpatch data/CFG parallel cannot tell whether")
+    assert "argument img_ids (shape (16, 3))" in generic_error and generic_error.endswith("[sent 0 B]")
+
+
+def test_generic_rule_splits_a_coincident_leading_dim(results):
+    # The documented limit: a non-batched tensor with as many rows as the batch is split (hence the table).
+    for result in results:
+        assert "txt_ids" in result["flux"]["generic_flux_coincidence"]
+
+
+@pytest.mark.parametrize("case", ["data", "cfg"])
+def test_generic_rule_equals_table_and_unpatched(results, case):
+    for rank, result in enumerate(results):
+        sd3 = result["sd3"][case]
+        assert sd3["vs_table"] == 0.0, (rank, sd3)  # same arguments split the same way: same kernels
+        diff, noise = sd3["vs_unpatched"]
+        assert diff <= reassociation_tol(noise), (rank, sd3)
+        assert sd3["mode"] == ("generic" if case == "cfg" else None)
+        assert sd3["restored"], (rank, case)
+
+
+def test_two_call_cfg_of_an_unlisted_pipeline_raises(results):
+    errors = {r["sd3"]["two_call_unlisted"] for r in results}
+    assert len(errors) == 1
+    (error,) = errors
+    assert "WanPipeline does not" in error and "Use cfg=1" in error  # core's check of facts().guides
+    calls = {r["sd3"]["generic_cond_context"] for r in results}
+    assert len(calls) == 1
+    (call,) = calls
+    assert call.startswith(
+        "RuntimeError: hfpatch CFG parallel (cfg=2) saw a call inside cache_context('cond')"
+    )
+    assert "Apply with cfg=1" in call and call.endswith("[sent 0 B]")
+
+
+def test_flux_cfg_is_refused_with_the_way_out():
+    with pytest.raises(
+        ValueError, match="cfg=2 is not supported for FluxPipeline.*do_classifier_free_guidance.*cfg=1"
+    ):
+        PipelineParallel().validate(tiny_flux_pipe_with_text_encoders(), ParallelConfig(cfg=2), {})
+    assert PipelineParallel().facts(tiny_flux_pipe_with_text_encoders()).guides is False
