@@ -1,6 +1,6 @@
 """Data and CFG parallel of ``hfpatch.patches.pipeline`` for pipelines whose denoiser hfpatch has no USP
 family for, or whose class is not in its tables: a stock ``FluxPipeline`` with tiny CLIP/T5 text encoders
-and in-memory tokenizers, and the SD3 pipeline with its table entries hidden (so the generic per-call rule,
+and in-memory tokenizers, a stock ``QwenImagePipeline`` with true CFG, and the SD3 pipeline with its table entries hidden (so the generic per-call rule,
 :func:`hfpatch.patches.pipeline.generic_split`, decides what to split). Gloo ranks, fp32.
 
 Tolerances. Data parallel at ``data=B`` over ``B`` prompts gives each rank one row: its transformer call is a
@@ -275,8 +275,85 @@ def _sd3_generic_cases() -> dict[str, Any]:
     return results
 
 
+def _tiny_qwen_image_pipe() -> Any:
+    """A stock ``QwenImagePipeline`` without text encoder (called with embeddings): 2 layers, 2 heads of 8."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _qwen_image_cases() -> dict[str, Any]:
+    """QwenImagePipeline (a class in no table: the generic rule) at data=world, with true CFG (two calls per
+    step, each split over the data ranks) and a padded prompt mask; rows against per-prompt unpatched runs."""
+    world = torch.distributed.get_world_size()
+    pipe = _tiny_qwen_image_pipe()
+    fp64 = to_fp64(pipe)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "prompt_embeds": torch.randn(world, 5, 16, generator=gen),
+        "prompt_embeds_mask": torch.ones(world, 5, dtype=torch.long),
+        "negative_prompt_embeds": torch.randn(world, 4, 16, generator=gen),
+        "negative_prompt_embeds_mask": torch.ones(world, 4, dtype=torch.long),
+        "latents": torch.randn(world, 64, 16, generator=gen),  # 32 x 32 pixels: 8 x 8 packed tokens of 16
+    }
+    inputs["prompt_embeds_mask"][-1, 3:] = 0  # the last prompt is padded
+
+    def run(target: Any, rows: slice) -> torch.Tensor:
+        kwargs = {k: v[rows] for k, v in inputs.items()}
+        if target is fp64:
+            kwargs = to_fp64(kwargs)
+        return target(
+            **kwargs, true_cfg_scale=4.0, height=32, width=32, num_inference_steps=2, output_type="latent"
+        ).images
+
+    alone = [(run(pipe, slice(i, i + 1)), run(fp64, slice(i, i + 1))) for i in range(world)]
+    with hfpatch.apply(pipe, ParallelConfig(data=world), registry=_registry()) as patch:
+        out = run(pipe, slice(None))
+        split_args = pipe.transformer.forward.split_args
+    return {
+        "plan": patch.plan,
+        "generic": split_args is None,
+        "rows_vs_alone": [
+            (rel_error(out[i : i + 1], a32), rounding_noise(a32, a64)) for i, (a32, a64) in enumerate(alone)
+        ],
+    }
+
+
 def _all_cases() -> dict[str, Any]:
-    return {"flux": _flux_cases(), "sd3": _sd3_generic_cases()}
+    return {"flux": _flux_cases(), "sd3": _sd3_generic_cases(), "qwen_image": _qwen_image_cases()}
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -297,6 +374,14 @@ def test_flux_data_parallel_rows_equal_per_prompt_runs(results):
         # Against the batch-2 run (other GEMM shapes): reassociation only.
         diff, noise = flux["vs_batched"]
         assert diff <= reassociation_tol(noise), (rank, diff, noise)
+
+
+def test_qwen_image_true_cfg_data_parallel_rows_equal_per_prompt_runs(results):
+    for rank, result in enumerate(results):
+        qwen = result["qwen_image"]
+        assert qwen["plan"] == ParallelConfig(data=2) and qwen["generic"]
+        for diff, noise in qwen["rows_vs_alone"]:
+            assert diff <= reassociation_tol(noise), (rank, qwen["rows_vs_alone"])
 
 
 def test_flux_progress_bar_only_on_rank_zero(results):
