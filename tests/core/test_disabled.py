@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from pipe_helpers import wan_pipe_call
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -91,16 +92,14 @@ def _inputs() -> tuple[torch.Tensor, ...]:
 
 
 def _pipe_call(pipe) -> torch.Tensor:
-    return pipe(
+    return wan_pipe_call(
+        pipe,
         prompt_embeds=wan_prompt_embeds(1, 6),
         negative_prompt_embeds=wan_prompt_embeds(1, 6, seed=2),
         height=16,
         width=16,
         num_frames=1,
-        num_inference_steps=2,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    ).frames
+    )
 
 
 def _main_process_only() -> dict[str, bool]:

@@ -52,6 +52,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipe_helpers import wan_pipe_call
 
 TIMEOUT_S = 10.0
 MARGIN_S = 15.0
@@ -82,22 +83,6 @@ def _transformer_call(model: Any) -> torch.Tensor:
     x = torch.randn(1, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))  # 32 tokens: 8 per rank
     with torch.no_grad():
         return model(x, torch.tensor([500]), wan_prompt_embeds(1, 6)).sample
-
-
-def _pipeline_call(pipe: Any) -> torch.Tensor:
-    from hfpatch.testing import wan_prompt_embeds
-
-    return pipe(
-        prompt_embeds=wan_prompt_embeds(),
-        negative_prompt_embeds=wan_prompt_embeds(seed=2),
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    ).frames
 
 
 def _objects(target: Any) -> dict[str, Any]:
@@ -146,7 +131,7 @@ def _models() -> dict[str, tuple[Any, Any, torch.Tensor, set[tuple]]]:
     for topology in TOPOLOGIES:
         pipeline = topology.endswith("pipeline")
         target = tiny_wan_pipe() if pipeline else tiny_wan_transformer()
-        call = _pipeline_call if pipeline else _transformer_call
+        call = wan_pipe_call if pipeline else _transformer_call
         fresh = _snapshot(target)
         reference = call(target)
         first = _snapshot(target)
@@ -285,8 +270,8 @@ def _forkserver_context() -> Any:
     here = os.path.dirname(os.path.abspath(__file__))
     saved = {k: os.environ.get(k) for k in (_WARM_ENV, "PYTHONPATH")}
     os.environ[_WARM_ENV] = "1"
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [here, *([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else [])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # this folder, and tests/ for pipe_helpers
+        [here, os.path.dirname(here), *([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else [])]
     )
     try:
         forkserver.ensure_running()

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipe_helpers import restored, snapshot
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -68,24 +69,8 @@ RUN_STATE: dict[str, frozenset[str]] = {
 }
 
 
-def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
-    objs: list[Any] = [pipe]
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            objs += list(component.modules())
-        elif component is not None:
-            objs.append(component)
-    return [(obj, dict(vars(obj))) for obj in objs]
-
-
-def _restored(snapshot: list[tuple[Any, dict[str, Any]]]) -> bool:
-    return all(
-        vars(obj).keys() == before.keys()
-        and all(
-            vars(obj)[k] is v for k, v in before.items() if k not in RUN_STATE.get(type(obj).__name__, ())
-        )
-        for obj, before in snapshot
-    )
+def _restored(before: Any) -> bool:
+    return restored(before, RUN_STATE)
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -180,7 +165,7 @@ def _flux_cases() -> dict[str, Any]:
     batched = _flux(pipe, prompts, latents)
     batched_noise = rounding_noise(batched, _flux(fp64, prompts, latents))
 
-    snapshot = _snapshot(pipe)
+    saved = snapshot(pipe)
     before_bar = pipe._progress_bar_config
     patch = hfpatch.apply(pipe, ParallelConfig(data=world), registry=_registry())
     results["plan"] = patch.plan
@@ -214,7 +199,7 @@ def _flux_cases() -> dict[str, Any]:
         lambda: pipe.transformer(**call, joint_attention_kwargs=kwargs_with_tensor)
     )
     patch.remove()
-    results["restored"] = _restored(snapshot) and "progress_bar" not in vars(pipe)
+    results["restored"] = _restored(saved) and "progress_bar" not in vars(pipe)
     results["bar_restored"] = pipe._progress_bar_config is before_bar
 
     # The generic rule on Flux (class hidden from the table): img_ids [16, 3] (the first of the [seq, 3] position
@@ -245,7 +230,7 @@ def _sd3_generic_cases() -> dict[str, Any]:
         noise = rounding_noise(reference, _sd3(to_fp64(pipe), batch))
         with hfpatch.apply(pipe, config, registry=_registry()):
             table = _sd3(pipe, batch)
-        snapshot = _snapshot(pipe)
+        saved = snapshot(pipe)
         with _unlisted("StableDiffusion3Pipeline", "SD3Transformer2DModel"):
             with hfpatch.apply(pipe, config, registry=_registry()) as patch:
                 generic = _sd3(pipe, batch)
@@ -255,7 +240,7 @@ def _sd3_generic_cases() -> dict[str, Any]:
             "vs_unpatched": (rel_error(generic, reference), noise),
             "mode": mode,
             "plan": patch.plan,
-            "restored": _restored(snapshot),
+            "restored": _restored(saved),
         }
 
     # A pipeline outside the CFG tables that calls cond and uncond separately: cfg=2 is refused at apply

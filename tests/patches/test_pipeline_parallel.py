@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipe_helpers import restored, snapshot
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -124,26 +125,8 @@ RUN_STATE: dict[str, frozenset[str]] = {
 }
 
 
-def _snapshot(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
-    """``vars()`` of the pipeline, its components and every submodule (attention processors included)."""
-    objs: list[Any] = [pipe]
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            objs += list(component.modules())
-        elif component is not None:
-            objs.append(component)
-    return [(obj, dict(vars(obj))) for obj in objs]
-
-
-def _restored(snapshot: list[tuple[Any, dict[str, Any]]]) -> bool:
-    """Same attribute names everywhere; same objects except the :data:`RUN_STATE` keys of their class."""
-    return all(
-        vars(obj).keys() == before.keys()
-        and all(
-            vars(obj)[k] is v for k, v in before.items() if k not in RUN_STATE.get(type(obj).__name__, ())
-        )
-        for obj, before in snapshot
-    )
+def _restored(before: Any) -> bool:
+    return restored(before, RUN_STATE)
 
 
 def _compare(
@@ -169,7 +152,7 @@ def _compare(
             rounding_noise(reference, run(to_fp64(pipe), dtype=torch.float64, **kwargs)),
         )
     reference, noise = references[key]
-    snapshot = _snapshot(pipe)
+    saved = snapshot(pipe)
     patch = hfpatch.apply(pipe, parallel, registry=None if all_families else registry or _registry())
     with count_comm() as counter:
         out = run(pipe, **kwargs)
@@ -180,7 +163,7 @@ def _compare(
         "shape": (tuple(out.shape), tuple(reference.shape)),
         "bytes": counter.bytes_sent - counter.by_op.get("guard", 0),
         "guard_calls": counter.calls.get("guard", 0),
-        "restored": _restored(snapshot),
+        "restored": _restored(saved),
         "plan": patch.plan,
     }
 
@@ -484,8 +467,8 @@ def test_pipeline_parallel_facts_guides_only_for_supported_cfg():
 def test_pipeline_parallel_single_rank_is_identity():
     pipe = tiny_wan_pipe()
     reference = _wan(pipe)
-    snapshot = _snapshot(pipe)
+    saved = snapshot(pipe)
     with hfpatch.apply(pipe, registry=_registry()) as patch:
         assert patch.plan == ParallelConfig()
         assert torch.equal(_wan(pipe), reference)
-    assert _restored(snapshot)
+    assert _restored(saved)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pipe_helpers import wan_pipe_call
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -91,32 +92,17 @@ def _transformer_cases(config: ParallelConfig) -> dict[str, Any]:
     return results
 
 
-def _wan_pipe_call(pipe: Any, **overrides: Any) -> torch.Tensor:
-    arguments = dict(
-        prompt_embeds=wan_prompt_embeds(),
-        negative_prompt_embeds=wan_prompt_embeds(seed=2),
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    )
-    return pipe(**{**arguments, **overrides}).frames
-
-
 def _pipeline_cases(config: ParallelConfig) -> dict[str, Any]:
     pipe = tiny_wan_pipe()
     embeds = wan_prompt_embeds()
     results: dict[str, Any] = {}
     with hfpatch.apply(pipe, parallel=config):
-        before = _wan_pipe_call(pipe)
+        before = wan_pipe_call(pipe)
         # No dtype case: the pipeline casts prompt_embeds to the transformer's dtype (fp64 copies of the same
         # fp32 values come back identical, and the call is right to run).
         for case, bad in _perturbations(embeds, lambda t: torch.cat([t, t[:, :1]], 1), dtype=False).items():
             results[f"prompt_embeds {case}"] = _outcome(
-                lambda bad=bad: _wan_pipe_call(pipe, prompt_embeds=_odd(bad, embeds))
+                lambda bad=bad: wan_pipe_call(pipe, prompt_embeds=_odd(bad, embeds))
             )
         scalars = {
             "num_inference_steps": dict(num_inference_steps=_odd(3, 2)),
@@ -126,8 +112,8 @@ def _pipeline_cases(config: ParallelConfig) -> dict[str, Any]:
             "generator": dict(generator=torch.Generator().manual_seed(_odd(1, 0))),
         }
         for case, overrides in scalars.items():
-            results[case] = _outcome(lambda overrides=overrides: _wan_pipe_call(pipe, **overrides))
-        results["after"] = torch.equal(_wan_pipe_call(pipe), before)
+            results[case] = _outcome(lambda overrides=overrides: wan_pipe_call(pipe, **overrides))
+        results["after"] = torch.equal(wan_pipe_call(pipe), before)
     return results
 
 
