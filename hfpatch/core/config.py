@@ -71,7 +71,7 @@ class ModelFacts:
 
     Args:
         num_heads: Attention heads of the transformer (``None`` when there is no transformer).
-        guides: Whether the pipeline runs classifier-free guidance (so CFG parallel applies).
+        guides: Whether the pipeline guides in a way CFG parallel speeds up (the planner then proposes cfg=2).
         name: Class name, used in error messages.
         pipeline: Whether the target is a pipeline (data parallel splits a pipeline's batch).
     """
@@ -104,10 +104,12 @@ def plan_parallel(n: int, facts: ModelFacts) -> ParallelConfig:
 
 def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
     """Reject degrees the target cannot run. Raises ``ValueError`` with what to change."""
-    if config.cfg == 2 and not facts.guides:
+    # Any pipeline may ask for cfg=2 (its family decides how: see hfpatch.patches.pipeline); ``guides`` only
+    # says whether the planner proposes it.
+    if config.cfg == 2 and not (facts.pipeline or facts.guides):
         raise ValueError(
-            f"cfg=2 needs a pipeline that runs classifier-free guidance in a form hfpatch can split; "
-            f"{facts.name} does not (see `hfpatch info`). Use cfg=1 and put the ranks into ulysses/ring."
+            f"cfg=2 splits a pipeline's classifier-free guidance; {facts.name} is not a pipeline. Apply hfpatch "
+            "to the pipeline, or use cfg=1 and put the ranks into ulysses/ring."
         )
     # On a transformer, data > 1 means replicas of a sequence-parallel model: each replica's sp group splits
     # its own samples (the training script's sampler and DDP work over the data axis, hfpatch.distributed.data).

@@ -35,14 +35,20 @@ in :data:`PER_SAMPLE_ARGS`, plus the diffusers models named ``transformer``, ``t
   apart from a batched one and is split: register such classes in :data:`PER_SAMPLE_ARGS`. Per-sample Python
   lists (QwenImage's ``img_shapes``) pass whole.
 
-CFG parallel for a pipeline in neither CFG table: only for diffusers' batched-CFG pattern (the pipeline
-defines ``do_classifier_free_guidance`` and its ``__call__`` builds ``torch.cat([latents] * 2)``, with no
-``cache_context("uncond")`` call). Each call made with no ``cache_context`` or in
-``cache_context("cond_uncond")`` has its batch (``[uncond, cond]``) split over the cfg ranks, which is exact
-whatever the batch holds; any other call raises. The two-call pattern (``cache_context("cond")`` then
-``("uncond")``) relies on how the pipeline uses the cond prediction before the uncond call, checked for
-:data:`TWO_CALL_CFG_PIPELINES` only; other pipelines (``FluxPipeline`` and ``QwenImagePipeline`` decide their
-true-CFG call from a local ``true_cfg_scale``) are refused ``cfg=2``: use ``cfg=1`` with ``data``.
+CFG parallel for a pipeline in neither CFG table (decided from its calls, any ``cfg=2`` request accepted):
+
+- Calls with no ``cache_context`` or in ``cache_context("cond_uncond")`` hold the whole batch (diffusers'
+  batched CFG, ``[uncond, cond]``): their batch is split over the cfg ranks, which is exact whatever it holds.
+- Calls in ``cache_context("cond")``/``("uncond")`` (true CFG: Flux, QwenImage, HunyuanVideo, ...): the first
+  step of every pipeline call runs each call on every cfg rank (exact) while hfpatch watches it. If it made one
+  cond call, then one uncond call of the same transformer, and did not compute with the cond prediction in
+  between, the later steps run cond on cfg rank 0 and uncond on cfg rank 1 (one all-gather per step,
+  bit-exact); otherwise the call stays unsplit over cfg (exact, no CFG speed-up) and the reason is logged
+  (``logging.INFO``: a Flux call without a negative prompt makes one call per step). The cond prediction
+  returned in the parallel steps refuses any computation before its uncond call, on both cfg ranks alike, so a
+  pipeline whose pattern changes after the first step raises instead of using a missing value. The planner
+  proposes ``cfg=2`` (``parallel=N``) only for the tables and for batched-CFG pipelines (their ``__call__``
+  builds ``torch.cat([latents] * 2)``): true CFG is opt-in per call, and without it the second cfg rank idles.
 
 Sequence parallelism of the transformer (its own family, mesh axes ``"ring"``/``"ulysses"``) runs inside
 these calls unchanged: the data and cfg groups are orthogonal to the sequence-parallel group. The wrapper
@@ -60,6 +66,7 @@ True
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,6 +79,8 @@ from ..core.registry import PatchFamily
 from ..distributed import runtime
 from ..distributed.agreement import install_call_guard
 from ..distributed.collectives import all_gather, even_sizes
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BATCHED_CFG_PIPELINES",
@@ -159,16 +168,20 @@ def _batches_cfg(pipe: Any) -> bool:
     return "[latents] * 2" in source and 'cache_context("uncond")' not in source
 
 
-def _cfg_mode(pipe: Any) -> str | None:
-    """``"two_call"``/``"batched"`` for the CFG tables, ``"generic"`` for another pipeline that batches its
-    CFG (:func:`_batches_cfg`; batched calls only, see the module docstring), else ``None``."""
+def _cfg_mode(pipe: Any) -> str:
+    """``"two_call"``/``"batched"`` for the CFG tables, else ``"generic"`` (decided from the calls)."""
     if _known(pipe, TWO_CALL_CFG_PIPELINES):
         return "two_call"
     if _known(pipe, BATCHED_CFG_PIPELINES):
         return "batched"
-    if _batches_cfg(pipe):
-        return "generic"
-    return None
+    return "generic"
+
+
+def _plans_cfg(pipe: Any) -> bool:
+    """Whether ``parallel=N`` should plan a cfg degree: the tables, and pipelines that batch their CFG (a read
+    of ``__call__``'s source). Two-call pipelines outside the tables (Flux and QwenImage true CFG, opt-in per
+    call) get ``cfg=2`` only when asked for: without a negative prompt that rank would idle."""
+    return _known(pipe, TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES) is not None or _batches_cfg(pipe)
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -253,16 +266,67 @@ class _Pending:
 
     model: torch.nn.Module
     tensor: torch.Tensor  # cfg rank 0: its cond output; cfg rank 1: the placeholder it returned
-    error: Exception | None = (
-        None  # cfg rank 0: its cond call failed; raised at the uncond call (see _uncond)
-    )
+    error: Exception | None  # cfg rank 0: its cond call failed; raised at the uncond call (see _uncond)
+    placeholder: (
+        torch.Tensor
+    )  # the plain tensor behind ``tensor`` (a guarded view of it for generic pipelines)
 
 
 @dataclass
 class _State:
-    """Per-pipeline call state shared by the wrapped transformers (a Wan 2.2 pipe has two)."""
+    """Per-pipeline call state shared by the wrapped transformers (a Wan 2.2 pipe has two).
+
+    ``phase`` is for the generic two-call CFG of pipelines outside the tables (reset by every ``__call__``):
+    ``"observe"`` during the first step (every cfg rank computes every call: exact), then ``"parallel"`` once
+    that step showed one cond call, then one uncond call of the same transformer, with the cond prediction
+    unread in between, else ``"off"`` (still exact, no CFG speed-up; the reason is logged).
+    """
 
     pending: _Pending | None = None
+    phase: str = "observe"
+    seen: list[tuple[str, torch.nn.Module]] | None = None  # (context, model) of the first step's calls
+    watched: _WatchedPrediction | None = None  # the first step's cond prediction
+    shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None  # id(model) -> its prediction's
+
+    def reset(self) -> None:
+        self.pending, self.phase, self.seen, self.watched, self.shapes = None, "observe", [], None, {}
+
+
+# Tensor methods that read metadata only: allowed on a prediction before its values exist.
+_METADATA_ONLY = frozenset({"__get__", "size", "dim", "numel", "__len__", "stride", "is_contiguous"})
+
+
+class _WatchedPrediction(torch.Tensor):
+    """The first step's cond prediction (observe phase): records whether the pipeline computes with it before
+    its uncond call; it computes as a plain tensor and its results are plain tensors."""
+
+    read: bool
+    observing: bool
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for arg in args:
+            if isinstance(arg, _WatchedPrediction) and arg.observing and func.__name__ not in _METADATA_ONLY:
+                arg.read = True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _PendingPrediction(torch.Tensor):
+    """What a cfg rank returns for a generic pipeline's cond call in the parallel phase: on cfg rank 1 its values
+    arrive with the uncond call's exchange. Computing with it before then raises, on both cfg ranks (the pattern
+    seen in the first step did not hold), so a pipeline can never use it unfilled."""
+
+    filled: bool
+    message: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for arg in args:
+            if isinstance(arg, _PendingPrediction) and not arg.filled and func.__name__ not in _METADATA_ONLY:
+                raise RuntimeError(arg.message)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 class _ParallelForward:
@@ -414,11 +478,16 @@ class _ParallelForward:
 
     # -- the call ---------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
         bound = self._bind(args, kwargs)
         names = self._split_names(bound)
         return_dict = bound.arguments.get("return_dict", True)
         batch = self._batch(bound)
         data_world = 1 if self.data_group is None else torch.distributed.get_world_size(self.data_group)
+        if self.mode == "generic" and self.context in ("cond", "uncond") and self.cfg_group is not None:
+            out = self._observed_two_call(bound, names)
+            return Transformer2DModelOutput(sample=out) if return_dict else (out,)
         if self.mode == "generic" and self.context not in _BATCHED_CONTEXTS:
             raise self._pattern_error(f"a call inside cache_context({self.context!r})")
         batched_cfg = self.mode in ("batched", "generic") and self.cfg_group is not None
@@ -435,15 +504,12 @@ class _ParallelForward:
             out = self._split_compute(bound, [self.cfg_group, self.data_group], names)
         else:
             out = self._split_compute(bound, [self.data_group], names)
-        if return_dict:  # the output type of diffusers transformers (a UNet's has the same `sample` field)
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=out)
-        return (out,)
+        # The output type of diffusers transformers (a UNet's has the same `sample` field).
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
     def _two_call(self, bound: inspect.BoundArguments, names: tuple[str, ...]) -> torch.Tensor:
         data_only = [self.data_group]
-        guiding = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
+        guiding = self.mode != "two_call" or bool(getattr(self.pipe, "do_classifier_free_guidance", False))
         if not guiding:  # guidance_scale <= 1: a single call per step, computed on both cfg ranks
             if self.state.pending is not None:
                 raise self._pattern_error("a call without guidance while an uncond call was due")
@@ -453,9 +519,7 @@ class _ParallelForward:
             if self.state.pending is not None:
                 raise self._pattern_error("two cond calls in a row")
             # cfg rank 1: filled in place with the cond prediction when the uncond call has run (see _uncond).
-            hidden = bound.arguments["hidden_states"]
-            channels = self.model.config.out_channels or self.model.config.in_channels
-            tensor = hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
+            tensor = placeholder = self._placeholder(bound)
             error = None
             if cfg_rank == 0:
                 try:
@@ -464,33 +528,99 @@ class _ParallelForward:
                     # cfg rank 1 returns without communicating and meets this rank at the uncond call's
                     # exchange: raise there, on both ranks, instead of leaving rank 1 waiting.
                     error = exc
-            self.state.pending = _Pending(self.model, tensor, error)
+                placeholder = tensor
+            if self.mode == "generic":
+                # The pattern is known from the first step only: guard every use until the uncond call, on
+                # both cfg ranks alike (the same pipeline code raises at the same point on every rank).
+                tensor = torch.Tensor._make_subclass(_PendingPrediction, placeholder)
+                tensor.filled = False
+                tensor.message = (
+                    f"hfpatch CFG parallel (cfg=2): {type(self.pipe).__name__} computed with the cond prediction "
+                    f"of {self.name} before its uncond call, unlike in its first step; that value exists on cfg "
+                    "rank 0 only at this point. Apply with cfg=1 for this pipeline."
+                )
+            self.state.pending = _Pending(self.model, tensor, error, placeholder)
             return tensor
         if self.context == "uncond":
             return self._uncond(bound, cfg_rank, names)
         raise self._pattern_error(f"a call inside cache_context({self.context!r})")
+
+    def _placeholder(self, bound: inspect.BoundArguments) -> torch.Tensor:
+        """An empty prediction of the shape this call returns: for Wan, ``hidden_states`` with
+        ``out_channels``; for a generic pipeline, what the first step's cond call returned."""
+        hidden = bound.arguments[self.batch_arg]
+        if self.mode == "generic":
+            shape, dtype = self.state.shapes[id(self.model)]
+            return hidden.new_empty(shape, dtype=dtype)
+        channels = self.model.config.out_channels or self.model.config.in_channels
+        return hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
+
+    def _observed_two_call(self, bound: inspect.BoundArguments, names: tuple[str, ...]) -> torch.Tensor:
+        """Two-call CFG of a pipeline outside the tables (see :class:`_State`): watch the first step, then run
+        cond and uncond on different cfg ranks if it showed the supported pattern."""
+        state = self.state
+        if state.phase == "observe" and self.context == "cond" and state.seen:  # the second step begins
+            state.phase = self._decide()
+        if state.phase == "parallel":
+            return self._two_call(bound, names)
+        out = self._split_compute(bound, [self.data_group], names)  # on every cfg rank: exact
+        if state.phase != "observe":
+            return out
+        state.seen.append((self.context, self.model))
+        if state.watched is not None:
+            state.watched.observing = False  # reads after the uncond call are the pipeline's own business
+        if self.context == "cond":
+            state.shapes[id(self.model)] = (out.shape, out.dtype)
+            out = torch.Tensor._make_subclass(_WatchedPrediction, out)
+            out.read, out.observing = False, True
+            state.watched = out
+        return out
+
+    def _decide(self) -> str:
+        """``"parallel"`` if the first step was one cond then one uncond call of one transformer with the cond
+        prediction unread in between (the same on every rank: same calls), else ``"off"``, logged."""
+        state = self.state
+        contexts = [context for context, _ in state.seen]
+        if contexts == ["cond", "uncond"] and state.seen[0][1] is state.seen[1][1] and not state.watched.read:
+            return "parallel"
+        if contexts == ["cond"]:
+            reason = "it made one cond call per step (no guidance in this call)"
+        elif contexts == ["cond", "uncond"] and not state.watched.read:
+            reason = "its cond and uncond calls went to different transformers"
+        elif contexts == ["cond", "uncond"]:
+            reason = "it computed with the cond prediction before the uncond call"
+        else:
+            reason = f"its first step called the transformer in cache contexts {contexts}"
+        logger.info(
+            "hfpatch CFG parallel: %s runs both CFG calls on every cfg rank in this call (exact, no CFG "
+            "speed-up): %s; CFG parallel needs one cond then one uncond call per step.",
+            type(self.pipe).__name__,
+            reason,
+        )
+        return "off"
 
     def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int, names: tuple[str, ...]) -> torch.Tensor:
         pending = self.state.pending
         if pending is None or pending.model is not self.model:
             raise self._pattern_error("an uncond call without a cond call of the same transformer before it")
         self.state.pending = None
-        if pending.tensor.shape[0] != self._batch(bound):
+        if pending.placeholder.shape[0] != self._batch(bound):
             raise self._pattern_error("cond and uncond calls with different batch sizes")
         error = pending.error
         if cfg_rank == 0:
-            local = pending.tensor  # the cond prediction; cfg rank 1 computes the uncond one
+            local = pending.placeholder  # the cond prediction; cfg rank 1 computes the uncond one
         else:
             try:
                 local = self._split_compute(bound, [self.data_group], names)
             except Exception as exc:  # re-raised below, once cfg rank 0 knows it must raise too
-                error, local = exc, pending.tensor
-        self._agree_before_gather(local, pending.tensor, error, cfg_rank)
+                error, local = exc, pending.placeholder
+        self._agree_before_gather(local, pending.placeholder, error, cfg_rank)
         both = all_gather(local.unsqueeze(0), dim=0, group=self.cfg_group)  # [cond, uncond]
-        if cfg_rank == 0:
-            return both[1]
-        pending.tensor.copy_(both[0])
-        return local
+        if cfg_rank == 1:
+            pending.placeholder.copy_(both[0])  # the storage of what this rank returned for the cond call
+        if isinstance(pending.tensor, _PendingPrediction):
+            pending.tensor.filled = True
+        return both[1] if cfg_rank == 0 else local
 
     def _agree_before_gather(
         self, local: torch.Tensor, expected: torch.Tensor, error: Exception | None, cfg_rank: int
@@ -527,11 +657,18 @@ class _ParallelForward:
         if self.mode == "generic":
             return RuntimeError(
                 f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. For "
-                "pipelines outside hfpatch's CFG tables it splits only calls that hold the whole batch (no "
-                "cache_context, or cache_context('cond_uncond')); the two-call pattern (cache_context('cond') then "
-                f"('uncond')) is supported for {', '.join(TWO_CALL_CFG_PIPELINES)} only. Apply with cfg=1 (data=N "
-                "still splits the prompts)."
+                "pipelines outside hfpatch's CFG tables it splits calls that hold the whole batch (no cache_context, "
+                "or cache_context('cond_uncond')) and, when the first step showed it, one cache_context('cond') "
+                "call then one cache_context('uncond') call per step. Apply with cfg=1 (data=N still splits the "
+                "prompts)."
             )
+        return RuntimeError(
+            f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. For "
+            "pipelines outside hfpatch's CFG tables it splits only calls that hold the whole batch (no "
+            "cache_context, or cache_context('cond_uncond')); the two-call pattern (cache_context('cond') then "
+            f"('uncond')) is supported for {', '.join(TWO_CALL_CFG_PIPELINES)} only. Apply with cfg=1 (data=N "
+            "still splits the prompts)."
+        )
         return RuntimeError(
             f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. It supports "
             "the pattern of diffusers' "
@@ -610,19 +747,11 @@ class PipelineParallel(PatchFamily):
         Pipelines that guide in another pattern report False, so ``parallel=N`` plans no CFG degree for
         them and puts every rank into sequence parallelism instead.
         """
-        return ModelFacts(guides=_cfg_mode(target) is not None, name=type(target).__name__)
+        return ModelFacts(guides=_plans_cfg(target), name=type(target).__name__)
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         name = type(target).__name__
-        if config.cfg == 2:
-            if _cfg_mode(target) is None:
-                raise ValueError(
-                    f"cfg=2 is not supported for {name}: hfpatch runs CFG parallel for "
-                    f"{', '.join(TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES)}, and for other pipelines that "
-                    "define do_classifier_free_guidance and batch [uncond, cond] into one call (torch.cat([latents] "
-                    f"* 2)); {name} does not show that pattern. Use cfg=1: data=N splits the prompts, ulysses/ring "
-                    "the sequence."
-                )
+        if config.cfg == 2 and _cfg_mode(target) != "generic":
             if not hasattr(type(target), "do_classifier_free_guidance"):
                 raise ValueError(f"cfg=2 needs {name}.do_classifier_free_guidance, which it does not have")
         if config.cfg == 2 or config.data > 1:
@@ -653,6 +782,7 @@ class PipelineParallel(PatchFamily):
             # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
             patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
         state = _State()
+        state.reset()
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
@@ -672,13 +802,13 @@ class PipelineParallel(PatchFamily):
                     state,
                 ),
             )
-            if mode == "two_call" or (mode == "generic" and callable(getattr(model, "cache_context", None))):
+            if mode in ("two_call", "generic") and callable(getattr(model, "cache_context", None)):
                 patch.wrap_method(model, "cache_context", _recording_cache_context(forward))
 
         def reset(original: Callable[..., Any]) -> Callable[..., Any]:
             # progress_bar() opens the denoising loop: a call that failed midway leaves no stale state.
             def progress_bar(*args: Any, **kwargs: Any) -> Any:
-                state.pending = None
+                state.reset()
                 return original(*args, **kwargs)
 
             return progress_bar
@@ -697,7 +827,7 @@ class PipelineParallel(PatchFamily):
 
             return maybe_free_model_hooks
 
-        if mode == "two_call":
+        if mode in ("two_call", "generic"):
             patch.wrap_method(target, "progress_bar", reset)
             patch.wrap_method(target, "maybe_free_model_hooks", check_done)
 

@@ -52,8 +52,8 @@ INVALID = [
         ParallelConfig(cfg=2),
         2,
         ModelFacts(num_heads=4, name="WanTransformer3DModel"),
-        "cfg=2 needs a pipeline that runs classifier-free guidance in a form hfpatch can split; "
-        "WanTransformer3DModel does not (see `hfpatch info`). Use cfg=1 and put the ranks into ulysses/ring.",
+        "cfg=2 splits a pipeline's classifier-free guidance; WanTransformer3DModel is not a pipeline. Apply "
+        "hfpatch to the pipeline, or use cfg=1 and put the ranks into ulysses/ring.",
     ),
     (
         ParallelConfig(ulysses=2, ring=2),

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from pipe_helpers import restored, snapshot
+from diffusers import DiffusionPipeline
+from pipe_helpers import restored, snapshot, wan_pipe_call
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -29,7 +30,12 @@ from hfpatch.core.registry import Registry
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches import pipeline as pipeline_module
 from hfpatch.patches.pipeline import PipelineParallel
-from hfpatch.testing import tiny_flux_pipe_with_text_encoders, tiny_sd3_pipe, tiny_wan_pipe
+from hfpatch.testing import (
+    tiny_flux_pipe_with_text_encoders,
+    tiny_flux_transformer,
+    tiny_sd3_pipe,
+    tiny_wan_pipe,
+)
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 PROMPTS = ["a cat", "a dog", "the sea"]  # at most 8 CLIP tokens with BOS/EOS: no truncation
@@ -243,20 +249,14 @@ def _sd3_generic_cases() -> dict[str, Any]:
             "restored": _restored(saved),
         }
 
-    # A pipeline outside the CFG tables that calls cond and uncond separately: cfg=2 is refused at apply
-    # (alike on every rank). A call in cache_context("cond") of a generic batched-CFG pipeline raises at the
-    # call (SD3's transformer has no cache_context: the wrapper's recorded context is set by hand).
+    # Wan with its table entry hidden: its two calls per step found from the calls (first step observed).
     wan = tiny_wan_pipe()
-    with _unlisted("WanPipeline"):
-        results["two_call_unlisted"] = _outcome(
-            lambda: hfpatch.apply(wan, ParallelConfig(cfg=2), registry=_registry())
+    reference = wan_pipe_call(wan)
+    with _unlisted("WanPipeline"), hfpatch.apply(wan, ParallelConfig(cfg=2), registry=_registry()):
+        results["wan_observed"] = (
+            torch.equal(wan_pipe_call(wan), reference),
+            wan.transformer.forward.state.phase,
         )
-    with (
-        _unlisted("StableDiffusion3Pipeline"),
-        hfpatch.apply(pipe, ParallelConfig(cfg=2), registry=_registry()),
-    ):
-        pipe.transformer.forward.context = "cond"
-        results["generic_cond_context"] = _outcome(lambda: _sd3(pipe, 1))
     return results
 
 
@@ -337,8 +337,125 @@ def _qwen_image_cases() -> dict[str, Any]:
     }
 
 
+class _CountCalls:
+    """Counts the transformer computations on this rank (``proj_out`` runs once per forward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        self.handle = model.proj_out.register_forward_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def _observed_cfg_cases() -> dict[str, Any]:
+    """cfg=2 on pipelines whose two calls per step hfpatch learns from the first step: Flux and QwenImage true
+    CFG, Flux without a negative prompt (one call per step: nothing to split), a pipeline that computes with
+    the cond prediction before its uncond call (from the first step, or only later: refused on both ranks)."""
+    results: dict[str, Any] = {}
+    flux = tiny_flux_pipe_with_text_encoders()
+    counter = _CountCalls(flux.transformer)
+    latents = _flux_latents(flux, 2)
+
+    def flux_call(guide: bool) -> torch.Tensor:
+        negative = {"negative_prompt": ["a log", "the sun"], "true_cfg_scale": 4.0} if guide else {}
+        return flux(
+            prompt=PROMPTS[:2],
+            **negative,
+            latents=latents,
+            height=16,
+            width=16,
+            num_inference_steps=3,
+            max_sequence_length=8,
+            output_type="latent",
+        ).images
+
+    for guide in (True, False):
+        reference = flux_call(guide)
+        unpatched_calls = counter.take()
+        with hfpatch.apply(flux, ParallelConfig(cfg=2), registry=_registry()):
+            out = flux_call(guide)
+            phase = flux.transformer.forward.state.phase
+        results[f"flux_guide_{guide}"] = {
+            "equal": torch.equal(out, reference),
+            "plain_tensor": type(out) is torch.Tensor,
+            "phase": phase,
+            "calls": (counter.take(), unpatched_calls),
+        }
+
+    qwen = _tiny_qwen_image_pipe()
+    gen = torch.Generator().manual_seed(4)
+    inputs = {
+        "prompt_embeds": torch.randn(1, 5, 16, generator=gen),
+        "prompt_embeds_mask": torch.ones(1, 5, dtype=torch.long),
+        "negative_prompt_embeds": torch.randn(1, 4, 16, generator=gen),
+        "negative_prompt_embeds_mask": torch.ones(1, 4, dtype=torch.long),
+        "latents": torch.randn(1, 64, 16, generator=gen),
+    }
+
+    def qwen_call() -> torch.Tensor:
+        return qwen(
+            **inputs, true_cfg_scale=4.0, height=32, width=32, num_inference_steps=3, output_type="latent"
+        ).images
+
+    reference = qwen_call()
+    with hfpatch.apply(qwen, ParallelConfig(cfg=2), registry=_registry()):
+        results["qwen_image"] = (torch.equal(qwen_call(), reference), qwen.transformer.forward.state.phase)
+
+    pipe = _ReadsCond(tiny_flux_transformer())
+    gen = torch.Generator().manual_seed(6)
+    args = [
+        torch.randn(1, 16, 16, generator=gen),
+        torch.randn(1, 8, 16, generator=gen),
+        torch.randn(1, 16, generator=gen),
+    ]
+    references = {read: pipe(*args, read_from_step=read) for read in (0, 1, None)}
+    with hfpatch.apply(pipe, ParallelConfig(cfg=2), registry=_registry()):
+        for read in (0, 1, None):  # reads from the first step / from the second step / never
+            outcome = _outcome(lambda read=read: results.__setitem__("out", pipe(*args, read_from_step=read)))
+            equal = outcome.startswith("ok") and torch.equal(results.pop("out"), references[read])
+            results[f"reads_from_{read}"] = (outcome, equal, pipe.transformer.forward.state.phase)
+    return results
+
+
+class _ReadsCond(DiffusionPipeline):
+    """A two-call CFG pipeline that computes with the cond prediction before its uncond call from step
+    ``read_from_step`` on (``None``: never), to test what hfpatch does when the first step's pattern is not
+    the supported one or changes later."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        super().__init__()
+        self.register_modules(transformer=transformer)
+
+    @torch.no_grad()
+    def __call__(
+        self, latents, text, pooled, read_from_step: int | None = None, steps: int = 3
+    ) -> torch.Tensor:
+        ids = {"img_ids": torch.zeros(latents.shape[1], 3), "txt_ids": torch.zeros(text.shape[1], 3)}
+        for i in self.progress_bar(range(steps)):
+            t = torch.full((latents.shape[0],), 1.0 - i / steps)
+            with self.transformer.cache_context("cond"):
+                cond = self.transformer(latents, text, pooled, t, **ids, return_dict=False)[0]
+            if read_from_step is not None and i >= read_from_step:
+                cond = cond.clamp(-10, 10)  # e.g. a guidance rescale that needs the cond prediction early
+            with self.transformer.cache_context("uncond"):
+                uncond = self.transformer(latents, -text, pooled, t, **ids, return_dict=False)[0]
+            latents = latents - 0.1 * (uncond + 3.0 * (cond - uncond))
+        self.maybe_free_model_hooks()
+        return latents
+
+
 def _all_cases() -> dict[str, Any]:
-    return {"flux": _flux_cases(), "sd3": _sd3_generic_cases(), "qwen_image": _qwen_image_cases()}
+    return {
+        "flux": _flux_cases(),
+        "sd3": _sd3_generic_cases(),
+        "qwen_image": _qwen_image_cases(),
+        "observed": _observed_cfg_cases(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -407,23 +524,44 @@ def test_generic_rule_equals_table_and_unpatched(results, case):
         assert sd3["restored"], (rank, case)
 
 
-def test_two_call_cfg_of_an_unlisted_pipeline_raises(results):
-    errors = {r["sd3"]["two_call_unlisted"] for r in results}
-    assert len(errors) == 1
-    (error,) = errors
-    assert "WanPipeline does not" in error and "Use cfg=1" in error  # core's check of facts().guides
-    calls = {r["sd3"]["generic_cond_context"] for r in results}
-    assert len(calls) == 1
-    (call,) = calls
-    assert call.startswith(
-        "RuntimeError: hfpatch CFG parallel (cfg=2) saw a call inside cache_context('cond')"
-    )
-    assert "Apply with cfg=1" in call and call.endswith("[sent 0 B]")
+def test_unlisted_wan_two_call_cfg_is_found_from_the_calls(results):
+    # Wan hidden from the tables: observed in the first step, then cond and uncond on different cfg ranks;
+    # each call runs as in the unpatched pipe (same inputs, same kernels): bit-exact.
+    for result in results:
+        assert result["sd3"]["wan_observed"] == (True, "parallel")
 
 
-def test_flux_cfg_is_refused_with_the_way_out():
-    with pytest.raises(
-        ValueError, match="cfg=2 is not supported for FluxPipeline.*do_classifier_free_guidance.*cfg=1"
-    ):
-        PipelineParallel().validate(tiny_flux_pipe_with_text_encoders(), ParallelConfig(cfg=2), {})
+def test_true_cfg_pipelines_split_cond_and_uncond_over_cfg_ranks(results):
+    for rank, result in enumerate(results):
+        observed = result["observed"]
+        guided = observed["flux_guide_True"]
+        # Two calls per step, 3 steps: both calls on every rank in the first step, one per rank after it.
+        assert guided == {"equal": True, "plain_tensor": True, "phase": "parallel", "calls": (4, 6)}, rank
+        assert observed["flux_guide_False"] == {
+            "equal": True,
+            "plain_tensor": True,
+            "phase": "off",  # no negative prompt: one call per step, computed on both ranks
+            "calls": (3, 3),
+        }, rank
+        assert observed["qwen_image"] == (True, "parallel"), rank
+
+
+def test_cond_prediction_used_before_the_uncond_call(results):
+    outcomes = [r["observed"] for r in results]
+    for observed in outcomes:
+        # From the first step on: CFG parallel stays off for the call (logged), the result is exact.
+        assert observed["reads_from_0"] == ("ok [sent 0 B]", True, "off")
+        assert observed["reads_from_None"][1:] == (True, "parallel")
+        # Only from the second step on: the guarded prediction refuses the use on both ranks, no wrong value.
+        outcome, equal, _ = observed["reads_from_1"]
+        assert not equal and outcome.startswith(
+            "RuntimeError: hfpatch CFG parallel (cfg=2): _ReadsCond computed with the cond prediction"
+        )
+        assert "Apply with cfg=1" in outcome
+    assert outcomes[0]["reads_from_1"] == outcomes[1]["reads_from_1"]  # the same error on both ranks
+
+
+def test_flux_cfg_is_accepted_but_not_planned():
+    # cfg=2 runs where asked (true CFG is opt-in per call); parallel=N does not plan it for Flux.
+    PipelineParallel().validate(tiny_flux_pipe_with_text_encoders(), ParallelConfig(cfg=2), {})
     assert PipelineParallel().facts(tiny_flux_pipe_with_text_encoders()).guides is False
