@@ -1,7 +1,7 @@
 """Block-causal streaming for the stock diffusers ``WanTransformer3DModel`` (Self-Forcing / CausVid / LongLive).
 
 ``hfpatch.apply(transformer, streaming=StreamingConfig(...))`` makes the transformer block-causal and adds
-two keyword arguments to its ``forward``:
+keyword arguments to its ``forward``:
 
 * ``frame_offset``: absolute index of the first latent frame of ``hidden_states``. Rotary embeddings use
   absolute frame positions (computed on the fly, so there is no maximum length), and blocks are aligned
@@ -10,6 +10,10 @@ two keyword arguments to its ``forward``:
   cached keys/values of the frames it can see (sink + window) and writes its own; text keys/values of the
   cross-attention are cached per prompt tensor. Without a cache the whole input runs at once under the
   block-causal visibility rule (training on chunks).
+* ``recache`` (with ``kv_cache``): re-encode ``hidden_states`` into the cache as one chunk, the prompt-switch
+  pass of :func:`~hfpatch.streaming.recache`. Its frames attend to each other with no block-causal mask and to
+  the cached frames visible from the chunk's end that it does not rewrite, overwrite their own slots, and need
+  not be whole blocks (:meth:`~hfpatch.streaming.StreamingKVCache.plan_chunk`).
 
 ``timestep`` may be ``[B]`` (one timestep for every frame) or ``[B, num_frames]`` (per frame; Self-Forcing
 denoises the frames of a chunk at different noise levels). Per-frame timesteps reuse the stock per-token
@@ -236,7 +240,8 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
 def _transformer_forward(
     state: _CallState, config: StreamingConfig, model: Any, original: Callable
 ) -> Callable:
-    """The transformer ``forward`` with ``frame_offset`` and ``kv_cache`` (cache mode runs block by block)."""
+    """The transformer ``forward`` with ``frame_offset``, ``kv_cache`` and ``recache`` (cache mode runs block by
+    block, a recache as one chunk)."""
 
     def forward(
         hidden_states: torch.Tensor,
@@ -248,10 +253,16 @@ def _transformer_forward(
         *,
         frame_offset: int = 0,
         kv_cache: StreamingKVCache | None = None,
+        recache: bool = False,
     ):
         batch, _, frames, height, width = hidden_states.shape
         n = config.num_frame_per_block
-        if frame_offset < 0 or frame_offset % n or frames % n:
+        if recache:
+            if kv_cache is None:
+                raise ValueError("recache=True re-encodes frames into a cache: pass kv_cache=")
+            if frame_offset < 0:
+                raise ValueError(f"frame_offset must be >= 0, got {frame_offset}")
+        elif frame_offset < 0 or frame_offset % n or frames % n:
             raise ValueError(
                 f"streaming Wan runs whole blocks of num_frame_per_block={n} latent frames: got frame_offset="
                 f"{frame_offset} and {frames} frames; both must be multiples of {n}"
@@ -277,7 +288,7 @@ def _transformer_forward(
                 "the streaming Wan transformer is not re-entrant (a forward is already running)"
             )
 
-        if kv_cache is not None and frames > n:
+        if kv_cache is not None and frames > n and not recache:
             # Block-causal: a block never depends on later blocks, so running block by block is exact.
             outs = []
             for s in range(0, frames, n):
@@ -305,7 +316,8 @@ def _transformer_forward(
         device = hidden_states.device
         if kv_cache is not None:
             call.weights = weights_version(model)
-            read, write = kv_cache.plan_block(frame_offset, frames)
+            plan = kv_cache.plan_chunk if recache else kv_cache.plan_block
+            read, write = plan(frame_offset, frames)
             call.read_index = _token_index(read, tokens_per_frame, device)
             call.write_index = _token_index(write, tokens_per_frame, device)
         else:

@@ -9,7 +9,9 @@ written after a reset). Frames are grouped in blocks of ``num_frame_per_block`` 
 
 clipped to ``[start, e)``; ``local_attn_size=-1`` means every frame in ``[start, e)``. This one rule
 (:func:`visible_frames`) drives both the block-causal full forward used for training and the cached
-block-by-block forward used for generation, so the two agree by construction and the tests check it.
+block-by-block forward used for generation, so the two agree by construction and the tests check it. The
+one exception is the re-encode after a prompt switch (:func:`~hfpatch.streaming.recache`): its frames run as
+one chunk that sees itself whole and the cached frames visible from its end (:meth:`StreamingKVCache.plan_chunk`).
 
 The cache keeps one preallocated key/value buffer per transformer block with room for
 ``StreamingConfig.cache_frames`` frames: sink frames get fixed slots, window frames rotate through the
@@ -258,6 +260,41 @@ class StreamingKVCache:
                 "run the blocks of a stream in order (or recache the frames first)"
             )
         return [self.slot(f) for f in earlier], [self.slot(f) for f in range(frame_offset, block_end)]
+
+    def plan_chunk(self, frame_offset: int, num_frames: int) -> tuple[list[int], list[int]]:
+        """Slots to read and to write for a chunk re-encoded in one forward (:func:`~hfpatch.streaming.recache`).
+
+        The chunk's frames attend to each other without the block-causal mask, and to the cached frames
+        visible from the chunk's end that the chunk does not rewrite (the sink, with a global sink); they need
+        not be whole blocks. An empty cache starts its stream at ``frame_offset``.
+
+        Raises:
+            ValueError: If the cache cannot hold the chunk's frames together (more than the window, or past
+                ``max_frames``), or a visible earlier frame is not cached.
+        """
+        if self.start is None:
+            self.start = frame_offset
+        if frame_offset < self.start:
+            raise ValueError(
+                f"frame_offset={frame_offset} is before the start {self.start} of the cached stream; "
+                "call cache.reset() to start a new stream"
+            )
+        end = frame_offset + num_frames
+        write = [self.slot(f) for f in range(frame_offset, end)]
+        if len(set(write)) != len(write):
+            raise ValueError(
+                f"frames {frame_offset}..{end - 1} do not fit the cache together (sink {self.config.sink_size} + "
+                f"window {self.config.local_attn_size - self.config.sink_size} frames from the stream start "
+                f"{self.start}); re-encode at most the frames the cache holds"
+            )
+        earlier = [f for f in visible_frames(self.config, self.start, end) if f < frame_offset]
+        missing = [f for f in earlier if self._slot_frames[self.slot(f)] != f]
+        if missing:
+            raise ValueError(
+                f"frames {missing} are visible from the chunk {frame_offset}..{end - 1} but not cached; "
+                "re-encode them too (or start from an empty cache)"
+            )
+        return [self.slot(f) for f in earlier], write
 
     def commit(self, frame_offset: int, num_frames: int) -> None:
         """Record that every layer wrote frames ``[frame_offset, frame_offset + num_frames)``."""

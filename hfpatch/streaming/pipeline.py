@@ -1,18 +1,22 @@
 """Streaming long-video generation with a block-causal Wan transformer (Self-Forcing / LongLive inference).
 
 :class:`StreamingWanPipeline` is built from a stock ``WanPipeline`` (its transformer, VAE and scheduler
-config) and generates ``num_frame_per_block`` latent frames at a time:
+config) and generates ``num_frame_per_block`` latent frames at a time, as Self-Forcing's causal inference
+(``pipeline/causal_inference.py``) and LongLive 1.0's interactive inference do:
 
 1. each block starts from noise and is denoised with the few steps of ``denoising_step_list``; every
    step attends to the cached keys/values of earlier frames (flow matching: ``x0 = x_t - sigma * v``,
-   then re-noised to the next step's sigma with fresh noise, as Self-Forcing does);
-2. a *context pass* runs the clean block (re-noised to ``context_noise``) once more and writes its keys
-   and values into the cache, so later blocks see clean context;
+   then re-noised to the next step's sigma with fresh noise);
+2. a *context pass* runs the clean ``x0`` once more, labelled with timestep ``context_noise`` (the input
+   itself is not re-noised: only Self-Forcing's training rollout does that), and writes its keys and
+   values into the cache, so later blocks see clean context;
 3. the block's latents go through :class:`StreamingWanDecoder` and the new pixel frames are yielded.
 
-A prompt schedule ``[(block, prompt_embeds), ...]`` switches prompts at block boundaries. At a switch
-the cache is reset and the last frames are re-encoded under the new prompt (:func:`recache`, LongLive's
-recache), so the new prompt's cross-attention shapes the context without a visual cut.
+A prompt schedule ``[(block, prompt_embeds), ...]`` switches prompts at block boundaries. At a switch the
+recent frames are re-encoded under the new prompt in one forward (:func:`recache`, LongLive's
+``_recache_after_switch``), so the new prompt's cross-attention shapes the context without a visual cut.
+With ``global_sink=True`` (LongLive's released configs) the sink frames keep their keys from the first
+prompt; with ``global_sink=False`` the cache restarts and the first re-encoded frames become the sink.
 
 Distilled streaming models run without classifier-free guidance; this pipeline has no CFG (it would need
 a second cache per branch).
@@ -97,16 +101,75 @@ def recache(
     prompt_embeds: torch.Tensor,
     frame_offset: int,
     context_timestep: float = 0.0,
+    *,
+    global_sink: bool = True,
 ) -> None:
-    """Rebuild ``cache`` from scratch over ``latents`` (frames ``[frame_offset, ...)``) under ``prompt_embeds``.
+    """Re-encode the newest frames into ``cache`` under ``prompt_embeds``, as LongLive 1.0 does at a prompt switch.
 
-    The cache is reset (self- and cross-attention) and the frames are written block by block at context
-    timestep, as LongLive does after a prompt switch. The stream restarts at ``frame_offset``, so the
-    first ``sink_size`` recached frames become the new sink.
+    ``latents`` are the clean latents of the stream's newest frames ``[frame_offset, end)`` (LongLive passes
+    its last ``local_attn_size`` frames; more are ignored). They run in one forward at ``context_timestep``,
+    every frame attending to every other (no block-causal mask within the chunk), and their keys/values
+    replace the cached ones; the cross-attention cache is dropped.
+
+    * ``global_sink=True`` (LongLive's released inference configs): the cache keeps its sink frames, encoded
+      under the earlier prompt. The frames of ``latents`` that the window holds (the newest
+      ``local_attn_size - sink_size``; every non-sink frame with ``local_attn_size=-1``) are re-encoded,
+      attending to the sink and to each other. Older frames of ``latents`` are not encoded: LongLive runs
+      them as queries only and keeps no keys of theirs, so they change nothing.
+    * ``global_sink=False``: the cache is cleared and the newest ``cache_frames`` frames of ``latents`` are
+      encoded; the stream restarts at the first of them, so its first ``sink_size`` frames are the new sink.
+
+    Raises:
+        ValueError: If, with a global sink, ``latents`` do not end at the cache's newest frame.
+
+    >>> import torch, hfpatch
+    >>> from hfpatch.streaming import StreamingConfig, StreamingKVCache, recache
+    >>> from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+    >>> model = tiny_wan_transformer()
+    >>> config = StreamingConfig(num_frame_per_block=2, local_attn_size=6, sink_size=2)
+    >>> patch = hfpatch.apply(model, streaming=config)
+    >>> cache = StreamingKVCache(config, num_layers=len(model.blocks))
+    >>> x = torch.randn(1, 4, 10, 4, 4)
+    >>> with torch.no_grad():
+    ...     for s in range(0, 10, 2):
+    ...         _ = model(x[:, :, s:s + 2], torch.tensor([0]), wan_prompt_embeds(), kv_cache=cache, frame_offset=s)
+    >>> sink = cache.keys[0][:, :2 * 4].clone()  # 2 sink frames x 4 tokens
+    >>> recache(model, cache, x[:, :, 4:], wan_prompt_embeds(seed=2), frame_offset=4)  # frames 6..9 re-encoded
+    >>> cache.frames(), torch.equal(cache.keys[0][:, :2 * 4], sink)
+    ([0, 1, 6, 7, 8, 9], True)
+    >>> recache(model, cache, x[:, :, 4:], wan_prompt_embeds(seed=2), frame_offset=4, global_sink=False)
+    >>> cache.frames()   # the stream restarts at frame 4: frames 4 and 5 are the new sink
+    [4, 5, 6, 7, 8, 9]
+    >>> patch.remove()
     """
-    cache.reset()
+    config = cache.config
+    end = frame_offset + latents.shape[2]
+    cached = cache.frames()
+    if global_sink and cached:
+        if cached[-1] + 1 != end:
+            raise ValueError(
+                f"recache with a global sink re-encodes the newest frames: latents end at frame {end - 1}, "
+                f"the cache at frame {cached[-1]}"
+            )
+        first = cache.start + config.sink_size  # the sink keeps its keys
+        if config.local_attn_size != -1:  # LongLive keeps no keys of the frames older than the window
+            first = max(first, end - (config.local_attn_size - config.sink_size))
+        cache.reset_cross_attention()
+    else:
+        cache.reset()
+        first = end - config.cache_frames
+    first = max(first, frame_offset)
+    if first >= end:
+        return
     timestep = torch.full((latents.shape[0],), float(context_timestep), device=latents.device)
-    transformer(latents, timestep, prompt_embeds, kv_cache=cache, frame_offset=frame_offset)
+    transformer(
+        latents[:, :, first - frame_offset :],
+        timestep,
+        prompt_embeds,
+        kv_cache=cache,
+        frame_offset=first,
+        recache=True,
+    )
 
 
 def _schedule(prompts: PromptSchedule) -> list[tuple[int, torch.Tensor]]:
@@ -208,21 +271,29 @@ class StreamingWanPipeline:
         generator: torch.Generator | None = None,
         output_type: str = "pt",
         use_cache: bool = True,
+        global_sink: bool = True,
     ) -> Iterator[StreamingOutput]:
         """Generate ``num_blocks`` blocks, yielding each as soon as it is decoded.
 
         Args:
             prompt_embeds: Text embeddings ``[B, T, text_dim]``, or a schedule ``[(start_block, embeds), ...]``
-                starting at block 0; at each later start the cache is rebuilt under the new prompt.
+                starting at block 0; at each later start the newest frames are re-encoded under the new prompt
+                (:func:`recache`).
             num_blocks: Blocks of ``num_frame_per_block`` latent frames to generate.
             height, width: Pixel size (multiples of the VAE factor times the patch size).
             denoising_step_list: Timesteps (0..1000, descending) of the few-step sampler; warp them with
                 :func:`warp_denoising_steps` for models trained with a shifted schedule.
-            context_noise: Timestep of the context pass that writes a finished block into the cache.
+            context_noise: Timestep given to the context pass that writes a finished block's clean latents into
+                the cache, and to the re-encode at a prompt switch (0 in the released Self-Forcing and
+                LongLive configs). The latents themselves are not re-noised, as in both references.
             generator: Random generator for the initial and re-noising noise (CPU).
             output_type: ``"pt"`` (decoded frames) or ``"latent"`` (no decode).
             use_cache: ``False`` recomputes every earlier frame at every step instead of reading the cache
                 (a reference for tests and benchmarks: same result, cost growing with the video).
+            global_sink: At a prompt switch, keep the sink frames encoded under the earlier prompt (``True``,
+                LongLive 1.0's ``global_sink: true``) or restart the cache so that the first re-encoded frames
+                become the sink (``False``). An inference option, like LongLive's, not part of
+                :class:`StreamingConfig`: it changes only what a switch does, not how the model attends.
 
         Yields:
             :class:`StreamingOutput` per block.
@@ -248,31 +319,30 @@ class StreamingWanPipeline:
 
         self.cache = StreamingKVCache(self.config, len(self.transformer.blocks))
         decoder = StreamingWanDecoder(self.vae) if output_type == "pt" else None
-        # Context inputs of earlier blocks: the last cache_frames for recache, or all of them without a cache.
+        # Clean latents of earlier blocks: enough for the last cache_frames (recache), all without a cache.
         history: list[torch.Tensor] = []
-        keep = None if not use_cache else max(1, self.config.cache_frames // n)
+        keep = None if not use_cache else -(-self.config.cache_frames // n)
         prompt_index = 0
         for block in range(num_blocks):
             offset = block * n
             if prompt_index + 1 < len(schedule) and schedule[prompt_index + 1][0] == block:
                 prompt_index += 1
-                self._recache(history, schedule[prompt_index][1], offset, context_noise)
+                self._recache(history, schedule[prompt_index][1], offset, context_noise, global_sink)
             prompt = schedule[prompt_index][1]
             noise = torch.randn(shape, generator=generator).to(self.transformer.device, dtype)
             context = None if use_cache or not history else torch.cat(history, 2)
             x0 = self._denoise_block(
                 noise, prompt, offset, denoising_step_list, generator, context, context_noise
             )
-            context_input = _renoise(x0, context_noise, generator, self.num_train_timesteps)
-            if use_cache:
+            if use_cache:  # the context pass: clean x0 at timestep context_noise
                 self.transformer(
-                    context_input,
+                    x0,
                     torch.full((batch,), float(context_noise)),
                     prompt,
                     kv_cache=self.cache,
                     frame_offset=offset,
                 )
-            history.append(context_input)
+            history.append(x0)
             if keep is not None:
                 history = history[-keep:]
             frames = None
@@ -282,17 +352,27 @@ class StreamingWanPipeline:
             yield StreamingOutput(block, offset, x0, frames, prompt_index)
 
     def _recache(
-        self, history: list[torch.Tensor], prompt: torch.Tensor, offset: int, context_noise: float
+        self,
+        history: list[torch.Tensor],
+        prompt: torch.Tensor,
+        offset: int,
+        context_noise: float,
+        global_sink: bool,
     ) -> None:
-        """Rebuild the cache under ``prompt`` from the last frames, so the next block sees sink + window."""
-        n = self.config.num_frame_per_block
-        # The next block sees at most cache_frames - n earlier frames: recache that many (whole blocks).
-        blocks = min(len(history), (self.config.cache_frames - n) // n)
-        if blocks == 0:
+        """Re-encode the newest frames (at most ``cache_frames``, LongLive's ``local_attn_size``) under ``prompt``."""
+        if not history:
             self.cache.reset()
             return
-        frames = torch.cat(history[-blocks:], 2)
-        recache(self.transformer, self.cache, frames, prompt, offset - blocks * n, context_noise)
+        frames = torch.cat(history, 2)[:, :, -self.config.cache_frames :]
+        recache(
+            self.transformer,
+            self.cache,
+            frames,
+            prompt,
+            offset - frames.shape[2],
+            context_noise,
+            global_sink=global_sink,
+        )
 
     def __call__(
         self, prompt_embeds: PromptSchedule, num_blocks: int, height: int, width: int, **kwargs: Any

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import hfpatch.streaming.pipeline as streaming_pipeline
-from hfpatch.streaming import StreamingConfig, StreamingKVCache, StreamingWanPipeline, recache
+from hfpatch.streaming import StreamingConfig, StreamingWanPipeline, recache
 from hfpatch.testing import tiny_wan_pipe, wan_prompt_embeds
 from hfpatch.testing.tolerance import eps, reassociation_tol, rel_error, rounding_noise
 
@@ -104,52 +102,80 @@ def test_prompt_switch_recaches_and_changes_only_later_blocks(stream, monkeypatc
     first, second = wan_prompt_embeds(), wan_prompt_embeds(seed=5)
     captured = []
 
-    def spy(transformer, cache, latents, prompt_embeds, frame_offset, context_timestep=0.0):
-        recache(transformer, cache, latents, prompt_embeds, frame_offset, context_timestep)
-        captured.append(
-            (copy.deepcopy(cache), latents.clone(), prompt_embeds, frame_offset, context_timestep)
+    def spy(
+        transformer, cache, latents, prompt_embeds, frame_offset, context_timestep=0.0, *, global_sink=True
+    ):
+        captured.append((latents.clone(), prompt_embeds, frame_offset, context_timestep, global_sink))
+        recache(
+            transformer,
+            cache,
+            latents,
+            prompt_embeds,
+            frame_offset,
+            context_timestep,
+            global_sink=global_sink,
         )
 
     monkeypatch.setattr(streaming_pipeline, "recache", spy)
     plain, _ = stream(first, 6, generator=_gen(), output_type="latent", **KWARGS)
-    switched_chunks = list(
-        stream.stream([(0, first), (4, second)], 6, generator=_gen(), output_type="latent", **KWARGS)
-    )
-    switched = torch.cat([c.latents for c in switched_chunks], 2)
-    assert [c.prompt_index for c in switched_chunks] == [0, 0, 0, 0, 1, 1]
-    # Exact: before the switch both runs make the same calls on the same values.
-    assert torch.equal(switched[:, :, :8], plain[:, :, :8])
-    # After it, another prompt: O(1e-1) apart on latents of magnitude ~4, not rounding (~1e-6 relative).
-    assert (switched[:, :, 8:] - plain[:, :, 8:]).abs().max() > 1e-2
+    runs = {}
+    for global_sink in (True, False):
+        chunks = list(
+            stream.stream(
+                [(0, first), (4, second)],
+                6,
+                generator=_gen(),
+                output_type="latent",
+                global_sink=global_sink,
+                **KWARGS,
+            )
+        )
+        runs[global_sink] = torch.cat([c.latents for c in chunks], 2), stream.cache.frames()
+        assert [c.prompt_index for c in chunks] == [0, 0, 0, 0, 1, 1]
+    for global_sink, (switched, frames) in runs.items():
+        # Exact: before the switch both runs make the same calls on the same values.
+        assert torch.equal(switched[:, :, :8], plain[:, :, :8])
+        # After it, another prompt: O(1e-1) apart on latents of magnitude ~4, not rounding (~1e-6 relative).
+        assert (switched[:, :, 8:] - plain[:, :, 8:]).abs().max() > 1e-2
+        # The sink is frames 0, 1 still (global sink), or the first recached frames 2, 3 (the stream restarted).
+        assert frames == ([0, 1] if global_sink else [2, 3]) + [8, 9, 10, 11]
+    # The sink settings differ after the switch (the sink keys came from another prompt, or other frames).
+    assert (runs[True][0][:, :, 8:] - runs[False][0][:, :, 8:]).abs().max() > 1e-2
 
-    # Recache ran once at the switch, over the last (cache_frames - block) = 4 frames before frame 8 ...
-    ((cache, frames, prompt, offset, context_t),) = captured
-    assert prompt is second and offset == 4 and frames.shape[2] == 4 and context_t == 50
-    # ... and left exactly the cache built from scratch over the same frames under the new prompt.
-    scratch = StreamingKVCache(CONFIG, len(stream.transformer.blocks))
-    with torch.no_grad():
-        for s in range(0, 4, 2):
-            stream.transformer(
-                frames[:, :, s : s + 2],
-                torch.tensor([50.0]),
-                second,
-                kv_cache=scratch,
-                frame_offset=offset + s,
-            )
-    assert cache.frames() == scratch.frames() == [4, 5, 6, 7]
-    # Exact: with a cache the transformer runs the 4 frames block by block, the same calls as here.
-    for layer in range(len(scratch.keys)):
-        assert torch.equal(cache.keys[layer], scratch.keys[layer])
-        assert torch.equal(cache.values[layer], scratch.values[layer])
-        assert torch.equal(cache.cross[layer].key, scratch.cross[layer].key)
-    # The cache before the switch (prompt 1) differs: the recache did change it.
-    before = StreamingKVCache(CONFIG, len(stream.transformer.blocks))
-    with torch.no_grad():
-        for s in range(0, 4, 2):
-            stream.transformer(
-                frames[:, :, s : s + 2], torch.tensor([50.0]), first, kv_cache=before, frame_offset=offset + s
-            )
-    assert not torch.equal(before.keys[1], scratch.keys[1])
+    # Recache ran once per run at the switch, over the newest cache_frames = 6 clean latents (frames 2..7, exact:
+    # the yielded x0 themselves), at the context timestep.
+    assert [c[4] for c in captured] == [True, False]
+    for frames, prompt, offset, context_t, _ in captured:
+        assert prompt is second and offset == 2 and context_t == 50
+        assert torch.equal(frames, plain[:, :, 2:8])
+
+
+def test_context_pass_and_recache_run_clean_x0_at_timestep_context_noise(stream, monkeypatch):
+    """The context pass writes the clean x0 of each block at timestep ``context_noise`` (Self-Forcing's and
+    LongLive's inference: no re-noising), and so does the re-encode at a prompt switch."""
+    calls = []
+    forward = stream.transformer.forward
+
+    def spy(hidden_states, timestep, prompt, *args, **kwargs):
+        calls.append((hidden_states.clone(), torch.as_tensor(timestep).clone(), kwargs))
+        return forward(hidden_states, timestep, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(stream.transformer, "forward", spy)
+    schedule = [(0, wan_prompt_embeds()), (2, wan_prompt_embeds(seed=5))]
+    chunks = list(stream.stream(schedule, 4, generator=_gen(), output_type="latent", **KWARGS))
+    steps = len(KWARGS["denoising_step_list"])
+    recaches = [i for i, (_, _, kwargs) in enumerate(calls) if kwargs.get("recache")]
+    assert recaches == [2 * (steps + 1)]  # before block 2's first step
+    ((hidden, timestep, kwargs),) = [calls.pop(i) for i in recaches]
+    # Frames 0..3 generated; with the global sink (frames 0, 1) the window frames 2, 3 are re-encoded.
+    assert kwargs["frame_offset"] == 2 and torch.equal(hidden, chunks[1].latents)
+    assert torch.equal(timestep, torch.full((1,), 50.0))
+    assert len(calls) == 4 * (steps + 1)
+    for block, chunk in enumerate(chunks):
+        hidden, timestep, kwargs = calls[block * (steps + 1) + steps]  # after the block's denoising steps
+        assert kwargs["frame_offset"] == chunk.frame_offset and kwargs["kv_cache"] is stream.cache
+        assert torch.equal(hidden, chunk.latents)  # exact: the yielded x0 itself, not re-noised
+        assert torch.equal(timestep, torch.full((1,), 50.0))
 
 
 def test_stream_invalid_arguments_raise(stream):
