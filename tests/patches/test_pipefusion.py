@@ -133,6 +133,38 @@ def _approx_case(parallel: ParallelConfig, patches: int = 4, warmup: int = 1) ->
     }
 
 
+def _wan22_case() -> dict[str, Any]:
+    """Wan 2.2 (``transformer_2`` takes over at the boundary step): each transformer has its own stages and
+    streams; ``transformer_2`` warms up when it starts. Exact at warm-up = steps; pipelined equals simulation."""
+    steps = 6
+    pf2 = ParallelConfig(pipefusion=2, vae=1)
+    results: dict[str, Any] = {}
+    for warmup in (steps, 1):
+        pipe = tiny_wan_pipe(two_transformers=True)
+        reference = _run(pipe, steps=steps)
+        patch = hfpatch.apply(pipe, pf2, pipefusion_patches=4, pipefusion_warmup=warmup)
+        out = _run(pipe, steps=steps)
+        calls = [
+            sum(s.calls for s in model._hfpatch_pipefusion.streams.values())
+            for model in (pipe.transformer, pipe.transformer_2)
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            patch.remove()
+        simulated = tiny_wan_pipe(two_transformers=True)
+        with Patch("simulation") as sim:
+            options = {**WanPipeFusion.options, "pipefusion_patches": 4, "pipefusion_warmup": warmup}
+            for model in (simulated.transformer, simulated.transformer_2):
+                apply_pipefusion(model, sim, None, options)
+            expected = _run(simulated, steps=steps)
+        results[warmup] = {
+            "vs_unpatched": (out - reference).abs().max().item(),
+            "vs_simulation": (out - expected).abs().max().item(),
+            "calls": calls,
+        }
+    return results
+
+
 def _errors(fn: Any) -> str:
     try:
         fn()
@@ -229,6 +261,7 @@ def _cases_two_ranks() -> dict[str, Any]:
         "exact": _exact_case(pf2),
         "exact_m4": _exact_case(pf2, patches=4),
         "approx": _approx_case(pf2),
+        "wan22": _wan22_case(),
         "errors": _error_cases(),
         "remove": _remove_cases(),
     }
@@ -346,6 +379,15 @@ def test_pipefusion_after_warmup_equals_simulation_with_bounded_error(two, three
     assert first["handoffs"] == streams * (warmup + (STEPS - warmup) * patches)
     assert first["handoff_bytes"] == streams * STEPS * TOKENS * CHANNELS * 4
     assert all(r[case]["max_abs"] == first["max_abs"] for r in results)  # every rank returns the same output
+
+
+def test_pipefusion_wan22_two_transformers_each_warm_up(two):
+    for rank, result in enumerate(two):
+        exact, pipelined = result["wan22"][6], result["wan22"][1]
+        assert exact["vs_unpatched"] == 0.0 and exact["vs_simulation"] == 0.0, (rank, exact)
+        assert pipelined["vs_simulation"] == 0.0 and pipelined["vs_unpatched"] > 0.0, (rank, pipelined)
+        # both transformers ran (cond and uncond streams), each counting its own calls
+        assert all(c > 0 for c in pipelined["calls"]) and sum(pipelined["calls"]) == 2 * 6, pipelined
 
 
 def test_pipefusion_bad_configurations_raise_on_every_rank(two, four):
