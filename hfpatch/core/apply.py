@@ -94,7 +94,7 @@ def _text(value: Any) -> str:
 def _config_text(config: ParallelConfig) -> str:
     """``ParallelConfig(ring=2, ulysses=2)``: the degrees that are not their default."""
     defaults = ParallelConfig()
-    product = config.data * config.cfg * config.ring * config.ulysses
+    product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
     shown = [
         f"{f.name}={getattr(config, f.name)}"
         for f in fields(config)

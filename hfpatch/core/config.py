@@ -14,9 +14,9 @@ from dataclasses import dataclass
 __all__ = ["ModelFacts", "ParallelConfig", "plan_parallel", "resolve_parallel"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ParallelConfig:
-    """Explicit parallel degrees. ``data * cfg * ring * ulysses`` is the number of ranks used.
+    """Explicit parallel degrees. ``data * cfg * pipefusion * ring * ulysses`` is the number of ranks used.
 
     Args:
         data: Data parallel over prompts / ``num_images_per_prompt`` (whole pipeline replicas).
@@ -24,8 +24,13 @@ class ParallelConfig:
         ring: Ring-attention degree (K/V blocks passed rank to rank).
         ulysses: Ulysses degree (all-to-all sequence <-> heads).
         vae: Ranks the VAE splits its feature maps over; ``None`` means all ranks.
+        pipefusion: PipeFusion stages: the transformer's blocks are split over this many ranks (each keeps
+            only its blocks' weights) and the tokens flow through them as a pipeline of patches
+            (:mod:`hfpatch.patches.pipefusion`; approximate after its warm-up steps, inference only).
 
     >>> ParallelConfig(cfg=2, ulysses=2).world_size
+    4
+    >>> ParallelConfig(cfg=2, pipefusion=2).world_size
     4
     """
 
@@ -34,9 +39,10 @@ class ParallelConfig:
     ring: int = 1
     ulysses: int = 1
     vae: int | None = None
+    pipefusion: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "cfg", "ring", "ulysses"):
+        for name in ("data", "cfg", "ring", "ulysses", "pipefusion"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
@@ -46,19 +52,26 @@ class ParallelConfig:
             not isinstance(self.vae, int) or isinstance(self.vae, bool) or self.vae < 1
         ):
             raise ValueError(f"ParallelConfig.vae must be a positive int or None, got {self.vae!r}")
-        product = self.data * self.cfg * self.ring * self.ulysses
+        product = self.data * self.cfg * self.pipefusion * self.ring * self.ulysses
         if self.vae is not None and product > 1 and self.vae not in (1, product):
             raise ValueError(
-                f"ParallelConfig.vae={self.vae} must be 1 or data*cfg*ring*ulysses={product}: "
+                f"ParallelConfig.vae={self.vae} must be 1 or {_product_text(self)}={product}: "
                 "the VAE runs after denoising, when every rank holds the full latents"
             )
         if self.vae is None:
             object.__setattr__(self, "vae", product)
 
+    def __repr__(self) -> str:
+        # pipefusion (added last) shows only when used, so plans without it print as they always did
+        shown = [f"{name}={getattr(self, name)}" for name in ("data", "cfg", "ring", "ulysses", "vae")]
+        if self.pipefusion != 1:
+            shown.append(f"pipefusion={self.pipefusion}")
+        return f"ParallelConfig({', '.join(shown)})"
+
     @property
     def world_size(self) -> int:
-        """Ranks used: ``data*cfg*ring*ulysses``, or ``vae`` for a VAE-only config."""
-        return max(self.data * self.cfg * self.ring * self.ulysses, self.vae)
+        """Ranks used: ``data*cfg*pipefusion*ring*ulysses``, or ``vae`` for a VAE-only config."""
+        return max(self.data * self.cfg * self.pipefusion * self.ring * self.ulysses, self.vae)
 
     @property
     def sequence_parallel(self) -> int:
@@ -80,6 +93,10 @@ class ModelFacts:
     guides: bool = False
     name: str = "target"
     pipeline: bool = False
+
+
+def _product_text(config: ParallelConfig) -> str:
+    return "data*cfg*pipefusion*ring*ulysses" if config.pipefusion > 1 else "data*cfg*ring*ulysses"
 
 
 def _divisors(n: int) -> list[int]:
@@ -118,6 +135,10 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
             f"data={config.data} splits a pipeline's prompts over ranks; {facts.name} is not a pipeline. "
             "Apply hfpatch to the pipeline, or use data=1 (wrap the model in DDP for data parallel training). "
             "On a transformer, data>1 only adds replicas to sequence parallel (ulysses/ring > 1)."
+        )
+    if config.pipefusion > 1 and facts.num_heads is None:
+        raise ValueError(
+            f"pipefusion={config.pipefusion} splits a transformer's blocks; {facts.name} has no transformer"
         )
     if config.sequence_parallel > 1 and facts.num_heads is None:
         raise ValueError(
@@ -158,7 +179,7 @@ def resolve_parallel(
         )
     if config.world_size != world_size and config.world_size > 1:  # parallel=1: each rank on its own
         raise ValueError(
-            f"{config} uses {config.world_size} ranks (data*cfg*ring*ulysses) but the world size is {world_size}; "
+            f"{config} uses {config.world_size} ranks ({_product_text(config)}) but the world size is {world_size}; "
             f"launch with `torchrun --nproc-per-node {config.world_size}` or choose degrees that multiply to "
             f"{world_size}"
         )

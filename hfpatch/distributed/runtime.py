@@ -43,8 +43,9 @@ __all__ = [
     "world_size",
 ]
 
-#: Mesh axes, outermost first. Ulysses is innermost so its all-to-alls stay within a node.
-AXES = ("data", "cfg", "ring", "ulysses")
+#: Mesh axes, outermost first. Ulysses is innermost so its all-to-alls stay within a node; PipeFusion's
+#: point-to-point hand-offs (one patch of hidden states per stage boundary) sit between CFG and sequence parallel.
+AXES = ("data", "cfg", "pipefusion", "ring", "ulysses")
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -280,7 +281,8 @@ class ParallelMesh:
     groups: dict[str, object | None] = field(default_factory=dict)
 
     def group(self, axis: str):
-        """The process group of ``axis`` (``"data"``, ``"cfg"``, ``"ring"``, ``"ulysses"``, ``"sp"``, ``"vae"``)."""
+        """The process group of ``axis`` (``"data"``, ``"cfg"``, ``"pipefusion"``, ``"ring"``, ``"ulysses"``,
+        ``"sp"``, ``"vae"``)."""
         if axis not in self.groups:
             raise KeyError(f"unknown mesh axis {axis!r}; known: {sorted(self.groups)}")
         return self.groups[axis]
@@ -352,7 +354,7 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     backend = dist.get_backend()
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
     world_key = (id(dist.group.WORLD), backend, timeout)
-    key = (*world_key, config.data, config.cfg, config.ring, config.ulysses, config.vae)
+    key = (*world_key, config.data, config.cfg, config.pipefusion, config.ring, config.ulysses, config.vae)
     if key in _MESHES:
         return _MESHES[key]
     try:
@@ -378,9 +380,9 @@ def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_
     device_type = "cuda" if backend == "nccl" else "cpu"
     override = _backend_options(backend, timeout)
     groups: dict[str, object | None] = {}
-    product = config.data * config.cfg * config.ring * config.ulysses
+    product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
     if product > 1:
-        shape = (config.data, config.cfg, config.ring, config.ulysses)
+        shape = tuple(getattr(config, axis) for axis in AXES)
         overrides = {"backend_override": {axis: override for axis in AXES}} if override else {}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, **overrides)
         for axis in AXES:

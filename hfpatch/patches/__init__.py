@@ -10,6 +10,8 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
     ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
     ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.cogvideox_dit:CogVideoXTransformerUSP"),
+    # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
+    ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     # Block-causal streaming with KV cache.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
     # Patch-parallel VAEs.

@@ -383,12 +383,12 @@ class WanStreamingPatch(PatchFamily):
             raise TypeError(
                 f"streaming must be an hfpatch.streaming.StreamingConfig or None, got {type(streaming).__name__}"
             )
-        if config.data * config.cfg * config.sequence_parallel > 1:
+        if config.data * config.cfg * config.pipefusion * config.sequence_parallel > 1:
             # The pipeline's data/CFG wrapper splits the stock forward arguments only (no frame_offset or
             # kv_cache), and a cache serves one guidance branch of one batch: no transformer parallelism yet.
             raise ValueError(
                 f"streaming with a parallel transformer is not supported yet (got data={config.data}, "
-                f"cfg={config.cfg}, ring={config.ring}, ulysses={config.ulysses}); apply streaming with "
+                f"cfg={config.cfg}, pipefusion={config.pipefusion}, ring={config.ring}, ulysses={config.ulysses}); apply streaming with "
                 "parallel=1 (or split only the VAE, ParallelConfig(vae=N)). For data-parallel training, "
                 "wrap the streaming transformer in torch DDP/FSDP yourself and give each rank its own batch"
             )

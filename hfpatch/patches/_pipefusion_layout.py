@@ -1,0 +1,99 @@
+"""PipeFusion geometry, pure: which blocks each stage holds, which tokens each patch covers, and the bytes a
+stage sends per transformer call. No torch.distributed and no Hugging Face imports.
+
+>>> from hfpatch.patches._pipefusion_layout import patch_ranges, stage_ranges
+>>> stage_ranges(5, 3)                 # uneven: the first stages take one block more
+[(0, 2), (2, 4), (4, 5)]
+>>> stage_ranges(5, 2, counts=(1, 4))  # explicit blocks per stage
+[(0, 1), (1, 5)]
+>>> patch_ranges(10, 4)
+[(0, 3), (3, 6), (6, 8), (8, 10)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["check_stage_counts", "patch_ranges", "stage_bytes_per_call", "stage_ranges"]
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_stage_counts(num_blocks: int, stages: int, counts: Sequence[int] | None, where: str) -> None:
+    """Raise ``ValueError`` unless ``stages`` stages can split ``num_blocks`` blocks (``counts`` per stage)."""
+    if stages > num_blocks:
+        raise ValueError(
+            f"pipefusion={stages} stages but {where} has only {num_blocks} transformer blocks: every stage needs "
+            f"at least one block; use pipefusion <= {num_blocks} (put the other ranks into cfg or data)"
+        )
+    if counts is None:
+        return
+    if (
+        not isinstance(counts, (tuple, list))
+        or len(counts) != stages
+        or not all(_positive_int(c) for c in counts)
+        or sum(counts) != num_blocks
+    ):
+        raise ValueError(
+            f"pipefusion_blocks must be {stages} positive ints (blocks per stage) summing to the {num_blocks} "
+            f"blocks of {where}, got {counts!r}"
+        )
+
+
+def stage_ranges(num_blocks: int, stages: int, counts: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """``[(first, end), ...]`` block ranges of the ``stages`` stages, in order.
+
+    Without ``counts``, blocks are dealt as evenly as possible, the first ``num_blocks % stages`` stages
+    taking one more (all blocks of a DiT have the same size, so this also balances the weight bytes).
+    """
+    check_stage_counts(num_blocks, stages, counts, "the model")
+    if counts is None:
+        base, extra = divmod(num_blocks, stages)
+        counts = [base + (s < extra) for s in range(stages)]
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def patch_ranges(tokens: int, patches: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` token ranges of ``patches`` contiguous patches of ``tokens`` tokens.
+
+    The first ``tokens % patches`` patches take one token more. Patches are contiguous runs of the model's
+    flattened token order (Wan: frame, then row, then column), so a patch is a band of rows of one frame or
+    several whole frames.
+
+    Raises:
+        ValueError: ``patches`` is not in ``1..tokens``.
+    """
+    if not _positive_int(patches) or patches > tokens:
+        raise ValueError(
+            f"pipefusion_patches={patches!r} does not fit a sequence of {tokens} tokens: use 1 <= "
+            f"pipefusion_patches <= {tokens} (fewer patches, or a larger resolution / more frames)"
+        )
+    base, extra = divmod(tokens, patches)
+    ranges, start = [], 0
+    for p in range(patches):
+        size = base + (p < extra)
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def stage_bytes_per_call(stage: int, stages: int, hidden_bytes: int, output_bytes: int) -> int:
+    """Bytes stage ``stage`` sends in one transformer call (warm-up or pipelined alike).
+
+    A stage before the last sends its blocks' output of every patch once to the next stage: all patches
+    together are one ``[B, S, C]`` hidden-state tensor (``hidden_bytes``), whatever the number of patches.
+    The last stage sends the model output (``output_bytes``) to each of the other ``stages - 1`` ranks, so
+    every rank returns the full output.
+
+    >>> stage_bytes_per_call(0, 2, hidden_bytes=1024, output_bytes=256), stage_bytes_per_call(1, 2, 1024, 256)
+    (1024, 256)
+    """
+    if stages == 1:
+        return 0
+    return hidden_bytes if stage < stages - 1 else (stages - 1) * output_bytes

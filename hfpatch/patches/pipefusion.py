@@ -1,0 +1,634 @@
+"""PipeFusion for ``WanTransformer3DModel``: the blocks split over ranks, the tokens pipelined as patches.
+
+After ``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_patches=M,
+pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, arXiv 2405.14430):
+
+* **Stages.** Rank ``p`` of the ``pipefusion`` group holds the blocks of stage ``p``
+  (:func:`~hfpatch.patches._pipefusion_layout.stage_ranges`: contiguous, as even as possible, or
+  ``pipefusion_blocks=(n0, n1, ...)``). The other blocks' parameters are released to the ``meta`` device
+  (``pipefusion_release_weights=True``, the default): each rank keeps ``1/P`` of the block weights plus the
+  unsplit embeddings, norms and output projection. Every rank runs the stock model around the blocks (patch
+  and condition embeddings, rotary tables: every stage needs them).
+* **Warm-up** (the first ``W`` calls of each stream, see below): synchronous and exact. Stage 0 runs its
+  blocks on the whole sequence and sends the hidden states to stage 1, and so on; every self-attention
+  stores its full K/V in the stage's per-layer buffer.
+* **Pipelined calls** (after the warm-up): the tokens are cut into ``M`` contiguous patches
+  (:func:`~hfpatch.patches._pipefusion_layout.patch_ranges`). Stage ``p`` runs patch ``m`` through its
+  blocks as soon as stage ``p - 1`` sent it, then sends it on (point-to-point, one patch of hidden states
+  per boundary). Each self-attention writes the patch's fresh K/V into its buffer and attends to the whole
+  buffer: fresh K/V for the patches this call already passed through the layer, the previous call's K/V
+  ("stale", the diffusion model's temporal redundancy) for the others. Cross-attention, norms, modulation
+  and the MLP are per token, hence exact. This is the only approximation of PipeFusion, so its error
+  grows with ``M`` and shrinks with ``W`` (README: measured PSNR).
+* **Output.** The last stage sends the model output to every other rank of its group: every rank returns
+  the full output.
+
+Streams: K/V buffers and warm-up counts are kept per ``cache_context`` name (``WanPipeline`` calls the
+model in ``"cond"`` then ``"uncond"``: two streams) and per input shape. A stream starts over (empty
+buffers, warm-up again) when a new generation begins: the ``step_index`` of the pipeline's
+``cache_context`` is not above the last one, or, without it, the timestep does not decrease. So the
+first ``W`` calls of every stream are exact, a Wan 2.2 ``transformer_2`` warms up when it takes over, and
+``W`` >= the number of steps gives the unpatched output.
+
+Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
+the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
+``M + P - 1`` patch slots per call (xDiT: ``P - 1`` of ``M * steps + P - 1``). The weights split and the
+point-to-point volume (one ``[B, S, C]`` tensor per boundary per call) are the same.
+
+Inference only: a call with gradients enabled or in training mode raises before any communication.
+
+>>> import hfpatch
+>>> from hfpatch.testing import tiny_wan_transformer
+>>> from hfpatch.patches.pipefusion import WanPipeFusion
+>>> sorted(WanPipeFusion.options)
+['check_inputs', 'pipefusion_blocks', 'pipefusion_patches', 'pipefusion_release_weights', 'pipefusion_warmup']
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..core.config import ModelFacts, ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import PatchFamily
+from ..distributed import runtime
+from ..distributed.agreement import install_call_guard, named_arguments
+from ..distributed.collectives import _record, _wait
+from ._pipefusion_layout import check_stage_counts, patch_ranges, stage_ranges
+
+__all__ = ["PipeFusionState", "PipeFusionWanAttnProcessor", "WanPipeFusion", "parameter_bytes"]
+
+#: ``count_comm`` kinds: hidden states handed to the next stage, and the output sent by the last stage.
+HANDOFF, OUTPUT = "pipefusion", "pipefusion_output"
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers that hold memory (not on ``meta``), shared ones once.
+
+    >>> import torch
+    >>> parameter_bytes(torch.nn.Linear(4, 2))   # 8 weights + 2 biases, fp32
+    40
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "meta":
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.device.index or 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.untyped_storage().nbytes()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- state
+@dataclass
+class _Stream:
+    """K/V buffers and warm-up count of one stream (one ``cache_context`` name and input shape)."""
+
+    kv: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block index -> [key, value] (bshd)
+    calls: int = 0  # calls since this generation started
+    last_step: int | None = None
+    last_timestep: float | None = None
+
+
+@dataclass
+class _Call:
+    """The transformer call in progress."""
+
+    stream: _Stream
+    synchronous: bool
+    patches: list[tuple[int, int]]  # token ranges (one range of every token when synchronous)
+    current: tuple[int, int] = (0, 0)  # token range of the patch the blocks are running on
+
+
+class PipeFusionState:
+    """This rank's stage and the state shared by a model's PipeFusion hooks and processors.
+
+    Attributes:
+        group: The ``pipefusion`` process group; the stage index is this rank's index in it.
+        stages: Block range ``(first, end)`` of every stage.
+        patches: ``M``, token patches per pipelined call.
+        warmup: ``W``, synchronous calls per stream before pipelining.
+        released_bytes: Bytes of parameters and buffers released at apply (0 when kept).
+    """
+
+    def __init__(self, group: Any, stages: list[tuple[int, int]], patches: int, warmup: int, name: str):
+        self.group = group
+        self.stages = stages
+        self.patches = patches
+        self.warmup = warmup
+        self.name = name
+        # group None: one stage holding every block (the single-process simulation, see apply_pipefusion)
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self.stage = 0 if group is None else dist.get_rank(group)
+        self.first, self.end = stages[self.stage]
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.world - 1
+        self.peers = (
+            [runtime.rank()] if group is None else [dist.get_global_rank(group, r) for r in range(self.world)]
+        )
+        self.streams: dict[tuple, _Stream] = {}
+        self.context: tuple[str, int | None] | None = None  # open cache_context: (name, step_index)
+        self.call: _Call | None = None
+        self.released_bytes = 0
+
+    # ------------------------------------------------------------------ calls
+    def begin(self, hidden_states: torch.Tensor, timestep: torch.Tensor, tokens: int) -> _Call:
+        """Start a call: pick its stream, decide warm-up or pipelined, cut the patches. Pure per rank (the
+        ranks decide alike from alike inputs), so a bad geometry raises on every rank before any send."""
+        ranges = patch_ranges(tokens, self.patches)  # also checks that M fits the tokens
+        name, step = self.context if self.context is not None else (None, None)
+        key = (name, tuple(hidden_states.shape), hidden_states.dtype, hidden_states.device)
+        stream = self.streams.get(key)
+        if stream is None:
+            stream = self.streams[key] = _Stream()
+        now = float(timestep.detach().max()) if timestep.numel() else 0.0
+        if step is not None:
+            restart = stream.last_step is None or step <= stream.last_step
+        else:
+            restart = stream.last_timestep is None or now >= stream.last_timestep
+        if restart:
+            stream.kv.clear()
+            stream.calls = 0
+        stream.last_step, stream.last_timestep = step, now
+        synchronous = stream.calls < self.warmup or self.patches == 1
+        stream.calls += 1
+        self.call = _Call(stream, synchronous, [(0, tokens)] if synchronous else ranges)
+        return self.call
+
+    def abort(self) -> None:
+        """A call failed midway: its stream's buffers are half-updated, so the stream starts over."""
+        if self.call is not None:
+            self.call.stream.kv.clear()
+            self.call.stream.calls = 0
+            self.call.stream.last_step = self.call.stream.last_timestep = None
+        self.call = None
+
+    def kv_bytes(self) -> int:
+        """Bytes of every K/V buffer this rank holds (all streams)."""
+        return sum(
+            t.numel() * t.element_size() for s in self.streams.values() for kv in s.kv.values() for t in kv
+        )
+
+    def clear(self) -> None:
+        """Drop every buffer (``patch.remove()``)."""
+        self.streams.clear()
+        self.call = None
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensor: torch.Tensor, to_stage: int, kind: str) -> list[dist.Work]:
+        tensor = tensor.contiguous()
+        try:
+            work = dist.isend(tensor, self.peers[to_stage], group=self.group)
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error("PipeFusion send", self.group, exc) from exc
+        _record(kind, tensor.numel() * tensor.element_size())
+        return [work]
+
+    def recv(self, into: torch.Tensor, from_stage: int) -> list[dist.Work]:
+        try:
+            return [dist.irecv(into, self.peers[from_stage], group=self.group)]
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error("PipeFusion receive", self.group, exc) from exc
+
+    def wait(self, works: list[dist.Work], what: str) -> None:
+        _wait(works, what, self.group)
+
+    def __repr__(self) -> str:
+        return (
+            f"PipeFusionState(stage={self.stage}/{self.world}, blocks={self.first}..{self.end - 1}, "
+            f"patches={self.patches}, warmup={self.warmup})"
+        )
+
+    def __deepcopy__(self, memo: dict) -> PipeFusionState:
+        raise TypeError(
+            "cannot deepcopy a model patched for PipeFusion by hfpatch.apply (its hooks, K/V buffers and process "
+            "group belong to the patch); copy it before hfpatch.apply"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- attention
+class PipeFusionWanAttnProcessor:
+    """Wan self-attention (``attn1``) of a block of this stage, attending to the stage's K/V buffer.
+
+    Warm-up: the stock computation on the whole sequence (bit for bit), storing K/V. Pipelined: the
+    patch's fresh K/V overwrite its rows of the buffer, and the patch's queries attend to the whole buffer.
+
+    Args:
+        state: The model's :class:`PipeFusionState`.
+        layer: Index of the block in ``model.blocks``.
+        backend: The replaced processor's ``_attention_backend`` (kept).
+    """
+
+    def __init__(self, state: PipeFusionState, layer: int, backend: Any = None) -> None:
+        self.state = state
+        self.layer = layer
+        self._attention_backend = backend
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        from ._wan_common import wan_self_attention_qkv
+
+        call = self.state.call
+        if call is None:
+            raise RuntimeError(
+                f"{self.state.name}.blocks.{self.layer}.attn1 ran outside a PipeFusion call of the model (a block "
+                "called on its own?): call the model, whose blocks are split over the PipeFusion ranks"
+            )
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("PipeFusionWanAttnProcessor serves self-attention (attn1) without a mask")
+        query, key, value = wan_self_attention_qkv(
+            attn, hidden_states, rotary_emb
+        )  # [B, s, H, D], this patch
+        if call.synchronous:
+            call.stream.kv[self.layer] = [key, value]
+        else:
+            buffer = call.stream.kv.get(self.layer)
+            start, end = call.current
+            if buffer is None or buffer[0].shape[1] < end:
+                raise RuntimeError(f"PipeFusion: no K/V buffer for block {self.layer} (warm-up skipped?)")
+            buffer[0][:, start:end] = key
+            buffer[1][:, start:end] = value
+            key, value = buffer
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=None,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=None,
+        )
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def __repr__(self) -> str:
+        return f"PipeFusionWanAttnProcessor(layer={self.layer}, {self.state!r})"
+
+
+# ----------------------------------------------------------------------------------------------- stage runner
+def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tensor]]) -> Callable[..., Any]:
+    """Replacement ``forward`` of ``blocks[0]``: runs this rank's stage (``blocks``: the stock forwards of its
+    blocks) for the whole call, patch by patch, and returns the final hidden states on the last stage (its
+    input, a placeholder, elsewhere: the output is sent by the last stage after the model's output layers)."""
+
+    def run_stage(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        call = state.call
+        if call is None:
+            raise RuntimeError(f"{state.name}.blocks ran outside a PipeFusion call of the model")
+        outputs: list[torch.Tensor] = []
+        sending: list[dist.Work] = []
+        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
+
+        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
+            start, end = call.patches[index]
+            buffer = hidden_states.new_empty((batch, end - start, channels))
+            return buffer, state.recv(buffer, state.stage - 1)
+
+        pending = post_recv(0) if not state.is_first else None
+        for index, (start, end) in enumerate(call.patches):
+            if state.is_first:
+                x = hidden_states[:, start:end]
+            else:
+                x, works = pending
+                if index + 1 < len(call.patches):  # the next patch arrives while this one computes
+                    pending = post_recv(index + 1)
+                state.wait(works, "PipeFusion receive")
+            per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
+            temb_patch = temb[:, start:end] if per_token and not call.synchronous else temb
+            rotary = rotary_emb
+            if not call.synchronous and rotary_emb is not None:
+                rotary = tuple(r[:, start:end] for r in rotary_emb)
+            call.current = (start, end)
+            for block in blocks:
+                x = block(x, encoder_hidden_states, temb_patch, rotary)
+            if state.is_last:
+                outputs.append(x)
+            else:
+                state.wait(sending, "PipeFusion send")  # at most one patch in flight
+                sending = state.send(x, state.stage + 1, HANDOFF)
+        state.wait(sending, "PipeFusion send")
+        if not state.is_last:
+            return hidden_states  # placeholder: the model output comes from the last stage
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    return run_stage
+
+
+def _passthrough(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Replacement ``forward`` of every block but the first: the first one ran the whole stage."""
+    return hidden_states
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, tuple):
+        return out[0]
+    return out.sample
+
+
+def _deliver(state: PipeFusionState, out: Any) -> None:
+    """The last stage sends the model output to every other stage, which receive it in place."""
+    tensor = _output_tensor(out)
+    if state.is_last:
+        works = [w for peer in range(state.world - 1) for w in state.send(tensor, peer, OUTPUT)]
+        state.wait(works, "PipeFusion output send")
+        return
+    target = (
+        tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    )
+    state.wait(state.recv(target, state.world - 1), "PipeFusion output receive")
+    if target is not tensor:
+        tensor.copy_(target)
+
+
+def _check_inference(model: torch.nn.Module, name: str) -> None:
+    if model.training:
+        raise RuntimeError(
+            f"PipeFusion on {name} is inference only, but the model is in training mode; call model.eval() "
+            "(PipeFusion's stale K/V make it approximate, and its blocks live on other ranks)"
+        )
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"PipeFusion on {name} is inference only: it does not support backward (blocks live on other ranks, "
+            "stale K/V are not differentiable), but gradients are enabled. Run it under torch.no_grad() or "
+            "torch.inference_mode() (diffusers pipelines do), or use ulysses/ring for training."
+        )
+
+
+# ----------------------------------------------------------------------------------------------- weights
+def _release(modules: list[torch.nn.Module], keep: set[int]) -> int:
+    """Replace the parameters and buffers of ``modules`` (those not in ``keep``, by id) by ``meta`` tensors
+    of the same shape and dtype. Returns the bytes no longer held by the model."""
+    released = 0
+    for module in modules:
+        for sub in module.modules():
+            for store in (sub._parameters, sub._buffers):
+                for name, tensor in list(store.items()):
+                    if tensor is None or id(tensor) in keep or tensor.device.type == "meta":
+                        continue
+                    released += tensor.numel() * tensor.element_size()
+                    empty = torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, torch.nn.Parameter):
+                        empty = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                    store[name] = empty
+    return released
+
+
+# ----------------------------------------------------------------------------------------------- family
+class WanPipeFusion(PatchFamily):
+    """PipeFusion for ``diffusers.WanTransformer3DModel`` (registered in ``hfpatch.patches.BUILTIN_FAMILIES``).
+
+    Options:
+        pipefusion_patches: ``M``, token patches per pipelined call (default ``None``: the number of stages).
+        pipefusion_warmup: ``W`` >= 1, exact synchronous calls per stream before pipelining (default 1).
+        pipefusion_blocks: Blocks per stage, e.g. ``(3, 2)``; default: as even as possible.
+        pipefusion_release_weights: Release the other stages' block weights (default True). Released weights
+            do not come back: ``patch.remove()`` then warns and leaves those blocks on the ``meta`` device
+            (reload the model to run it unpatched). With False every rank keeps every weight and
+            ``remove()`` restores the model exactly.
+        check_inputs: Check that the ranks of a stage group get the same call arguments.
+    """
+
+    name: ClassVar[str] = "wan_pipefusion"
+    role: ClassVar[str] = "transformer"
+    options: ClassVar[dict[str, Any]] = {
+        "pipefusion_patches": None,
+        "pipefusion_warmup": 1,
+        "pipefusion_blocks": None,
+        "pipefusion_release_weights": True,
+        "check_inputs": True,
+    }
+
+    def facts(self, target: Any) -> ModelFacts:
+        return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        name = type(target).__name__
+        stages = config.pipefusion
+        patches, warmup = options["pipefusion_patches"], options["pipefusion_warmup"]
+        blocks, release = options["pipefusion_blocks"], options["pipefusion_release_weights"]
+        if stages == 1:
+            given = [
+                f"{k}={options[k]!r}"
+                for k in ("pipefusion_patches", "pipefusion_blocks")
+                if options[k] is not None
+            ]
+            given += [f"pipefusion_warmup={warmup!r}"] if warmup != 1 else []
+            given += [f"pipefusion_release_weights={release!r}"] if release is not True else []
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} configure PipeFusion, but the plan has pipefusion=1; pass "
+                    "parallel=hfpatch.ParallelConfig(pipefusion=N, ...) or drop these options"
+                )
+            return
+        if patches is not None and (not isinstance(patches, int) or isinstance(patches, bool) or patches < 1):
+            raise ValueError(
+                f"pipefusion_patches must be a positive int (token patches) or None, got {patches!r}"
+            )
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise ValueError(
+                f"pipefusion_warmup must be an int >= 1 (synchronous steps that fill the K/V buffers), got {warmup!r}"
+            )
+        if not isinstance(release, bool):
+            raise ValueError(f"pipefusion_release_weights must be True or False, got {release!r}")
+        check_stage_counts(len(target.blocks), stages, blocks, name)
+        if config.sequence_parallel > 1:
+            raise ValueError(
+                f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported yet; "
+                "combine PipeFusion with cfg=2 or data=N, or use ulysses/ring without PipeFusion"
+            )
+        if target.training:
+            raise ValueError(
+                f"PipeFusion is inference only, but {name} is in training mode; call .eval() before hfpatch.apply"
+            )
+        if any(p.device.type == "meta" for p in target.parameters()):
+            raise ValueError(
+                f"{name} has parameters on the meta device (already released?); load it fully first"
+            )
+        for index, block in enumerate(target.blocks):
+            found = type(block.attn1.processor).__name__
+            if found != "WanAttnProcessor":
+                raise ValueError(
+                    f"{name}.blocks.{index}.attn1 uses attention processor {found}; PipeFusion replaces only the "
+                    "stock WanAttnProcessor. Restore it (model.set_default_attn_processor()) before hfpatch.apply"
+                )
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        if mesh.config.pipefusion == 1:
+            return
+        apply_pipefusion(target, patch, mesh.group("pipefusion"), options)
+
+
+def apply_pipefusion(
+    target: Any,
+    patch: Patch,
+    group: Any,
+    options: dict[str, Any],
+    stages: list[tuple[int, int]] | None = None,
+) -> PipeFusionState:
+    """Install PipeFusion on a ``WanTransformer3DModel`` through ``patch`` (what :class:`WanPipeFusion` does).
+
+    ``group=None`` runs every stage in this process (one stage of all blocks, no communication): the same
+    stale-K/V arithmetic as ``P`` ranks, since which rank holds a block does not change what it computes.
+    Tests and benchmarks use it as the reference of the approximate mode, and to measure its error cheaply.
+
+    Args:
+        target: The model (validated by :meth:`WanPipeFusion.validate`).
+        patch: The patch that logs every change.
+        group: The ``pipefusion`` process group, or ``None``.
+        options: :attr:`WanPipeFusion.options`, resolved.
+        stages: Block ranges per stage (default: from ``pipefusion_blocks`` and the group size).
+
+    >>> import torch
+    >>> from hfpatch.core.patch import Patch
+    >>> from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+    >>> model = tiny_wan_transformer()
+    >>> x, t, text = torch.randn(1, 4, 2, 4, 4), torch.tensor([500.0]), wan_prompt_embeds()
+    >>> with torch.no_grad():
+    ...     reference = model(x, t, text).sample
+    ...     with Patch("pipefusion") as patch:
+    ...         options = {**WanPipeFusion.options, "pipefusion_patches": 4}
+    ...         state = apply_pipefusion(model, patch, None, options)
+    ...         warm = model(x, t, text).sample                 # warm-up call: exact
+    ...         stale = model(x, t - 10, text).sample           # pipelined: the other patches' K/V are stale
+    >>> torch.equal(warm, reference), torch.equal(stale, reference)
+    (True, False)
+    """
+    name = type(target).__name__
+    world = 1 if group is None else dist.get_world_size(group)
+    if stages is None:
+        stages = stage_ranges(len(target.blocks), world, options["pipefusion_blocks"] if world > 1 else None)
+    state = PipeFusionState(
+        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name
+    )
+    if options["check_inputs"] and group is not None:
+        install_call_guard(patch, target, group, f"{name}.forward (PipeFusion stages)")
+    own = range(state.first, state.end)
+    originals: dict[int, Callable[..., torch.Tensor]] = {}
+    stage_blocks: list[Callable[..., torch.Tensor]] = []  # filled once every block is wrapped
+    runner = _stage_runner(state, stage_blocks)
+
+    def wrap_block(index: int) -> Callable[[Callable], Callable]:
+        def wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+            originals[index] = original
+            return runner if index == 0 else _passthrough
+
+        return wrapper
+
+    # The stock loop calls every block in turn: the first runs this stage for the whole call, the others
+    # pass the hidden states through.
+    for index, block in enumerate(target.blocks):
+        patch.wrap_method(block, "forward", wrap_block(index))
+    stage_blocks.extend(originals[i] for i in own)
+    for index in own:
+        attention = target.blocks[index].attn1
+        backend = getattr(attention.processor, "_attention_backend", None)
+        patch.swap_processor(attention, PipeFusionWanAttnProcessor(state, index, backend))
+
+    patch_size = tuple(target.config.patch_size)
+
+    def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            _check_inference(target, name)
+            named = named_arguments(type(target).forward, (target, *args), kwargs)
+            hidden, timestep = named.get("hidden_states"), named.get("timestep")
+            tokens = 1
+            for size, step in zip(hidden.shape[2:], patch_size):
+                tokens *= size // step
+            state.begin(hidden, torch.as_tensor(timestep), tokens)
+            try:
+                out = original(*args, **kwargs)
+                _deliver(state, out)
+            except BaseException:
+                state.abort()
+                raise
+            state.call = None
+            return out
+
+        return forward
+
+    patch.wrap_method(target, "forward", wrap_forward)
+    if callable(getattr(target, "cache_context", None)):
+        patch.wrap_method(target, "cache_context", _recording_context(state))
+    patch.on_remove(target, "pipefusion buffers", state.clear)
+    patch.set_attr(target, "_hfpatch_pipefusion", state)
+    others = [b for i, b in enumerate(target.blocks) if i not in own]
+    if options["pipefusion_release_weights"] and others:
+        keep = {id(t) for i in own for t in (*target.blocks[i].parameters(), *target.blocks[i].buffers())}
+        keep |= {
+            id(t)
+            for n, m in target.named_children()
+            if n != "blocks"
+            for t in (*m.parameters(), *m.buffers())
+        }
+        keep |= {id(t) for t in target._parameters.values() if t is not None}
+        state.released_bytes = _release(others, keep)
+        released = [i for i in range(len(target.blocks)) if i not in own]
+
+        def warn_released() -> None:
+            warnings.warn(
+                f"hfpatch: PipeFusion released the weights of {name}.blocks {_spans(released)} on this rank "
+                f"({state.released_bytes} bytes; they are on the meta device now) and cannot restore them: "
+                "patch.remove() restored everything else, but those blocks cannot run. Reload the model to run "
+                "it unpatched, or apply with pipefusion_release_weights=False to keep every weight.",
+                stacklevel=4,
+            )
+
+        patch.on_remove(target, "pipefusion released weights", warn_released)
+    return state
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[str] = []
+    for i in indices:
+        if spans and int(spans[-1].split("-")[-1]) == i - 1:
+            spans[-1] = f"{spans[-1].split('-')[0]}-{i}"
+        else:
+            spans.append(str(i))
+    return ", ".join(spans)
+
+
+def _recording_context(state: PipeFusionState) -> Callable[[Callable], Callable]:
+    """Wrap ``model.cache_context`` so the calls inside it know their stream (name) and ``step_index``."""
+
+    def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        @contextmanager
+        def cache_context(name: str, **kwargs: Any) -> Iterator[None]:
+            previous, state.context = state.context, (name, kwargs.get("step_index"))
+            try:
+                with original(name, **kwargs):
+                    yield
+            finally:
+                state.context = previous
+
+        return cache_context
+
+    return wrapper
