@@ -10,6 +10,10 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
     ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
     ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.cogvideox_dit:CogVideoXTransformerUSP"),
+    # Plan-driven USP (hfpatch.patches.dit.PLANS: diffusers' _cp_plan or hfpatch's table entry).
+    ("diffusers.QwenImageTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.Flux2Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.LTXVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # Block-causal streaming with KV cache.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
     # Patch-parallel VAEs.

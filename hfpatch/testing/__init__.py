@@ -9,7 +9,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 * VAEs: :func:`tiny_wan_vae` (``AutoencoderKLWan``, ``"2.1"`` or ``"2.2"``),
   :func:`tiny_autoencoder_kl` (``AutoencoderKL``).
 * Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
-  :func:`tiny_cogvideox_transformer`.
+  :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
+  :func:`tiny_ltx_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
@@ -46,11 +47,14 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_autoencoder_kl,
         tiny_bert,
         tiny_cogvideox_transformer,
+        tiny_flux2_transformer,
         tiny_flux_pipe,
         tiny_flux_transformer,
+        tiny_ltx_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
+        tiny_qwenimage_transformer,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
         tiny_wan_pipe,
@@ -72,11 +76,14 @@ __all__ = [
     "tiny_autoencoder_kl",
     "tiny_bert",
     "tiny_cogvideox_transformer",
+    "tiny_flux2_transformer",
     "tiny_flux_pipe",
     "tiny_flux_transformer",
+    "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
     "tiny_wan_pipe",
