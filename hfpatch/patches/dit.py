@@ -132,6 +132,18 @@ _TEXT = "the text tokens stay replicated (joint part of the attention)"
 
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
+    # Wan 2.1/2.2 (T2V, I2V): hfpatch's own plan, though diffusers has one. It cuts the patch embedding's
+    # output instead of block 0's input (the full embedding is freed at once: tests/patches/test_usp_memory.py)
+    # and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to the replicated text/image.
+    "diffusers.WanTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),),
+        plan={
+            "": (SplitInput("timestep", dim=1, ndim=2),),
+            "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
+            "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
     "diffusers.QwenImageTransformer2DModel": DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn", ("QwenDoubleStreamAttnProcessor2_0",), joint="front"),
@@ -263,6 +275,10 @@ def _key_mask(attn_mask: torch.Tensor | None, batch: int, keys: int, where: str)
     return keep
 
 
+#: diffusers' own ``dispatch_attention_fn`` (the one every stock module imports), set by :func:`_routed_call`.
+_stock_dispatch: Any = None
+
+
 def _routed_dispatch(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -277,25 +293,22 @@ def _routed_dispatch(
     backend: Any = None,
     parallel_config: Any = None,
 ) -> torch.Tensor:
-    """``dispatch_attention_fn`` as the routed copies of the stock ``__call__`` see it: the stand-in arrives as
-    ``parallel_config`` (the stock code passes ``self._parallel_config``, set on the stand-in's view)."""
+    """``dispatch_attention_fn`` as the routed copies of the stock ``__call__`` see it.
+
+    The stock code passes ``parallel_config=self._parallel_config``, which the stand-in's view sets to the
+    stand-in: the call goes to its :meth:`USPDispatchProcessor.attend`. A call with ``parallel_config=None``
+    is one the stock code itself keeps local (Wan's image keys in I2V: replicated keys, local queries), so it
+    goes to diffusers' own function, exact on the shard; any other value is refused. (A plain module-level
+    function, not a closure: ``torch.compile`` must be able to guard on it from the routed copy.)
+    """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs)
+    if parallel_config is None:
+        return _stock_dispatch(*args, backend=backend)
     if not isinstance(parallel_config, USPDispatchProcessor):
         raise RuntimeError(
-            f"hfpatch's routed {DISPATCH} was called without its stand-in processor (got parallel_config="
-            f"{parallel_config!r}); the stock processor code does not pass self._parallel_config on this path"
+            f"hfpatch's routed {DISPATCH} got parallel_config={parallel_config!r}, not its stand-in processor"
         )
-    return parallel_config.attend(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        attention_kwargs,
-        backend=backend,
-    )
+    return parallel_config.attend(*args, backend=backend)
 
 
 @functools.cache
@@ -309,6 +322,8 @@ def _routed_call(stock_call: types.FunctionType) -> types.FunctionType:
     that run under other globals (the stock function of an unpatched model).
     """
     scope = dict(stock_call.__globals__)
+    global _stock_dispatch
+    _stock_dispatch = stock_call.__globals__[DISPATCH]
     scope[DISPATCH] = _routed_dispatch
     code = stock_call.__code__
     code = code.replace(co_qualname=f"{code.co_qualname} (hfpatch USP)")

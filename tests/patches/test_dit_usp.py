@@ -277,15 +277,15 @@ def error_cases() -> dict[str, str]:
     from diffusers import UNet2DModel
 
     from hfpatch.patches.cogvideox_dit import CogVideoXTransformerUSP
+    from hfpatch.patches.dit import PlannedDiTUSP
     from hfpatch.patches.flux_dit import FluxTransformerUSP
     from hfpatch.patches.sd3_dit import SD3TransformerUSP
-    from hfpatch.patches.wan_dit import WanTransformerUSP
     from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
 
     world = dist.get_world_size()
     registry = Registry()
     for key, family in [
-        ("diffusers.WanTransformer3DModel", WanTransformerUSP),
+        ("diffusers.WanTransformer3DModel", PlannedDiTUSP),
         ("diffusers.FluxTransformer2DModel", FluxTransformerUSP),
         ("diffusers.SD3Transformer2DModel", SD3TransformerUSP),
         ("diffusers.CogVideoXTransformer3DModel", CogVideoXTransformerUSP),
