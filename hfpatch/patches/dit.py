@@ -538,3 +538,37 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
         super().apply(target, patch, mesh, options)
+
+
+# ----------------------------------------------------------------------------------------------- info
+def support_table() -> list[tuple[str, str]]:
+    """``(class name, how hfpatch shards it)`` for every transformer class the installed diffusers exports.
+
+    What ``hfpatch info`` prints: the family and where its plan comes from (diffusers' ``_cp_plan``,
+    translated; hfpatch's table; a family module of its own), or why not.
+    """
+    import diffusers.models.transformers as transformers
+
+    from ..core.registry import default_registry
+
+    supported = default_registry().supported()
+    rows = []
+    for name in sorted(dir(transformers)):
+        cls = getattr(transformers, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            continue
+        keys = [class_key(c) for c in cls.__mro__]
+        usp = next((f for k in keys for f in supported.get(k, []) if f.endswith("usp")), None)
+        entry = next((PLANS[k] for k in keys if k in PLANS), None)
+        if entry is not None:
+            rows.append((name, f"{usp} (plan: {'hfpatch table' if entry.plan is not None else '_cp_plan'})"))
+        elif usp is not None:
+            rows.append((name, f"{usp} (plan: hfpatch family module)"))
+        else:
+            why = (
+                "declares _cp_plan, no hfpatch table entry yet"
+                if getattr(cls, "_cp_plan", None)
+                else "no plan"
+            )
+            rows.append((name, f"not supported ({why})"))
+    return rows

@@ -220,3 +220,19 @@ def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
     assert "kv_cache_mode= is not supported under sequence parallelism" in messages["kv_cache_mode"]
     assert messages["runs_after_refusal"] == "(1, 25, 16)"
     assert "diffusers' own context parallelism" in messages["diffusers_cp"]
+
+
+def test_planned_usp_support_table_names_plan_source_per_class():
+    from hfpatch.cli import info_lines
+    from hfpatch.patches.dit import support_table
+
+    rows = dict(support_table())
+    assert rows["QwenImageTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["LTXVideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["WanTransformer3DModel"] == "dit_usp (plan: hfpatch table)"
+    assert rows["FluxTransformer2DModel"] == "flux_usp (plan: hfpatch family module)"
+    assert (
+        rows["ChronoEditTransformer3DModel"]
+        == "not supported (declares _cp_plan, no hfpatch table entry yet)"
+    )
+    assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
