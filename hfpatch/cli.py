@@ -160,6 +160,15 @@ def info_lines() -> list[str]:
             continue
         options = ", ".join(f"{k}={v!r}" for k, v in family.options.items()) or "no options"
         lines.append(f"  {key}: {family.name} ({family.role}) [{options}]")
+    try:
+        from .patches.dit import support_table
+
+        rows = support_table()
+    except ImportError as exc:
+        lines.append(f"sequence parallel by diffusers transformer class: unavailable ({exc})")
+    else:
+        lines.append("sequence parallel by diffusers transformer class:")
+        lines += [f"  {name}: {how}" for name, how in rows]
     return lines
 
 

@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 _JOINT_POSITIONS = ("front", "back")
 
 
-def _check_inputs(query, key, value, joint, joint_position, valid_len, world) -> None:
+def _check_inputs(query, key, value, joint, joint_position, valid_len, world, joint_key_mask=None) -> None:
     """Every check depends only on local shapes, so all ranks raise the same error before any collective."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -79,6 +79,26 @@ def _check_inputs(query, key, value, joint, joint_position, valid_len, world) ->
                 raise ValueError(
                     f"usp_attention: {name} dtype {t.dtype} differs from query dtype {query.dtype}"
                 )
+    if joint_key_mask is not None:
+        if not all(given):
+            raise ValueError("usp_attention: joint_key_mask masks joint keys; pass joint_query/key/value too")
+        b, text = query.shape[0], joint[1].shape[1]
+        if (
+            not isinstance(joint_key_mask, torch.Tensor)
+            or joint_key_mask.dtype != torch.bool
+            or joint_key_mask.dim() != 2
+            or joint_key_mask.shape[0] not in (1, b)
+            or joint_key_mask.shape[1] != text
+        ):
+            got = (
+                f"{tuple(joint_key_mask.shape)} {joint_key_mask.dtype}"
+                if isinstance(joint_key_mask, torch.Tensor)
+                else type(joint_key_mask).__name__
+            )
+            raise ValueError(
+                f"usp_attention: joint_key_mask must be a bool [B={b} or 1, S_txt={text}] tensor (True: the key "
+                f"takes part), got {got}"
+            )
     total = query.shape[1] * world
     if valid_len is not None and not (isinstance(valid_len, int) and 1 <= valid_len <= total):
         raise ValueError(
@@ -99,6 +119,7 @@ def usp_attention(
     joint_key: Tensor | None = None,
     joint_value: Tensor | None = None,
     joint_position: str = "front",
+    joint_key_mask: Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
@@ -118,6 +139,9 @@ def usp_attention(
         joint_position: Whether the joint tokens come logically before (``"front"``) or after (``"back"``)
             the sharded tokens. Softmax attention is invariant to the order of the keys, so this changes
             nothing in the result; it documents the caller's layout.
+        joint_key_mask: ``[B or 1, S_txt]`` bool, ``True`` where a joint key takes part (a padded prompt's
+            mask; replicated like the joint tokens). Masked joint keys get no attention weight and no gradient;
+            queries (sharded and joint) are never masked, as in SDPA with a key mask. ``None``: all keys.
         scale: Softmax scale (default ``D ** -0.5``).
         backend: Local kernel name (:mod:`hfpatch.attention.local`), ``"auto"`` by default.
 
@@ -142,13 +166,13 @@ def usp_attention(
     """
     joint = (joint_query, joint_key, joint_value)
     world = group_size(ulysses_group) * group_size(ring_group)
-    _check_inputs(query, key, value, joint, joint_position, valid_len, world)
+    _check_inputs(query, key, value, joint, joint_position, valid_len, world, joint_key_mask)
     heads = query.shape[2]
     q, k, v = (sequence_to_heads(t, ulysses_group, heads) for t in (query, key, value))
     jq, jk, jv = (None if t is None else slice_joint_heads(t, ulysses_group) for t in joint)
     out, joint_out = ring_attention(
         q, k, v, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
-        scale=scale, backend=backend,
+        joint_key_mask=joint_key_mask, scale=scale, backend=backend,
     )  # fmt: skip
     del q, k, v, jq, jk, jv  # without autograd, free the resharded inputs before resharding the output
     out = heads_to_sequence(out, ulysses_group, heads)

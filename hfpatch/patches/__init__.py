@@ -6,10 +6,14 @@ table, so ``import hfpatch`` imports no diffusers or transformers module.
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Sequence-parallel attention (USP) for DiT transformers.
-    ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_dit:WanTransformerUSP"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
     ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
     ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.cogvideox_dit:CogVideoXTransformerUSP"),
+    # Plan-driven USP (hfpatch.patches.dit.PLANS: diffusers' _cp_plan or hfpatch's table entry).
+    ("diffusers.WanTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.QwenImageTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.Flux2Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.LTXVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     # Block-causal streaming with KV cache.

@@ -4,8 +4,12 @@ A DiT family declares *where* its token sequence is cut and gathered as a plan, 
 (``""`` is the model itself) to specs:
 
 * :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs,
-* :class:`SplitOutput` shards what the submodule returns,
+* :class:`SplitOutput` shards what the submodule returns (one element of a tuple output with ``index``),
 * :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
+
+A path may use ``*`` for one whole segment (``"transformer_blocks.*"``: every block, as in diffusers'
+``_cp_plan``); :func:`expand_plan` resolves such paths against a model (a pattern matching nothing is an
+error, and specs of paths that resolve to the same submodule are concatenated in plan order).
 
 :func:`apply_sequence_plan` turns each entry into a forward (pre-)hook registered through a
 :class:`~hfpatch.core.patch.Patch`, so ``patch.remove()`` drops them all. The family then swaps the
@@ -61,6 +65,7 @@ __all__ = [
     "SplitOutput",
     "apply_sequence_plan",
     "check_plan",
+    "expand_plan",
     "usp_attention_call",
 ]
 
@@ -88,12 +93,14 @@ class SplitOutput:
 
     ``flatten_from`` flattens the output from that dim first, so a patch embedding's ``[B, C, F, H, W]``
     output can be cut as the ``[B, C, S]`` token sequence the model builds from it: the full output is freed
-    right after the patch embedding instead of living until the first block returns.
+    right after the patch embedding instead of living until the first block returns. ``index`` shards only
+    that element of a tuple/list output (QwenImage's rotary ``(image, text)`` tables: the image one).
     """
 
     dim: int
     ndim: int | None = None
     flatten_from: int | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -237,9 +244,43 @@ def _positions(module: torch.nn.Module, specs: list[SplitInput], path: str) -> d
     return {spec.name: params.index(spec.name) for spec in specs}
 
 
+def _matches(pattern: list[str], name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == len(pattern) and all(p in ("*", n) for p, n in zip(pattern, parts))
+
+
+def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[Spec, ...]]:
+    """``plan`` with every ``*`` path replaced by the submodule paths it matches (in module order). Pure.
+
+    Raises:
+        ValueError: A pattern that matches no submodule of ``model``.
+
+    >>> from hfpatch.testing import tiny_wan_transformer
+    >>> list(expand_plan(tiny_wan_transformer(), {"blocks.*": (SplitInput("hidden_states", dim=1),)}))
+    ['blocks.0', 'blocks.1']
+    """
+    expanded: dict[str, tuple[Spec, ...]] = {}
+    names: list[str] | None = None
+    for path, specs in plan.items():
+        if "*" in path:
+            if names is None:
+                names = [name for name, _ in model.named_modules() if name]
+            pattern = path.split(".")
+            found = [name for name in names if _matches(pattern, name)]
+            if not found:
+                raise ValueError(
+                    f"sequence-parallel plan names {path!r}, which matches no submodule of {type(model).__name__}"
+                )
+        else:
+            found = [path]
+        for name in found:
+            expanded[name] = expanded.get(name, ()) + tuple(specs)
+    return expanded
+
+
 def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
     """Raise ``ValueError`` if ``plan`` names a submodule or an argument ``model`` does not have. Pure."""
-    for path, specs in plan.items():
+    for path, specs in expand_plan(model, plan).items():
         _positions(_resolve(model, path), [s for s in specs if isinstance(s, SplitInput)], path)
 
 
@@ -278,6 +319,7 @@ def apply_sequence_plan(
     and unwraps it when unloaded) gets the hooks moved to it at the next call: left on the wrapped base
     layer, a gather would run before the LoRA term is added to the local shard.
     """
+    plan = expand_plan(model, plan)
     check_plan(model, plan)
     installed: dict[str, tuple[torch.nn.Module, list[Any]]] = {}
 
@@ -289,12 +331,22 @@ def apply_sequence_plan(
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
             if isinstance(spec, SplitOutput):
-                split = _splitter(state, spec.dim, spec.ndim, f"{path}:output")
+                where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
+                split = _splitter(state, spec.dim, spec.ndim, where)
 
-                def split_output(_m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from):
-                    if flatten_from is not None:
-                        out = _map_tensors(out, lambda x: x.flatten(flatten_from))
-                    return _map_tensors(out, split)
+                def split_output(
+                    _m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from, index=spec.index
+                ):
+                    def cut(value):
+                        if flatten_from is not None:
+                            value = _map_tensors(value, lambda x: x.flatten(flatten_from))
+                        return _map_tensors(value, split)
+
+                    if index is None:
+                        return cut(out)
+                    items = list(out)
+                    items[index] = cut(items[index])
+                    return type(out)(items)
 
                 handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
@@ -329,8 +381,8 @@ def apply_sequence_plan(
 class SequenceParallelFamily(PatchFamily):
     """Base of the DiT USP families: a plan, the self-attention modules, and their USP processor.
 
-    A subclass sets ``plan`` and implements :meth:`attention_modules` (with the class name of the stock
-    processor each one must have) and :meth:`make_processor`. :meth:`apply` is a no-op
+    A subclass sets ``plan`` (or overrides :meth:`plan_for`) and implements :meth:`attention_modules` (with
+    the class name(s) of the stock processor each one must have) and :meth:`make_processor`. :meth:`apply` is a no-op
     when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call).
     """
 
@@ -339,13 +391,24 @@ class SequenceParallelFamily(PatchFamily):
     plan: ClassVar[SequencePlan] = {}
     options: ClassVar[dict[str, Any]] = {"check_inputs": True}
 
-    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str]]:
-        """``(path, attention module, stock processor class name)`` of every attention to swap."""
+    def plan_for(self, target: Any) -> SequencePlan:
+        """The sequence plan of ``target`` (default: the class attribute ``plan``)."""
+        return self.plan
+
+    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, str | tuple[str, ...]]]:
+        """``(path, attention module, stock processor class name(s))`` of every attention to swap."""
         raise NotImplementedError
 
     def make_processor(self, state: SequenceShard, path: str, attention: torch.nn.Module) -> Any:
         """The USP processor replacing ``attention.processor``."""
         raise NotImplementedError
+
+    def make_processors(self, target: Any, state: SequenceShard) -> list[tuple[str, torch.nn.Module, Any]]:
+        """``(path, attention module, USP processor)`` for every module of :meth:`attention_modules`."""
+        return [
+            (path, attention, self.make_processor(state, path, attention))
+            for path, attention, _ in self.attention_modules(target)
+        ]
 
     def facts(self, target: Any) -> ModelFacts:
         return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
@@ -353,13 +416,14 @@ class SequenceParallelFamily(PatchFamily):
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         if config.sequence_parallel == 1:
             return
-        check_plan(target, self.plan)
+        check_plan(target, self.plan_for(target))
         for path, attention, stock in self.attention_modules(target):
             found = type(attention.processor).__name__
-            if found != stock:
+            accepted = (stock,) if isinstance(stock, str) else tuple(stock)
+            if found not in accepted:
                 raise ValueError(
                     f"{type(target).__name__}.{path} uses attention processor {found}; sequence parallelism "
-                    f"replaces only the stock {stock}. Restore it (e.g. "
+                    f"replaces only the stock {' or '.join(accepted)}. Restore it (e.g. "
                     "model.set_default_attn_processor() or unload the IP-Adapter) before hfpatch.apply, "
                     "or use ring=ulysses=1."
                 )
@@ -368,12 +432,12 @@ class SequenceParallelFamily(PatchFamily):
         if mesh.config.sequence_parallel == 1:
             return
         state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
-        apply_sequence_plan(target, self.plan, state, patch, check_inputs=bool(options["check_inputs"]))
-        swapped = []
-        for path, attention, _ in self.attention_modules(target):
-            processor = self.make_processor(state, path, attention)
+        apply_sequence_plan(
+            target, self.plan_for(target), state, patch, check_inputs=bool(options["check_inputs"])
+        )
+        swapped = self.make_processors(target, state)
+        for _, attention, processor in swapped:
             patch.swap_processor(attention, processor)
-            swapped.append((path, attention, processor))
 
         def check_attention_swaps(_module, args, kwargs):
             # fuse_qkv_projections() / set_attn_processor() after apply would install stock processors that
@@ -399,6 +463,8 @@ def usp_attention_call(
     *,
     joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     joint_position: str = "front",
+    joint_key_mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated)."""
     from ..attention.usp import usp_attention
@@ -421,4 +487,6 @@ def usp_attention_call(
         joint_key=joint_key,
         joint_value=joint_value,
         joint_position=joint_position,
+        joint_key_mask=joint_key_mask,
+        scale=scale,
     )

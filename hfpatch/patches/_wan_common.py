@@ -1,4 +1,4 @@
-"""Helpers shared by the Wan transformer patches (sequence parallel and streaming).
+"""Helpers of the Wan streaming patch (the stock Wan self-attention arithmetic).
 
 >>> import torch
 >>> from hfpatch.patches._wan_common import apply_wan_rotary

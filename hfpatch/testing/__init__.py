@@ -9,7 +9,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 * VAEs: :func:`tiny_wan_vae` (``AutoencoderKLWan``, ``"2.1"`` or ``"2.2"``),
   :func:`tiny_autoencoder_kl` (``AutoencoderKL``).
 * Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
-  :func:`tiny_cogvideox_transformer`.
+  :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
+  :func:`tiny_ltx_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`; with text encoders and in-memory tokenizers:
   :func:`tiny_flux_pipe_with_text_encoders`.
@@ -50,12 +51,15 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_clip_text_model,
         tiny_clip_tokenizer,
         tiny_cogvideox_transformer,
+        tiny_flux2_transformer,
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_ltx_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
+        tiny_qwenimage_transformer,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
         tiny_t5_encoder,
@@ -81,12 +85,15 @@ __all__ = [
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
+    "tiny_flux2_transformer",
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
     "tiny_t5_encoder",

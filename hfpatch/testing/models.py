@@ -22,12 +22,15 @@ __all__ = [
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
+    "tiny_flux2_transformer",
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
     "tiny_t5_encoder",
@@ -634,3 +637,72 @@ def tiny_flux_pipe_with_text_encoders(seed: int = 0):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_qwenimage_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``QwenImageTransformer2DModel`` (dual-stream joint attention, text mask, complex rotary).
+
+    Call it with packed latents ``hidden_states`` ``[B, F*H*W, 16]``, ``img_shapes=[[(F, H, W)]] * B`` and text
+    ``encoder_hidden_states`` ``[B, T, 16]`` (optionally ``encoder_hidden_states_mask`` ``[B, T]``).
+    """
+    from diffusers import QwenImageTransformer2DModel
+
+    config = dict(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=num_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=num_heads,
+        joint_attention_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )
+    return _build(QwenImageTransformer2DModel, config, overrides, seed)
+
+
+def tiny_flux2_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``Flux2Transformer2DModel`` with one double-stream and one single-stream block.
+
+    Call it with ``hidden_states`` ``[B, S, 16]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``img_ids`` and
+    ``txt_ids`` (``[B, S, 4]``/``[B, T, 4]`` or 2D) and ``timestep`` in ``[0, 1]``.
+    """
+    from diffusers import Flux2Transformer2DModel
+
+    config = dict(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=head_dim,
+        num_attention_heads=num_heads,
+        joint_attention_dim=16,
+        timestep_guidance_channels=16,
+        axes_dims_rope=(2, 2, 2, 2),
+        guidance_embeds=False,
+    )
+    return _build(Flux2Transformer2DModel, config, overrides, seed)
+
+
+def tiny_ltx_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``LTXVideoTransformer3DModel`` (video self-attention with rotary, cross-attention to text).
+
+    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``,
+    ``encoder_attention_mask`` ``[B, T]``, ``timestep`` (``[B]``, or ``[B, F*H*W]`` per token) and
+    ``num_frames``/``height``/``width``.
+    """
+    from diffusers import LTXVideoTransformer3DModel
+
+    config = dict(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        cross_attention_dim=num_heads * head_dim,
+        num_layers=num_layers,
+        caption_channels=16,
+    )
+    return _build(LTXVideoTransformer3DModel, config, overrides, seed)

@@ -35,16 +35,25 @@ from hfpatch.testing.tolerance import (
     summation_tol,
 )
 
-# (ring, ulysses, seq, heads, text, joint_position) per world size; batch 2, head dim 8.
+# (ring, ulysses, seq, heads, text, joint_position[, masked]) per world size; batch 2, head dim 8. A masked
+# case (batch 3) masks joint keys with ``joint_key_mask``: some keys of sample 0, every key of sample 1 (its
+# queries attend to the sharded tokens only), none of sample 2.
 CASES = {
-    1: [(1, 1, 7, 2, 0, "front"), (1, 1, 5, 3, 3, "back")],
+    1: [(1, 1, 7, 2, 0, "front"), (1, 1, 5, 3, 3, "back"), (1, 1, 5, 3, 4, "front", True)],
     2: [
         (1, 2, 9, 3, 0, "front"),  # uneven sequence and heads
         (1, 2, 8, 4, 3, "front"),
         (2, 1, 9, 2, 3, "back"),
         (2, 1, 8, 3, 0, "front"),
+        (1, 2, 9, 3, 3, "front", True),
+        (2, 1, 9, 2, 4, "back", True),
     ],
-    3: [(1, 3, 10, 4, 2, "front"), (3, 1, 10, 2, 2, "back"), (1, 3, 9, 3, 0, "front")],
+    3: [
+        (1, 3, 10, 4, 2, "front"),
+        (3, 1, 10, 2, 2, "back"),
+        (1, 3, 9, 3, 0, "front"),
+        (3, 1, 10, 2, 3, "front", True),
+    ],
     4: [
         (1, 4, 10, 6, 3, "front"),  # 6 heads over 4: [2, 2, 1, 1]
         (1, 4, 9, 3, 2, "back"),  # 3 heads over 4: one idle rank
@@ -52,6 +61,8 @@ CASES = {
         (4, 1, 9, 2, 2, "front"),  # the last ring block is all padding
         (2, 2, 11, 3, 2, "front"),
         (2, 2, 8, 4, 0, "back"),
+        (2, 2, 11, 3, 4, "front", True),
+        (1, 4, 9, 3, 3, "back", True),  # with an idle Ulysses rank
     ],
 }
 
@@ -65,21 +76,35 @@ def _groups(ring, ulysses):
     return mesh, mesh.group("ring"), mesh.group("ulysses")
 
 
-def _reference(q, k, v, joint, position):
-    """SDPA on the full sequence; returns (image_out, joint_out or None), all bshd."""
+def _reference(q, k, v, joint, position, joint_mask=None):
+    """SDPA on the full sequence (joint keys masked by ``joint_mask``); returns (image_out, joint_out or None)."""
     if joint is None:
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         return out, None
     text = joint[0].shape[1]
     cat = [torch.cat([j, x] if position == "front" else [x, j], dim=1) for x, j in zip((q, k, v), joint)]
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in cat)).transpose(1, 2)
+    mask = None
+    if joint_mask is not None:
+        image = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool)
+        mask = torch.cat([joint_mask, image] if position == "front" else [image, joint_mask], 1)[
+            :, None, None
+        ]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in cat), attn_mask=mask).transpose(1, 2)
     if position == "front":
         return out[:, text:], out[:, :text]
     return out[:, :-text], out[:, -text:]
 
 
-def _case(ring, ulysses, seq, heads, text, position, seed=0, batch=2, dim=8):
+def _joint_mask(batch, text):
+    """Sample 0: every third key masked; sample 1: all masked; sample 2: none (the fast path per sample)."""
+    rows = [[i % 3 != 1 for i in range(text)], [False] * text, [True] * text]
+    return torch.tensor(rows[:batch])
+
+
+def _case(ring, ulysses, seq, heads, text, position, masked=False, seed=0, dim=8):
     world = ring * ulysses
+    batch = 3 if masked else 2
+    joint_mask = _joint_mask(batch, text) if masked else None
     mesh, ring_group, ulysses_group = _groups(ring, ulysses)
     index = sp_index(group_rank(ring_group), group_rank(ulysses_group), ulysses)
     full = [_randn(batch, seq, heads, dim, seed=seed + i) for i in range(3)]
@@ -92,7 +117,7 @@ def _case(ring, ulysses, seq, heads, text, position, seed=0, batch=2, dim=8):
     out, joint_out = usp_attention(
         q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
         valid_len=seq if seq % world else None, joint_query=jq, joint_key=jk, joint_value=jv,
-        joint_position=position,
+        joint_position=position, joint_key_mask=joint_mask,
     )  # fmt: skip
     loss = (out * shard_sequence(w_out, 1, world, index)).sum()
     if text:
@@ -102,7 +127,7 @@ def _case(ring, ulysses, seq, heads, text, position, seed=0, batch=2, dim=8):
     def reference(dtype):
         ref_in = [t.detach().to(dtype).requires_grad_(True) for t in full]
         ref_joint = [t.detach().to(dtype).requires_grad_(True) for t in joint] if text else None
-        ref_out, ref_joint_out = _reference(*ref_in, ref_joint, position)
+        ref_out, ref_joint_out = _reference(*ref_in, ref_joint, position, joint_mask)
         ref_loss = (ref_out * w_out.to(dtype)).sum()
         if text:
             ref_loss = ref_loss + (ref_joint_out * sum(w_joint).to(dtype)).sum()
@@ -278,6 +303,19 @@ ERROR_CASES = {
     "position": (dict(joint_position="middle"), "joint_position must be 'front' or 'back'"),
     "valid_len": (dict(valid_len=9), "valid_len must be an int in [1, 8]"),
     "rank3": (dict(query=torch.zeros(4, 2, 8)), "query must be a [B, S_local, H, D] tensor"),
+    "mask_without_joint": (
+        dict(joint_key_mask=torch.ones(1, 3, dtype=torch.bool)),
+        "joint_key_mask masks joint keys; pass joint_query/key/value too",
+    ),
+    "mask_float": (
+        dict(
+            joint_query=torch.zeros(1, 3, 2, 8),
+            joint_key=torch.zeros(1, 3, 2, 8),
+            joint_value=torch.zeros(1, 3, 2, 8),
+            joint_key_mask=torch.zeros(1, 3),
+        ),
+        "joint_key_mask must be a bool [B=1 or 1, S_txt=3] tensor",
+    ),
 }
 
 

@@ -29,6 +29,8 @@ from hfpatch.distributed.runtime import get_mesh
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
+#: Classes parallelised by the plan-driven family (hfpatch.patches.dit): diffusers' _cp_plan, translated.
+PLANNED = ("qwenimage", "qwenimage_mask", "flux2", "ltx", "ltx_tokens")
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -97,6 +99,50 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             encoder_hidden_states=_randn(1, 6, 16, seed=2),
             timestep=torch.tensor([300]),
             image_rotary_emb=tuple(t.float() for t in rotary),
+        )
+        return model, kwargs, "hidden_states"
+    if family in ("qwenimage", "qwenimage_mask"):  # 5 x 5 = 25 image tokens, 6 text tokens, joint attention
+        model = testing.tiny_qwenimage_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 25, 16, seed=1),
+            encoder_hidden_states=_randn(2, 6, 16, seed=2),
+            timestep=torch.tensor([0.7, 0.2]),
+            img_shapes=[[(1, 5, 5)]] * 2,
+        )
+        if (
+            family == "qwenimage_mask"
+        ):  # padded prompts: a gap, then trailing padding (keys masked per sample)
+            kwargs["encoder_hidden_states_mask"] = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+        return model, kwargs, "hidden_states"
+    if family == "flux2":  # 5 x 5 = 25 image tokens, 7 text tokens, 4-axis ids
+        model = testing.tiny_flux2_transformer()
+        axes = torch.meshgrid(
+            torch.arange(1), torch.arange(5), torch.arange(5), torch.arange(1), indexing="ij"
+        )
+        kwargs = dict(
+            hidden_states=_randn(1, 25, 16, seed=1),
+            encoder_hidden_states=_randn(1, 7, 16, seed=2),
+            timestep=torch.tensor([0.7]),
+            img_ids=torch.stack(axes, -1).reshape(1, 25, 4).float(),
+            txt_ids=torch.cat([torch.zeros(7, 3), torch.arange(7.0)[:, None]], 1)[None],
+        )
+        return model, kwargs, "hidden_states"
+    if family in ("ltx", "ltx_tokens"):  # video self-attention, cross-attention to masked text
+        model = testing.tiny_ltx_transformer()
+        if family == "ltx":  # 1 x 5 x 5 = 25 tokens, batch 2, one timestep per sample
+            frames, height, width, batch = 1, 5, 5, 2
+            timestep = torch.tensor([500, 20])
+        else:  # 2 x 2 x 3 = 12 tokens, one timestep per token (LTX 0.9.5 conditioning)
+            frames, height, width, batch = 2, 2, 3, 1
+            timestep = torch.randint(0, 1000, (1, 12), generator=_gen(2))
+        kwargs = dict(
+            hidden_states=_randn(batch, frames * height * width, 8, seed=1),
+            encoder_hidden_states=_randn(batch, 6, 16, seed=2),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])[:batch],
+            timestep=timestep,
+            num_frames=frames,
+            height=height,
+            width=width,
         )
         return model, kwargs, "hidden_states"
     raise ValueError(family)
@@ -231,15 +277,15 @@ def error_cases() -> dict[str, str]:
     from diffusers import UNet2DModel
 
     from hfpatch.patches.cogvideox_dit import CogVideoXTransformerUSP
+    from hfpatch.patches.dit import PlannedDiTUSP
     from hfpatch.patches.flux_dit import FluxTransformerUSP
     from hfpatch.patches.sd3_dit import SD3TransformerUSP
-    from hfpatch.patches.wan_dit import WanTransformerUSP
     from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
 
     world = dist.get_world_size()
     registry = Registry()
     for key, family in [
-        ("diffusers.WanTransformer3DModel", WanTransformerUSP),
+        ("diffusers.WanTransformer3DModel", PlannedDiTUSP),
         ("diffusers.FluxTransformer2DModel", FluxTransformerUSP),
         ("diffusers.SD3Transformer2DModel", SD3TransformerUSP),
         ("diffusers.CogVideoXTransformer3DModel", CogVideoXTransformerUSP),

@@ -1,0 +1,574 @@
+"""Sequence parallelism (USP) for any diffusers DiT, driven by a plan instead of a hand-written family.
+
+Two pieces of data describe a model; one family (:class:`PlannedDiTUSP`) interprets them.
+
+**Where the sequence is cut and gathered.** diffusers declares it on many transformers as ``_cp_plan``
+(``ContextParallelInput``/``ContextParallelOutput`` keyed by submodule path, ``*`` for every block);
+:func:`plan_from_cp` translates it into hfpatch's :mod:`~hfpatch.patches._sequence_parallel` specs, so the
+split gets hfpatch's guarantees: end padding for token counts that do not divide the degree (masked keys,
+trimmed gather), uneven heads, Ring with P2P overlap, Ulysses x Ring, exact backward, CPU/gloo. Models
+without ``_cp_plan`` get their plan from :data:`PLANS` instead: a table entry, not a module.
+
+hfpatch shards only the image/video tokens. The text is short and the text stream is cheap, so it stays
+replicated on every rank and takes part in joint attention as the exact *joint* part of
+:func:`~hfpatch.attention.usp.usp_attention` (as the Flux family does). Where diffusers' plan also cuts the
+text (``encoder_hidden_states``, its mask, its ids, its rotary table), the table entry lists those entries as
+``replicate``: they are dropped from the translated plan (and a stale entry that no longer names a plan entry
+is an error). A text key mask (QwenImage's ``encoder_hidden_states_mask``, padded prompts) is honoured exactly
+as ``joint_key_mask``; a cross-attention to the text (LTX's ``attn2``) needs no communication at all.
+
+**Which attention to route through USP.** The stock processors of these models compute their projections,
+norms and rotary, then call ``dispatch_attention_fn`` (a global of their module) with
+``parallel_config=self._parallel_config``. For every attention module the entry names,
+:class:`USPDispatchProcessor` replaces ``module.processor`` (per object, logged in the
+:class:`~hfpatch.core.patch.Patch`) by a stand-in that keeps the stock processor and runs the stock
+``__call__`` *code* from a copy of that function (one per stock class: own globals dict, own code object)
+whose ``dispatch_attention_fn`` is hfpatch's router; the stand-in calls it with ``self`` = a shallow copy
+of the stock processor whose ``_parallel_config`` is the stand-in, so the router knows which model's
+groups and shard geometry to use. So:
+
+* per object: no module global, class, function or processor of diffusers is modified; an unpatched model
+  in the same process runs the untouched stock function, and two patched models route to their own groups;
+* reversible by identity: ``patch.remove()`` puts the very stock processor object back;
+* compile-safe: plain Python objects and functions, no context variable or global flag a compiled graph
+  could bake in; the copy has its own code object, so ``torch.compile``'s per-code-object cache never
+  serves a frame compiled under the router's globals to the stock function (or the reverse);
+* exact: the stand-in counts its USP calls; a stock code path that attended without ``dispatch_attention_fn``
+  (so within the local shard only) raises instead of returning a wrong result of the right shape.
+
+The USP attention reads the layout from the call: a self-attention's queries are this rank's shard
+(``local_len`` tokens); a joint attention's are ``local_len`` image tokens plus ``T`` replicated text
+tokens at the ``front`` or ``back`` (``T = len - local_len``), as the entry declares. Key-only masks
+(``[B|1, 1, 1, S]``, bool or 0/-inf float) become the joint key mask; the image keys must be unmasked.
+
+>>> from hfpatch.patches.dit import PLANS, plan_source
+>>> from hfpatch.testing import tiny_qwenimage_transformer
+>>> plan_source(tiny_qwenimage_transformer())
+'_cp_plan'
+>>> from hfpatch.patches.dit import PlannedDiTUSP
+>>> sorted(PlannedDiTUSP().plan_for(tiny_qwenimage_transformer()))
+['pos_embed', 'proj_out', 'transformer_blocks.*', 'transformer_blocks.0']
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..core.config import ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import class_key
+from ._sequence_parallel import (
+    GatherOutput,
+    SequenceParallelFamily,
+    SequencePlan,
+    SequenceShard,
+    Spec,
+    SplitInput,
+    SplitOutput,
+    usp_attention_call,
+)
+
+__all__ = [
+    "PLANS",
+    "AttentionRoute",
+    "DiTPlan",
+    "PlannedDiTUSP",
+    "USPDispatchProcessor",
+    "plan_from_cp",
+    "plan_source",
+]
+
+#: The global name through which the stock processors attend (``diffusers.models.attention_dispatch``).
+DISPATCH = "dispatch_attention_fn"
+
+
+# ----------------------------------------------------------------------------------------------- table
+@dataclass(frozen=True)
+class AttentionRoute:
+    """Attention modules whose attention runs through USP.
+
+    Args:
+        path: Submodule path, ``*`` for one whole segment (``"transformer_blocks.*.attn"``).
+        processors: Class names of the stock processors the modules may have (anything else is refused).
+        joint: ``None`` for self-attention over the sharded tokens only; ``"front"``/``"back"`` where the
+            processor concatenates the replicated text tokens before/after the image tokens.
+    """
+
+    path: str
+    processors: tuple[str, ...]
+    joint: str | None = None
+
+
+@dataclass(frozen=True)
+class DiTPlan:
+    """How hfpatch parallelises one DiT class (a row of :data:`PLANS`).
+
+    Args:
+        attention: The attention modules to route through USP (cross-attention to the text is left alone).
+        plan: hfpatch's own sequence plan, for a class without ``_cp_plan``; ``None``: translate ``_cp_plan``.
+        replicate: ``(path, key)`` entries of ``_cp_plan`` that hfpatch keeps replicated (the text); ``key``
+            is an argument name or an output index, as in ``_cp_plan``.
+        extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
+        refuse: ``forward`` arguments that must be ``None`` under sequence parallelism (checked per call,
+            before any collective), with the reason.
+    """
+
+    attention: tuple[AttentionRoute, ...]
+    plan: SequencePlan | None = None
+    replicate: tuple[tuple[str, str | int], ...] = ()
+    extra: SequencePlan = field(default_factory=dict)
+    refuse: Mapping[str, str] = field(default_factory=dict)
+
+
+_TEXT = "the text tokens stay replicated (joint part of the attention)"
+
+#: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
+PLANS: dict[str, DiTPlan] = {
+    # Wan 2.1/2.2 (T2V, I2V): hfpatch's own plan, though diffusers has one. It cuts the patch embedding's
+    # output instead of block 0's input (the full embedding is freed at once: tests/patches/test_usp_memory.py)
+    # and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to the replicated text/image.
+    "diffusers.WanTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),),
+        plan={
+            "": (SplitInput("timestep", dim=1, ndim=2),),
+            "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
+            "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    "diffusers.QwenImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("QwenDoubleStreamAttnProcessor2_0",), joint="front"),
+        ),
+        replicate=(
+            ("transformer_blocks.0", "encoder_hidden_states"),
+            ("transformer_blocks.*", "encoder_hidden_states_mask"),
+            ("pos_embed", 1),  # the text rotary table
+        ),
+        refuse={"controlnet_block_samples": "ControlNet residuals are not sharded by the QwenImage plan"},
+    ),
+    "diffusers.Flux2Transformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("Flux2AttnProcessor",), joint="front"),
+            AttentionRoute(
+                "single_transformer_blocks.*.attn", ("Flux2ParallelSelfAttnProcessor",), joint="front"
+            ),
+        ),
+        replicate=(("", "encoder_hidden_states"), ("", "txt_ids")),
+        extra={"": (SplitInput("img_ids", dim=0, ndim=2),)},  # 2D ids [S, 4] as well as [B, S, 4]
+        refuse={
+            "kv_cache": "the reference-token KV cache attends per block outside dispatch_attention_fn",
+            "kv_cache_mode": "the reference-token KV cache attends per block outside dispatch_attention_fn",
+        },
+    ),
+    "diffusers.LTXVideoTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("LTXVideoAttnProcessor",)),),
+        replicate=(("", "encoder_hidden_states"), ("", "encoder_attention_mask")),
+        extra={"": (SplitInput("timestep", dim=1, ndim=2),)},  # per-token timesteps [B, S] (LTX 0.9.5+)
+    ),
+}
+
+
+def _entry(target: Any) -> tuple[str, DiTPlan] | None:
+    for cls in type(target).__mro__:
+        key = class_key(cls)
+        if key in PLANS:
+            return key, PLANS[key]
+    return None
+
+
+def plan_source(target: Any) -> str | None:
+    """``"_cp_plan"`` (diffusers' plan, translated), ``"hfpatch"`` (the table's own plan) or ``None``."""
+    found = _entry(target)
+    if found is None:
+        return None
+    return "hfpatch" if found[1].plan is not None else "_cp_plan"
+
+
+# ----------------------------------------------------------------------------------------------- _cp_plan
+def plan_from_cp(
+    cp_plan: Mapping[str, Any], replicate: tuple[tuple[str, str | int], ...] = (), where: str = "_cp_plan"
+) -> dict[str, tuple[Spec, ...]]:
+    """hfpatch specs for a diffusers ``_cp_plan``, without the ``replicate`` entries. Pure.
+
+    ``ContextParallelInput`` on an argument name is :class:`SplitInput` (``expected_dims`` is ``ndim``:
+    tensors of other ranks pass replicated, as in diffusers), on an output index (``split_output=True``)
+    :class:`SplitOutput` with that ``index``; ``ContextParallelOutput`` is :class:`GatherOutput`.
+
+    Raises:
+        ValueError: A construct hfpatch does not translate, or a ``replicate`` entry naming nothing.
+
+    >>> from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    >>> plan_from_cp({"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+    ...                    "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+    ...               "proj_out": ContextParallelOutput(gather_dim=1)}, replicate=(("", "encoder_hidden_states"),))
+    {'': (SplitInput(name='hidden_states', dim=1, ndim=3),), 'proj_out': (GatherOutput(dim=1),)}
+    """
+    unused = set(replicate)
+    plan: dict[str, tuple[Spec, ...]] = {}
+    for path, entry in cp_plan.items():
+        specs: list[Spec] = []
+        if isinstance(entry, Mapping):
+            for key, inputs in entry.items():
+                if (path, key) in unused or (path, key) in replicate:
+                    unused.discard((path, key))
+                    continue
+                for cp in inputs if isinstance(inputs, (list, tuple)) else (inputs,):
+                    dim, ndim = cp.split_dim, cp.expected_dims
+                    if isinstance(key, int) and cp.split_output:
+                        specs.append(SplitOutput(dim=dim, ndim=ndim, index=key))
+                    elif isinstance(key, str) and not cp.split_output:
+                        specs.append(SplitInput(key, dim=dim, ndim=ndim))
+                    else:
+                        raise ValueError(
+                            f"{where}[{path!r}][{key!r}]: {cp!r} is not a form hfpatch translates"
+                        )
+        elif hasattr(entry, "gather_dim"):
+            specs.append(GatherOutput(dim=entry.gather_dim))
+        else:
+            raise ValueError(
+                f"{where}[{path!r}]: {entry!r} is not a form hfpatch translates (one gather per path)"
+            )
+        if specs:
+            plan[path] = tuple(specs)
+    if unused:
+        raise ValueError(
+            f"{where}: hfpatch's table keeps {sorted(map(str, unused))} replicated, but the plan has no such entry"
+        )
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def _key_mask(attn_mask: torch.Tensor | None, batch: int, keys: int, where: str) -> torch.Tensor | None:
+    """``[B|1, S_k]`` bool (True: attend) from a key-only SDPA mask, or ``None`` when nothing is masked."""
+    if attn_mask is None:
+        return None
+    shape = tuple(attn_mask.shape)
+    key_only = (
+        1 <= attn_mask.dim() <= 4
+        and shape[-1] == keys
+        and all(n == 1 for n in shape[-3:-1])
+        and (attn_mask.dim() < 4 or shape[0] in (1, batch))
+    )
+    if not key_only:
+        raise ValueError(
+            f"{where}: sequence-parallel attention takes key-only masks [B or 1, 1, 1, {keys}] (padded text); "
+            f"got an attention mask of shape {shape}"
+        )
+    mask = attn_mask.reshape(-1, keys)
+    if mask.dtype == torch.bool:
+        return mask
+    keep = mask == 0
+    if not bool((keep | torch.isneginf(mask)).all()):
+        raise ValueError(
+            f"{where}: sequence-parallel attention takes boolean or 0/-inf additive masks; this one has other "
+            "values (a bias is not a mask of keys)"
+        )
+    return keep
+
+
+#: diffusers' own ``dispatch_attention_fn`` (the one every stock module imports), set by :func:`_routed_call`.
+_stock_dispatch: Any = None
+
+
+def _routed_dispatch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attention_kwargs: dict[str, Any] | None = None,
+    *,
+    backend: Any = None,
+    parallel_config: Any = None,
+) -> torch.Tensor:
+    """``dispatch_attention_fn`` as the routed copies of the stock ``__call__`` see it.
+
+    The stock code passes ``parallel_config=self._parallel_config``, which the stand-in's view sets to the
+    stand-in: the call goes to its :meth:`USPDispatchProcessor.attend`. A call with ``parallel_config=None``
+    is one the stock code itself keeps local (Wan's image keys in I2V: replicated keys, local queries), so it
+    goes to diffusers' own function, exact on the shard; any other value is refused. (A plain module-level
+    function, not a closure: ``torch.compile`` must be able to guard on it from the routed copy.)
+    """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs)
+    if parallel_config is None:
+        return _stock_dispatch(*args, backend=backend)
+    if not isinstance(parallel_config, USPDispatchProcessor):
+        raise RuntimeError(
+            f"hfpatch's routed {DISPATCH} got parallel_config={parallel_config!r}, not its stand-in processor"
+        )
+    return parallel_config.attend(*args, backend=backend)
+
+
+@functools.cache
+def _routed_call(stock_call: types.FunctionType) -> types.FunctionType:
+    """A copy of a stock ``__call__`` whose ``dispatch_attention_fn`` is :func:`_routed_dispatch`.
+
+    One copy per stock class, shared by every stand-in (routing is per object, through the ``self`` the copy
+    is given). The copy has its own globals dict (the diffusers module is left as it is) and its own code
+    object: ``torch.compile`` caches compiled frames per code object and installs the compiled functions in
+    the globals of the frame, so a copy sharing the stock code object would share cache entries with frames
+    that run under other globals (the stock function of an unpatched model).
+    """
+    scope = dict(stock_call.__globals__)
+    global _stock_dispatch
+    _stock_dispatch = stock_call.__globals__[DISPATCH]
+    scope[DISPATCH] = _routed_dispatch
+    code = stock_call.__code__
+    code = code.replace(co_qualname=f"{code.co_qualname} (hfpatch USP)")
+    routed = types.FunctionType(
+        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
+    )
+    routed.__kwdefaults__ = stock_call.__kwdefaults__
+    return routed
+
+
+class USPDispatchProcessor:
+    """Per-object stand-in for a stock processor: the stock ``__call__`` code, attending through USP.
+
+    The stand-in runs :func:`_routed_call` of the stock class's ``__call__`` with ``self`` = a shallow copy of
+    the stock processor (the *view*) whose ``_parallel_config`` is this stand-in: the stock code hands it to
+    ``dispatch_attention_fn`` (:func:`_routed_dispatch` in the copy), which calls :meth:`attend`. The stock
+    processor itself is not modified.
+
+    Args:
+        stock: The stock processor (kept, put back by ``patch.remove()``).
+        state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
+        joint: ``None``, ``"front"`` or ``"back"``: where the processor puts the replicated text tokens.
+        where: Module path, for messages.
+
+    Instances are made by :func:`usp_dispatch_processor`, which gives them the stock ``__call__`` signature
+    (diffusers' ``Attention`` filters keyword arguments by it).
+    """
+
+    def __init__(self, stock: Any, state: SequenceShard, joint: str | None, where: str) -> None:
+        self.stock = stock
+        self.state = state
+        self.joint = joint
+        self.where = where
+        self.calls = 0
+        self._view = copy.copy(stock)
+        self._view._parallel_config = self
+        self._call = _routed_call(type(stock).__call__)
+
+    def _run(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls = 0
+        out = self._call(self._view, attn, *args, **kwargs)
+        if self.calls == 0:
+            raise RuntimeError(
+                f"{self.where}: the stock {type(self.stock).__name__} attended without {DISPATCH} on this call "
+                "(within this rank's shard only); hfpatch cannot parallelise that path"
+            )
+        return out
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        backend: Any = None,
+    ) -> torch.Tensor:
+        """``dispatch_attention_fn`` over the whole sequence: ``[B, S, H, D]`` in and out, as the stock call.
+
+        ``backend`` (a diffusers attention backend) is not used: hfpatch's local kernels compute each block.
+        """
+        self.calls += 1
+        if dropout_p or is_causal or enable_gqa or attention_kwargs:
+            raise ValueError(
+                f"{self.where}: sequence-parallel attention computes plain softmax attention; got dropout_p="
+                f"{dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}, attention_kwargs={attention_kwargs}"
+            )
+        local = self.state.local_len if self.state.local_len is not None else query.shape[1]
+        text = query.shape[1] - local
+        if text < 0 or (text and self.joint is None):
+            text = 0  # usp_attention_call says what is wrong with the length
+        mask = _key_mask(attn_mask, query.shape[0], key.shape[1], self.where)
+        sizes = [text, local] if self.joint != "back" else [local, text]
+        (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
+        if self.joint == "back":
+            (q_img, k_img, v_img), (q_txt, k_txt, v_txt) = (q0, k0, v0), (q1, k1, v1)
+            mask_img, mask_txt = (None, None) if mask is None else mask.split(sizes, dim=1)
+        else:
+            (q_txt, k_txt, v_txt), (q_img, k_img, v_img) = (q0, k0, v0), (q1, k1, v1)
+            mask_txt, mask_img = (None, None) if mask is None else mask.split(sizes, dim=1)
+        if mask_img is not None and not bool(mask_img.all()):
+            raise ValueError(
+                f"{self.where}: the attention mask masks image/video tokens, which are sharded over the ranks; "
+                "sequence-parallel attention masks only the replicated text tokens"
+            )
+        joint = (q_txt, k_txt, v_txt) if text else None
+        out, joint_out = usp_attention_call(
+            self.state, q_img, k_img, v_img, joint=joint, joint_position=self.joint or "front",
+            joint_key_mask=mask_txt if text else None, scale=scale,
+        )  # fmt: skip
+        if joint_out is None:
+            return out
+        return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.where}, joint={self.joint}, {self.state!r})"
+
+
+@functools.cache
+def _processor_class(stock_cls: type) -> type[USPDispatchProcessor]:
+    """A :class:`USPDispatchProcessor` subclass whose ``__call__`` has ``stock_cls.__call__``'s signature."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(*args, **kwargs)
+
+    __call__.__signature__ = inspect.signature(stock_cls.__call__)  # type: ignore[attr-defined]
+    name = f"USP{stock_cls.__name__}"
+    return type(
+        name, (USPDispatchProcessor,), {"__call__": __call__, "__module__": __name__, "__qualname__": name}
+    )
+
+
+def usp_dispatch_processor(
+    stock: Any, state: SequenceShard, joint: str | None, where: str
+) -> USPDispatchProcessor:
+    """The stand-in of ``stock`` (see :class:`USPDispatchProcessor`)."""
+    return _processor_class(type(stock))(stock, state, joint, where)
+
+
+def _routes_through_dispatch(processor_cls: type) -> bool:
+    call = processor_cls.__call__
+    return (
+        isinstance(call, types.FunctionType)
+        and DISPATCH in call.__code__.co_names
+        and DISPATCH in call.__globals__
+    )
+
+
+# ----------------------------------------------------------------------------------------------- family
+class PlannedDiTUSP(SequenceParallelFamily):
+    """USP for every class of :data:`PLANS`: the plan from ``_cp_plan`` or the table, attention by dispatch."""
+
+    name: ClassVar[str] = "dit_usp"
+
+    def _entry(self, target: Any) -> DiTPlan:
+        found = _entry(target)
+        if found is None:
+            raise TypeError(f"hfpatch has no sequence-parallel plan for {type(target).__name__}")
+        return found[1]
+
+    def plan_for(self, target: Any) -> SequencePlan:
+        entry = self._entry(target)
+        if entry.plan is not None:
+            plan = dict(entry.plan)
+        else:
+            cp_plan = getattr(type(target), "_cp_plan", None)
+            if not cp_plan:
+                raise TypeError(
+                    f"{type(target).__name__} declares no _cp_plan in this diffusers version and hfpatch's table has "
+                    "no plan of its own for it"
+                )
+            plan = plan_from_cp(cp_plan, entry.replicate, where=f"{type(target).__name__}._cp_plan")
+        for path, specs in entry.extra.items():
+            plan[path] = plan.get(path, ()) + tuple(specs)
+        return plan
+
+    def _routes(self, target: Any) -> list[tuple[str, torch.nn.Module, AttentionRoute]]:
+        from ._sequence_parallel import expand_plan
+
+        found = []
+        for route in self._entry(target).attention:
+            for path in expand_plan(target, {route.path: ()}):
+                found.append((path, target.get_submodule(path), route))
+        return found
+
+    def attention_modules(self, target: Any) -> list[tuple[str, torch.nn.Module, tuple[str, ...]]]:
+        return [(path, module, route.processors) for path, module, route in self._routes(target)]
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        if config.sequence_parallel == 1:
+            return
+        if getattr(target, "_parallel_config", None) is not None:
+            raise ValueError(
+                f"{type(target).__name__} has diffusers' own context parallelism enabled (enable_parallelism); "
+                "hfpatch replaces it: load the model without it before hfpatch.apply"
+            )
+        super().validate(target, config, options)
+        for path, module, _ in self._routes(target):
+            if not _routes_through_dispatch(type(module.processor)):
+                raise ValueError(
+                    f"{type(target).__name__}.{path}: {type(module.processor).__name__} does not call {DISPATCH} "
+                    "with its _parallel_config from its __call__, so hfpatch cannot route its attention"
+                )
+
+    def make_processors(self, target: Any, state: SequenceShard) -> list[tuple[str, torch.nn.Module, Any]]:
+        name = type(target).__name__
+        return [
+            (path, module, usp_dispatch_processor(module.processor, state, route.joint, f"{name}.{path}"))
+            for path, module, route in self._routes(target)
+        ]
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        if mesh.config.sequence_parallel == 1:
+            return
+        refuse = dict(self._entry(target).refuse)
+        if refuse:
+            from ..distributed.agreement import named_arguments
+
+            def refuse_arguments(_module, args, kwargs):
+                named = named_arguments(type(target).forward, (target, *args), kwargs)
+                for name, reason in refuse.items():
+                    if named.get(name) is not None:
+                        raise ValueError(
+                            f"{type(target).__name__}: {name}= is not supported under sequence parallelism ({reason}); "
+                            "call without it, or patch.remove() first"
+                        )
+
+            patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
+        super().apply(target, patch, mesh, options)
+
+
+# ----------------------------------------------------------------------------------------------- info
+def support_table() -> list[tuple[str, str]]:
+    """``(class name, how hfpatch shards it)`` for every transformer class the installed diffusers exports.
+
+    What ``hfpatch info`` prints: the family and where its plan comes from (diffusers' ``_cp_plan``,
+    translated; hfpatch's table; a family module of its own), or why not.
+    """
+    import diffusers.models.transformers as transformers
+
+    from ..core.registry import default_registry
+
+    supported = default_registry().supported()
+    rows = []
+    for name in sorted(dir(transformers)):
+        cls = getattr(transformers, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            continue
+        keys = [class_key(c) for c in cls.__mro__]
+        usp = next((f for k in keys for f in supported.get(k, []) if f.endswith("usp")), None)
+        entry = next((PLANS[k] for k in keys if k in PLANS), None)
+        if entry is not None:
+            rows.append((name, f"{usp} (plan: {'hfpatch table' if entry.plan is not None else '_cp_plan'})"))
+        elif usp is not None:
+            rows.append((name, f"{usp} (plan: hfpatch family module)"))
+        else:
+            why = (
+                "declares _cp_plan, no hfpatch table entry yet"
+                if getattr(cls, "_cp_plan", None)
+                else "no plan"
+            )
+            rows.append((name, f"not supported ({why})"))
+    return rows

@@ -1,0 +1,238 @@
+"""Plan-driven sequence parallelism (``hfpatch.patches.dit``) vs the unpatched stock models, gloo, fp32.
+
+The same battery as ``test_dit_usp.py`` (its rank functions and tolerances: patched output and gradients
+within ``reassociation_tol`` of the unpatched model's own fp32-vs-fp64 noise), over the classes whose plan
+is diffusers' ``_cp_plan``, translated: QwenImage (joint attention, text replicated, with and without a
+padded-prompt mask), Flux.2 (dual- and single-stream joint attention) and LTX-Video (self-attention, cross-
+attention to a masked text; per-sample and per-token timesteps). 25 or 12 tokens: every world size of 2-4
+leaves padding in some layout. On top: the sequence is really cut (each rank attends from its shard), the
+mask really matters, two patched models and an unpatched one share a process (and ``torch.compile``) without
+touching each other or diffusers' module globals, and bad inputs raise before any collective on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_dit_usp import (
+    PLANNED,
+    _configs,
+    _same,
+    _snapshot,
+    backward_cases,
+    build,
+    forward_cases,
+    lifecycle_cases,
+)
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.attention.layout import shard_len
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
+
+
+# ----------------------------------------------------------------------------------------------- rank functions
+def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
+    """What the stand-in processors saw in one patched forward (ring over the whole world)."""
+    from hfpatch.patches.dit import USPDispatchProcessor
+
+    world = dist.get_world_size()
+    results = {}
+    for family in families:
+        model, kwargs, name = build(family)
+        with torch.no_grad(), hfpatch.apply(model, parallel=ParallelConfig(ring=world)):
+            model(**kwargs)
+            stand_ins = [
+                m.processor
+                for m in model.modules()
+                if isinstance(getattr(m, "processor", None), USPDispatchProcessor)
+            ]
+            state = stand_ins[0].state
+            results[family] = {
+                "tokens": kwargs[name].shape[1],
+                "valid_len": state.valid_len,
+                "local_len": state.local_len,
+                "calls": [p.calls for p in stand_ins],
+            }
+    return results
+
+
+def coexistence_case() -> dict[str, Any]:
+    """Two patched QwenImage models (Ulysses, Ring) and an unpatched one, interleaved; the last two compiled."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    world = dist.get_world_size()
+    dispatch = transformer_qwenimage.dispatch_attention_fn
+    models = [build("qwenimage_mask")[0] for _ in range(3)]
+    _, kwargs, _ = build("qwenimage_mask")
+    with torch.no_grad():
+        refs = [m(**kwargs).sample for m in models]
+        noise = rel_error(refs[0], to_fp64(models[0])(**to_fp64(kwargs)).sample)
+        unpatched_call = type(models[2].transformer_blocks[0].attn.processor).__call__
+        a = hfpatch.apply(models[0], parallel=ParallelConfig(ulysses=world))
+        b = hfpatch.apply(models[1], parallel=ParallelConfig(ring=world))
+        # Compiled, a patched model and the unpatched one run the same stock code object (and a copy of it).
+        compiled, compiled_stock = (torch.compile(m, backend="eager") for m in models[1:])
+        outs = [models[0](**kwargs).sample, compiled(**kwargs).sample, compiled_stock(**kwargs).sample]
+        outs.append(models[0](**kwargs).sample)  # again, after the others ran
+        a.remove()
+        b.remove()
+        after = [m(**kwargs).sample for m in models]
+    return {
+        "errors": [rel_error(o, r) for o, r in zip(outs, refs + refs[:1])],
+        "noise": noise,
+        "unpatched_bitwise": torch.equal(outs[2], refs[2]),
+        "removed_bitwise": [torch.equal(o, r) for o, r in zip(after, refs)],
+        "globals_untouched": transformer_qwenimage.dispatch_attention_fn is dispatch
+        and type(models[2].transformer_blocks[0].attn.processor).__call__ is unpatched_call,
+    }
+
+
+def planned_error_cases() -> dict[str, str]:
+    """Errors raised before any collective (the same message on every rank)."""
+    from diffusers import UNet2DModel
+
+    world = dist.get_world_size()
+    messages: dict[str, str] = {}
+
+    def expect(name: str, error: type[Exception], fn) -> None:
+        try:
+            fn()
+        except error as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = "no error"
+
+    unet = UNet2DModel(
+        sample_size=8, in_channels=1, out_channels=1, block_out_channels=(4,), layers_per_block=1,
+        down_block_types=("DownBlock2D",), up_block_types=("UpBlock2D",), norm_num_groups=2,
+    )  # fmt: skip
+    expect("unsupported", TypeError, lambda: hfpatch.apply(unet, parallel=world))
+
+    qwen, _, _ = build("qwenimage")
+    qwen.transformer_blocks[1].attn.processor = _Custom()
+    before = _snapshot(qwen)
+    expect("custom_processor", ValueError, lambda: hfpatch.apply(qwen, parallel=ParallelConfig(ring=world)))
+    messages["untouched_after_error"] = str(_same(before, _snapshot(qwen)))
+
+    flux2, kwargs, _ = build("flux2")
+    with hfpatch.apply(flux2, parallel=ParallelConfig(ulysses=world)), torch.no_grad():
+        expect(
+            "kv_cache_mode", ValueError, lambda: flux2(**kwargs, kv_cache_mode="extract", num_ref_tokens=1)
+        )
+        messages["runs_after_refusal"] = str(tuple(flux2(**kwargs).sample.shape))
+
+    ltx, _, _ = build("ltx")
+    ltx._parallel_config = object()  # what diffusers' enable_parallelism() leaves
+    expect("diffusers_cp", ValueError, lambda: hfpatch.apply(ltx, parallel=ParallelConfig(ring=world)))
+    return messages
+
+
+class _Custom:
+    """Stands for an IP-Adapter or user processor the USP patch must not silently replace."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("not called")
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_planned_usp_forward_every_class_and_layout_matches_unpatched(rank_pool, world):
+    cases = [(family, u, r) for family in PLANNED for u, r in _configs(world)]
+    results = rank_pool(world).run(forward_cases, cases)
+    for case in cases:
+        for error, noise, _ in (rank_result[case] for rank_result in results):
+            assert error <= reassociation_tol(noise), (case, error, noise)
+        outputs = [rank_result[case][2] for rank_result in results]
+        assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
+            f"{case}: ranks returned different outputs"
+        )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_pool, world):
+    layouts = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)], 4: [(2, 2), (1, 4), (4, 1)]}[world]
+    cases = [(family, u, r) for family in PLANNED for u, r in layouts]
+    if world == 2:  # gradient checkpointing: blocks recomputed in backward re-cut the same shard
+        cases += [("qwenimage_mask_gc", 1, 2), ("flux2_gc", 2, 1), ("ltx_tokens_gc", 1, 2)]
+    results = rank_pool(world).run(backward_cases, cases)
+    for rank, rank_result in enumerate(results):
+        for case in cases:
+            result = rank_result[case]
+            assert result["keys_match"] and result["n_params"] > 10, (rank, case)
+            for name, error in result["errors"].items():
+                assert error <= reassociation_tol(result["noise"]), (rank, case, name, error, result["noise"])
+
+
+def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
+    families = ["qwenimage", "flux2", "ltx"]
+    results = rank_pool(2).run(lifecycle_cases, families)
+    expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2}  # LTX: attn1 only (attn2 attends to the text)
+    for rank_result in results:
+        for family, result in rank_result.items():
+            assert result["identity"], family
+            assert result["again_is_patch"], family
+            assert result["conflict"] is not None and "already patched" in result["conflict"], family
+            assert result["swapped"] == expected_swaps[family], (family, result["repr"])
+
+
+def test_planned_usp_attends_from_each_rank_shard(rank_pool):
+    families = ["qwenimage", "flux2", "ltx_tokens"]
+    for world in (3,):
+        for rank_result in rank_pool(world).run(shard_cases, families):
+            for family, seen in rank_result.items():
+                assert seen["valid_len"] == seen["tokens"], (family, seen)
+                assert seen["local_len"] == shard_len(seen["tokens"], world) < seen["tokens"], (family, seen)
+                assert all(calls == 1 for calls in seen["calls"]), (family, seen)
+
+
+def test_planned_usp_text_mask_changes_the_stock_output():
+    """The masked case can fail: the mask moves the unpatched output by far more than any tolerance."""
+    model, masked, _ = build("qwenimage_mask")
+    unmasked = {k: v for k, v in masked.items() if k != "encoder_hidden_states_mask"}
+    with torch.no_grad():
+        assert rel_error(model(**masked).sample, model(**unmasked).sample) > 1e-3
+
+
+def test_planned_usp_two_patched_and_one_unpatched_model_share_a_process(rank_pool):
+    for result in rank_pool(2).run(coexistence_case):
+        assert result["globals_untouched"]
+        assert result["unpatched_bitwise"]
+        assert all(result["removed_bitwise"]), result["removed_bitwise"]
+        tol = reassociation_tol(result["noise"])
+        assert all(error <= tol for error in result["errors"]), (result["errors"], result["noise"])
+
+
+def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
+    results = rank_pool(2).run(planned_error_cases)
+    assert results[0] == results[1]
+    messages = results[0]
+    for name in ("QwenImageTransformer2DModel", "Flux2Transformer2DModel", "LTXVideoTransformer3DModel"):
+        assert name in messages["unsupported"], messages["unsupported"]
+    assert (
+        "transformer_blocks.1.attn uses attention processor _Custom; sequence parallelism replaces only the stock "
+        "QwenDoubleStreamAttnProcessor2_0" in messages["custom_processor"]
+    ), messages["custom_processor"]
+    assert messages["untouched_after_error"] == "True"
+    assert "kv_cache_mode= is not supported under sequence parallelism" in messages["kv_cache_mode"]
+    assert messages["runs_after_refusal"] == "(1, 25, 16)"
+    assert "diffusers' own context parallelism" in messages["diffusers_cp"]
+
+
+def test_planned_usp_support_table_names_plan_source_per_class():
+    from hfpatch.cli import info_lines
+    from hfpatch.patches.dit import support_table
+
+    rows = dict(support_table())
+    assert rows["QwenImageTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["LTXVideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["WanTransformer3DModel"] == "dit_usp (plan: hfpatch table)"
+    assert rows["FluxTransformer2DModel"] == "flux_usp (plan: hfpatch family module)"
+    assert (
+        rows["ChronoEditTransformer3DModel"]
+        == "not supported (declares _cp_plan, no hfpatch table entry yet)"
+    )
+    assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
