@@ -10,7 +10,11 @@ what Flux adds.
 weights and meet in a joint attention) then ``single_transformer_blocks`` (one stream over the concatenated
 ``[text, image]`` sequence). The stages cut the concatenated list ``transformer_blocks + single_transformer_blocks``
 (global block index), so a stage may end inside either list or span the switch; at every stage boundary the
-state is a (text, image) pair of hidden states of the same width, whatever the block type.
+state is a (text, image) pair of hidden states of the same width, whatever the block type. A dual-stream block
+holds about 2.4 times the parameters of a single-stream one (two streams of projections and MLPs), so equal
+block counts would leave the first stages heavy: the default stages balance the parameter bytes instead
+(:func:`~hfpatch.patches._pipefusion_layout.balanced_stage_counts`, which also balances the linear layers'
+compute; ``pipefusion_blocks=(n0, n1, ...)`` overrides it).
 
 **Text tokens: a prefix of the joint sequence, in the K/V buffer like the image tokens.** Every block is per
 token except its attention, which is one softmax over the joint sequence ``[text (T), image (S)]`` in both
@@ -70,12 +74,23 @@ from .pipefusion import (
     wrap_stage_blocks,
 )
 
-__all__ = ["FluxPipeFusion", "PipeFusionFluxAttnProcessor", "apply_flux_pipefusion", "flux_blocks"]
+__all__ = [
+    "FluxPipeFusion",
+    "PipeFusionFluxAttnProcessor",
+    "apply_flux_pipefusion",
+    "block_bytes",
+    "flux_blocks",
+]
 
 
 def flux_blocks(model: Any) -> list[torch.nn.Module]:
     """``transformer_blocks + single_transformer_blocks``: the blocks in the order the stages cut them."""
     return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+def block_bytes(block: torch.nn.Module) -> int:
+    """Parameter bytes of a block (from shapes and dtypes: the same on every rank, before any release)."""
+    return sum(p.numel() * p.element_size() for p in block.parameters())
 
 
 def _describe(model: Any, indices: list[int]) -> str:
@@ -353,7 +368,8 @@ def apply_flux_pipefusion(
     blocks = flux_blocks(target)
     world = 1 if group is None else dist.get_world_size(group)
     if stages is None:
-        stages = stage_ranges(len(blocks), world, options["pipefusion_blocks"] if world > 1 else None)
+        counts = options["pipefusion_blocks"] if world > 1 else None
+        stages = stage_ranges(len(blocks), world, counts, weights=[block_bytes(b) for b in blocks])
     state = PipeFusionState(
         group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name
     )

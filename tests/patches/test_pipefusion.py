@@ -24,7 +24,12 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._pipefusion_layout import patch_ranges, stage_bytes_per_call, stage_ranges
+from hfpatch.patches._pipefusion_layout import (
+    balanced_stage_counts,
+    patch_ranges,
+    stage_bytes_per_call,
+    stage_ranges,
+)
 from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
 from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
 from hfpatch.testing import (
@@ -47,11 +52,12 @@ TOKENS, CHANNELS, OUT_NUMEL = 8, 32, 4 * 2 * 4 * 4
 #: at 64x64, 8 steps). The bound only says the error stays an error of stale K/V, not a broken pipeline.
 MIN_PSNR_DB = 20.0
 
-#: Flux: 2 dual-stream + 3 single-stream blocks = 5, so the default stages are (3, 2) at P=2 (stage 0 spans
-#: both lists), (2, 2, 1) at P=3 (a boundary at the switch) and (2, 1, 1, 1) at P=4. 16x16 pixels -> 16 image
-#: tokens after the T=8 text tokens: a joint sequence of 24 tokens of 32 channels; M=4 patches of 6 tokens make
-#: a text-only first patch and a mixed (2 text + 4 image) second one.
-FLUX_DUAL, FLUX_SINGLE, FLUX_STEPS = 2, 3, 3
+#: Flux: 3 dual-stream + 3 single-stream blocks; a dual block holds 2.4x the parameter bytes of a single one,
+#: so the default (byte-balanced) stages are (2, 4) at P=2 (stage 1 spans both lists), (2, 1, 3) at P=3 and
+#: (1, 1, 1, 3) at P=4: uneven everywhere. 16x16 pixels -> 16 image tokens after the T=8 text tokens: a joint
+#: sequence of 24 tokens of 32 channels; M=4 patches of 6 tokens make a text-only first patch and a mixed
+#: (2 text + 4 image) second one.
+FLUX_DUAL, FLUX_SINGLE, FLUX_STEPS = 3, 3, 3
 FLUX_TEXT, FLUX_IMAGE, FLUX_WIDTH, FLUX_OUT = 8, 16, 32, 16
 
 
@@ -285,9 +291,7 @@ def _flux_run(pipe: Any, guide: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     latents = torch.randn(1, FLUX_IMAGE, FLUX_OUT, generator=gen)  # packed noise, fp32 draws for fp64 twins
     if guide:
-        text = dict(
-            prompt="a cat", negative_prompt="a dog", true_cfg_scale=4.0, max_sequence_length=8
-        )
+        text = dict(prompt="a cat", negative_prompt="a dog", true_cfg_scale=4.0, max_sequence_length=8)
     else:
         text = dict(
             prompt_embeds=torch.randn(1, FLUX_TEXT, 16, generator=gen).to(dtype),
@@ -390,6 +394,8 @@ def _flux_weights_case() -> dict[str, Any]:
             if all(p.device.type == "meta" for p in b.parameters())
         ],
         "own": list(own),
+        "own_block_bytes": sum(per_block[i] for i in own),
+        "block_bytes": sum(per_block),
         "warnings": [str(w.message) for w in caught],
     }
 
@@ -518,6 +524,31 @@ def test_stage_ranges_uneven_first_stages_take_more():
     assert stage_ranges(6, 2, counts=(2, 4)) == [(0, 2), (2, 6)]
 
 
+def test_balanced_stage_counts_minimise_the_heaviest_stage():
+    dual, single = 24, 10  # Flux-like: a dual-stream block weighs 2.4 single-stream ones
+    assert balanced_stage_counts([dual] * 3 + [single] * 3, 2) == [2, 4]  # 48 | 54, not 72 | 30 by count
+    assert balanced_stage_counts([dual] * 4 + [single] * 8, 4) == [2, 2, 4, 4]
+    assert balanced_stage_counts([7] * 5, 3) == [2, 2, 1]  # equal blocks: as stage_ranges deals them
+    for n in range(1, 9):
+        for stages in range(1, n + 1):
+            weights = [(3 * i) % 7 + 1 for i in range(n)]
+            counts = balanced_stage_counts(weights, stages)
+            assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+            edges = [sum(counts[:s]) for s in range(stages + 1)]
+            heaviest = max(sum(weights[a:b]) for a, b in zip(edges, edges[1:]))
+            assert heaviest == _brute_force_heaviest(weights, stages)
+
+
+def _brute_force_heaviest(weights: list[int], stages: int) -> int:
+    from itertools import combinations
+
+    n = len(weights)
+    return min(
+        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in combinations(range(1, n), stages - 1)
+    )
+
+
 def test_stage_ranges_more_stages_than_blocks_raises():
     with pytest.raises(ValueError, match="pipefusion=3 stages but the model has only 2 transformer blocks"):
         stage_ranges(2, 3)
@@ -641,14 +672,10 @@ def test_flux_simulation_warmup_every_step_equals_unpatched():
 @pytest.mark.parametrize(
     ("world", "case", "stages"),
     [
-        (
-            2,
-            "flux_exact",
-            [(0, 0, 3), (1, 3, 5)],
-        ),  # stage 0: transformer_blocks 0-1 + single_transformer_blocks 0
-        (3, "flux_exact", [(0, 0, 2), (1, 2, 4), (2, 4, 5)]),
-        (4, "flux_exact_p4", [(0, 0, 2), (1, 2, 3), (2, 3, 4), (3, 4, 5)]),
-        (4, "flux_exact_cfg_pf", [(0, 0, 3), (1, 3, 5), (0, 0, 3), (1, 3, 5)]),  # true CFG, negative prompt
+        (2, "flux_exact", [(0, 0, 2), (1, 2, 6)]),  # stage 1: transformer_blocks 2 + single 0-2
+        (3, "flux_exact", [(0, 0, 2), (1, 2, 3), (2, 3, 6)]),
+        (4, "flux_exact_p4", [(0, 0, 1), (1, 1, 2), (2, 2, 3), (3, 3, 6)]),
+        (4, "flux_exact_cfg_pf", [(0, 0, 2), (1, 2, 6), (0, 0, 2), (1, 2, 6)]),  # true CFG, negative prompt
     ],
 )
 def test_flux_pipefusion_warmup_all_steps_equals_unpatched(two, three, four, world, case, stages):
@@ -686,11 +713,15 @@ def test_flux_pipefusion_releases_other_stages_weights(two):
         assert r["after"] == r["expected"] and r["released"][0] == r["released"][1], (rank, r)
         assert r["meta"] == [i for i in range(FLUX_DUAL + FLUX_SINGLE) if i not in r["own"]]
         assert len(r["warnings"]) == 1 and "cannot restore them" in r["warnings"][0], r["warnings"]
+    assert "Model.transformer_blocks 0-1 on this rank" in two[1]["flux_weights"]["warnings"][0]
     assert (
-        "transformer_blocks 0-1, single_transformer_blocks 0 on this rank"
-        in two[1]["flux_weights"]["warnings"][0]
+        "transformer_blocks 2, single_transformer_blocks 0-2 on this rank"
+        in two[0]["flux_weights"]["warnings"][0]
     )
-    assert "single_transformer_blocks 1-2 on this rank" in two[0]["flux_weights"]["warnings"][0]
+    # byte-balanced stages: each rank holds at most 1.1/P of the block weights (block counts 2 and 4)
+    for result in two:
+        r = result["flux_weights"]
+        assert r["own_block_bytes"] <= 1.1 / 2 * r["block_bytes"], r
 
 
 def test_flux_pipefusion_bad_configurations_raise_on_every_rank(two):
