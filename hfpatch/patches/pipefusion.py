@@ -1,5 +1,9 @@
 """PipeFusion for ``WanTransformer3DModel``: the blocks split over ranks, the tokens pipelined as patches.
 
+The machinery shared with :mod:`hfpatch.patches.pipefusion_flux` (Flux's two block lists and joint text/image
+sequence) lives here too: :class:`PipeFusionState`, :func:`check_pipefusion_options`,
+:func:`install_model_hooks`, :func:`wrap_stage_blocks`, :func:`release_other_blocks`.
+
 After ``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_patches=M,
 pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, arXiv 2405.14430):
 
