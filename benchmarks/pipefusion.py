@@ -1,4 +1,5 @@
-"""PipeFusion on the stock ``WanPipeline``: weights per rank, activation peak, bytes sent, and fidelity.
+"""PipeFusion on the stock ``WanPipeline`` and ``FluxPipeline``: weights per rank, activation peak, bytes sent,
+and fidelity.
 
 Two parts, fp32 on CPU (gloo ranks):
 
@@ -19,6 +20,14 @@ Two parts, fp32 on CPU (gloo ranks):
    table is computed with the one-process simulation (``apply_pipefusion(..., group=None)``), and one cell
    (warm-up 1, M = 4) is also run on 2 ranks, whose output is checked to equal it.
 
+3. **Flux** (``FluxPipeline``, one transformer call per step): the same split measurements for a
+   ``FluxTransformer2DModel`` of 4 dual-stream + 8 single-stream blocks (Flux.1's 1:2 mix; 8 heads of 16
+   channels, ``C = 128``; the default stages balance parameter bytes, a dual block weighing 2.4 single ones) at
+   64x64 pixels (256 image tokens after 8 text tokens: the stages hand on the joint ``[text, image]`` sequence,
+   ``[B, T + S, C]`` per call), P = 2 and 4, M = 4; and the fidelity table (decoded images, ``output_type="pt"``)
+   on the tiny pipeline (2 + 2 blocks, 32x32 pixels: 8 text + 64 image tokens, 8 steps) for warm-up 1, 2, 4, 8
+   and M = 2, 4, 8, by the one-process simulation, with one cell (warm-up 1, M = 4) also run on 2 ranks.
+
 Writes ``benchmarks/results/pipefusion.json`` (and ``.png`` when matplotlib is installed).
 
     python benchmarks/pipefusion.py
@@ -30,6 +39,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +51,15 @@ from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches._pipefusion_layout import stage_bytes_per_call
 from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
-from hfpatch.testing import RankPool, tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.testing import (
+    RankPool,
+    tiny_flux_pipe,
+    tiny_flux_transformer,
+    tiny_wan_pipe,
+    tiny_wan_transformer,
+    wan_prompt_embeds,
+)
 from hfpatch.testing.memory import track_memory
 
 RESULTS = Path(__file__).parent / "results"
@@ -57,6 +75,11 @@ SPLIT_STEPS = 3
 FIDELITY_LAYERS, FIDELITY_STEPS = 4, 8
 FIDELITY_SIZE = dict(height=64, width=64, num_frames=5)  # 2 * 4 * 4 = 32 tokens
 WARMUPS, PATCH_COUNTS = (1, 2, 4), (2, 4, 8)
+
+# Part 3: Flux.
+FLUX_TEXT, FLUX_IN = 8, 16  # text tokens; packed latent channels (in = out)
+FLUX_SPLIT = dict(heads=8, head_dim=16, dual=4, single=8, size=64, tokens=256, steps=3)
+FLUX_FIDELITY = dict(dual=2, single=2, size=32, tokens=64, steps=8)
 
 
 def _split_pipe() -> Any:
@@ -164,6 +187,126 @@ def _errors(out: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
     }
 
 
+def _flux_pipe(heads: int = 4, head_dim: int = 8, dual: int = 2, single: int = 2, **_: Any) -> Any:
+    pipe = tiny_flux_pipe()
+    rope = (2, 2, 4) if head_dim == 8 else (4, 6, 6)  # axes of the rotary table: they sum to head_dim
+    pipe.transformer = tiny_flux_transformer(
+        num_heads=heads, head_dim=head_dim, num_layers=dual, num_single_layers=single, axes_dims_rope=rope
+    )
+    return pipe
+
+
+def _flux_text(seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "prompt_embeds": torch.randn(1, FLUX_TEXT, 16, generator=gen),
+        "pooled_prompt_embeds": torch.randn(1, 16, generator=gen),
+    }
+
+
+def _flux_run(pipe: Any, size: int, steps: int) -> torch.Tensor:
+    return pipe(
+        **_flux_text(),
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+def _flux_transformer_inputs(model: Any, tokens: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    text = _flux_text()
+    return {
+        "hidden_states": torch.randn(1, tokens, FLUX_IN, generator=gen),
+        "encoder_hidden_states": text["prompt_embeds"],
+        "pooled_projections": text["pooled_prompt_embeds"],
+        "img_ids": torch.randn(tokens, 3, generator=gen),
+        "txt_ids": torch.zeros(FLUX_TEXT, 3),
+    }
+
+
+def _flux_split_rank(stages: int) -> dict[str, Any]:
+    """Part 3 (split) on one rank of ``stages`` PipeFusion ranks."""
+    cfg = FLUX_SPLIT
+    pipe = _flux_pipe(**cfg)
+    model = pipe.transformer
+    hidden = cfg["heads"] * cfg["head_dim"]
+    total = parameter_bytes(model)
+    blocks = sum(parameter_bytes(b) for b in flux_blocks(model))
+    inputs = _flux_transformer_inputs(model, cfg["tokens"])
+    with torch.no_grad(), track_memory() as unpatched:
+        model(**inputs, timestep=torch.tensor([0.9]))
+
+    patch = hfpatch.apply(pipe, ParallelConfig(pipefusion=stages, vae=1), pipefusion_patches=PATCHES)
+    state = model._hfpatch_pipefusion
+    kept = parameter_bytes(model)
+    with torch.no_grad():
+        model(**inputs, timestep=torch.tensor([0.9]))  # warm-up call: fills the K/V buffers
+        with track_memory() as pipelined:
+            model(**inputs, timestep=torch.tensor([0.8]))  # pipelined
+    kv_bytes = state.kv_bytes()
+    with count_comm() as counter:
+        _flux_run(pipe, cfg["size"], cfg["steps"])
+    joint = FLUX_TEXT + cfg["tokens"]
+    analytic_step = stage_bytes_per_call(
+        state.stage, state.world, joint * hidden * 4, cfg["tokens"] * FLUX_IN * 4
+    )
+    sent = counter.by_op.get("pipefusion", 0) + counter.by_op.get("pipefusion_output", 0)
+    result = {
+        "stage": state.stage,
+        "blocks": [state.first, state.end],
+        "weight_bytes": kept,
+        "weight_bytes_unpatched": total,
+        "block_bytes_unpatched": blocks,
+        "unsplit_bytes": total - blocks,
+        "target_bytes": 1.1 / stages * blocks + (total - blocks),
+        "released_bytes": state.released_bytes,
+        "activation_peak": pipelined.peak_bytes,
+        "activation_peak_unpatched": unpatched.peak_bytes,
+        "kv_buffer_bytes": kv_bytes,
+        "sent_per_step": sent / cfg["steps"],
+        "analytic_per_step": analytic_step,
+        "p2p_sends_per_step": counter.calls.get("pipefusion", 0) / cfg["steps"],
+    }
+    patch.remove()
+    return result
+
+
+def _flux_simulate(patches: int, warmup: int) -> torch.Tensor:
+    pipe = _flux_pipe(**FLUX_FIDELITY)
+    with Patch("simulation") as patch:
+        options = {**FluxPipeFusion.options, "pipefusion_patches": patches, "pipefusion_warmup": warmup}
+        apply_flux_pipefusion(pipe.transformer, patch, None, options)
+        return _flux_run(pipe, FLUX_FIDELITY["size"], FLUX_FIDELITY["steps"])
+
+
+def _flux_fidelity_rank(patches: int, warmup: int) -> torch.Tensor:
+    pipe = _flux_pipe(**FLUX_FIDELITY)
+    hfpatch.apply(
+        pipe,
+        ParallelConfig(pipefusion=2, vae=1),
+        pipefusion_patches=patches,
+        pipefusion_warmup=warmup,
+        pipefusion_release_weights=False,
+    )
+    return _flux_run(pipe, FLUX_FIDELITY["size"], FLUX_FIDELITY["steps"])
+
+
+def _fidelity_table(
+    simulate: Callable[[int, int], torch.Tensor], reference: torch.Tensor, steps: int
+) -> tuple:
+    table, simulated = [], None
+    for warmup in (*WARMUPS, steps):
+        for patches in PATCH_COUNTS:
+            out = simulate(patches, warmup)
+            table.append({"warmup": warmup, "patches": patches, **_errors(out, reference)})
+            if (warmup, patches) == (1, 4):
+                simulated = out
+    return table, simulated
+
+
 def _plot(results: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -173,52 +316,61 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for stages, ranks in results["split"].items():
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for row, (model, split, fidelity, steps) in enumerate(
+        [
+            ("Wan", results["split"], results["fidelity"], FIDELITY_STEPS),
+            ("Flux", results["flux"]["split"], results["flux"]["fidelity"], FLUX_FIDELITY["steps"]),
+        ]
+    ):
+        _plot_row(plt, axes[row], model, split, fidelity, steps)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_row(plt: Any, axes: Any, model: str, split: dict, fidelity: dict, steps: int) -> None:
+    left, right = axes
+    for stages, ranks in split.items():
         x = [int(stages) + 0.1 * (r["stage"] - (len(ranks) - 1) / 2) for r in ranks]
         left.plot(x, [r["weight_bytes"] / MB for r in ranks], "o", label=f"P={stages}: per rank")
         left.plot(x, [r["target_bytes"] / MB for r in ranks], "_", markersize=20, color="k")
-    left.axhline(
-        results["split"]["2"][0]["weight_bytes_unpatched"] / MB, ls="--", color="gray", label="unpatched"
-    )
-    left.set_xticks([int(stages) for stages in results["split"]])
+    left.axhline(split["2"][0]["weight_bytes_unpatched"] / MB, ls="--", color="gray", label="unpatched")
+    left.set_xticks([int(stages) for stages in split])
     left.set_xlabel("PipeFusion ranks P")
     left.set_ylabel("parameter MiB on the rank")
-    left.set_title("weights per rank (bar: 1.1/P of blocks + unsplit)")
+    left.set_title(f"{model}: weights per rank (bar: 1.1/P of blocks + unsplit)")
     left.legend(fontsize=8)
     for warmup in WARMUPS:
-        cells = [c for c in results["fidelity"]["table"] if c["warmup"] == warmup]
+        cells = [c for c in fidelity["table"] if c["warmup"] == warmup]
         right.plot(
             [c["patches"] for c in cells], [c["psnr_db"] for c in cells], "o-", label=f"warm-up {warmup}"
         )
     right.set_xscale("log", base=2)
     right.set_xticks(list(PATCH_COUNTS), [str(m) for m in PATCH_COUNTS])
     right.set_xlabel("patches M")
-    right.set_ylabel("PSNR of decoded frames vs unpatched (dB)")
-    right.set_title(f"fidelity, {FIDELITY_STEPS} steps (warm-up {FIDELITY_STEPS}: exact)")
+    right.set_ylabel("PSNR of decoded output vs unpatched (dB)")
+    right.set_title(f"{model}: fidelity, {steps} steps (warm-up {steps}: exact)")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> dict[str, Any]:
     torch.set_num_threads(1)
     started = time.time()
     split: dict[str, Any] = {}
+    flux_split: dict[str, Any] = {}
     for stages in (2, 4):
         with RankPool(stages, timeout_s=600) as pool:
             split[str(stages)] = pool.run(_split_rank, stages)
+            flux_split[str(stages)] = pool.run(_flux_split_rank, stages)
             if stages == 2:
                 on_ranks = pool.run(_fidelity_rank, 4, 1)
+                flux_on_ranks = pool.run(_flux_fidelity_rank, 4, 1)
 
     reference = _run(_fidelity_pipe(), FIDELITY_SIZE, FIDELITY_STEPS)
-    table = []
-    for warmup in (*WARMUPS, FIDELITY_STEPS):
-        for patches in PATCH_COUNTS:
-            out = _simulate(patches, warmup)
-            table.append({"warmup": warmup, "patches": patches, **_errors(out, reference)})
-            if (warmup, patches) == (1, 4):
-                simulated = out
+    table, simulated = _fidelity_table(_simulate, reference, FIDELITY_STEPS)
+    flux_reference = _flux_run(_flux_pipe(**FLUX_FIDELITY), FLUX_FIDELITY["size"], FLUX_FIDELITY["steps"])
+    flux_table, flux_simulated = _fidelity_table(_flux_simulate, flux_reference, FLUX_FIDELITY["steps"])
+    f, fs = FLUX_FIDELITY, FLUX_SPLIT
     results = {
         "setup": {
             "split": f"WanPipeline, transformer C={HIDDEN}, ffn=4C, {LAYERS} blocks, {SPLIT_SIZE}, M={PATCHES}, "
@@ -230,6 +382,22 @@ def main() -> dict[str, Any]:
         "fidelity": {
             "table": table,
             "two_ranks_vs_simulation_max_abs": max((o - simulated).abs().max().item() for o in on_ranks),
+        },
+        "flux": {
+            "setup": {
+                "split": f"FluxPipeline, transformer C={fs['heads'] * fs['head_dim']}, {fs['dual']} dual + "
+                f"{fs['single']} single blocks, {fs['size']}x{fs['size']} px ({FLUX_TEXT} text + {fs['tokens']} "
+                f"image tokens), M={PATCHES}, warm-up 1, {fs['steps']} steps (one call per step), fp32",
+                "fidelity": f"tiny FluxPipeline, {f['dual']} dual + {f['single']} single blocks, {f['size']}x"
+                f"{f['size']} px ({FLUX_TEXT} text + {f['tokens']} image tokens), {f['steps']} steps, fp32",
+            },
+            "split": flux_split,
+            "fidelity": {
+                "table": flux_table,
+                "two_ranks_vs_simulation_max_abs": max(
+                    (o - flux_simulated).abs().max().item() for o in flux_on_ranks
+                ),
+            },
         },
         "seconds": time.time() - started,
     }
@@ -253,3 +421,15 @@ if __name__ == "__main__":
     for cell in out["fidelity"]["table"]:
         print(cell)
     print("2 ranks vs simulation:", out["fidelity"]["two_ranks_vs_simulation_max_abs"])
+    for stages, ranks in out["flux"]["split"].items():
+        for r in ranks:
+            print(
+                f"Flux P={stages} stage {r['stage']} blocks {r['blocks']}: weights {r['weight_bytes'] / MB:.2f} MiB "
+                f"(unpatched {r['weight_bytes_unpatched'] / MB:.2f}, target {r['target_bytes'] / MB:.2f}), "
+                f"activation peak {r['activation_peak'] / MB:.3f} MiB (unpatched "
+                f"{r['activation_peak_unpatched'] / MB:.3f}), K/V {r['kv_buffer_bytes'] / MB:.3f} MiB, sent/step "
+                f"{r['sent_per_step']:.0f} B (analytic {r['analytic_per_step']})"
+            )
+    for cell in out["flux"]["fidelity"]["table"]:
+        print("Flux", cell)
+    print("Flux 2 ranks vs simulation:", out["flux"]["fidelity"]["two_ranks_vs_simulation_max_abs"])

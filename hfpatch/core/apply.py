@@ -61,18 +61,22 @@ def _units(target: Any, registry: Registry) -> list[tuple[Any, list[PatchFamily]
 
 def _merge_facts(units: list[tuple[Any, list[PatchFamily]]], target: Any) -> ModelFacts:
     heads: list[int] = []
+    blocks: list[int] = []
     guides = False
     for obj, families in units:
         for family in families:
             facts = family.facts(obj)
             if facts.num_heads is not None:
                 heads.append(facts.num_heads)
+            if facts.num_blocks is not None:
+                blocks.append(facts.num_blocks)
             guides = guides or facts.guides
     return ModelFacts(
         num_heads=min(heads) if heads else None,
         guides=guides,
         name=type(target).__name__,
         pipeline=_is_pipeline(target),
+        num_blocks=min(blocks) if blocks else None,
     )
 
 
@@ -160,7 +164,7 @@ def _check(
     requested = _requested_world(parallel)
     runtime.check_launchable(requested or 1)  # no process group and no launcher: say how to launch
     world = runtime.launched_world_size()  # reads the launcher's environment; initialises nothing
-    config = resolve_parallel(parallel, world, facts)
+    config = resolve_parallel(parallel, world, facts, pipefusion=resolved_options.get("pipefusion", False))
 
     existing = get_patch(target)
     if existing is not None:

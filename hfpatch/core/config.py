@@ -87,12 +87,15 @@ class ModelFacts:
         guides: Whether the pipeline guides in a way CFG parallel speeds up (the planner then proposes cfg=2).
         name: Class name, used in error messages.
         pipeline: Whether the target is a pipeline (data parallel splits a pipeline's batch).
+        num_blocks: Transformer blocks a PipeFusion family can split over stages (the fewest of a pipeline's
+            transformers); ``None`` when no PipeFusion family serves the target.
     """
 
     num_heads: int | None = None
     guides: bool = False
     name: str = "target"
     pipeline: bool = False
+    num_blocks: int | None = None
 
 
 def _product_text(config: ParallelConfig) -> str:
@@ -103,20 +106,54 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_parallel(n: int, facts: ModelFacts) -> ParallelConfig:
+def plan_parallel(n: int, facts: ModelFacts, pipefusion: bool = False) -> ParallelConfig:
     """Plan ``n`` ranks: CFG parallel when the pipeline guides, then Ulysses up to the head count, then Ring.
 
     Ulysses gets the largest divisor of the remaining ranks that also divides the head count (Ulysses moves
     less data than Ring and needs no online softmax); the rest is Ring, which has no head constraint.
+
+    ``pipefusion=True`` (``hfpatch.apply(..., pipefusion=True)``; never the default, PipeFusion is approximate
+    after its warm-up) gives the ranks left after CFG to PipeFusion instead: its degree is the largest divisor
+    of them that does not exceed the transformer's block count. PipeFusion does not combine with
+    Ulysses/Ring yet, so when that divisor leaves ranks over, no plan fits and this raises (name the degrees
+    with a :class:`ParallelConfig`, e.g. data parallel for several prompts).
+
+    >>> plan_parallel(4, ModelFacts(num_heads=4, guides=True, num_blocks=5), pipefusion=True)
+    ParallelConfig(data=1, cfg=2, ring=1, ulysses=1, vae=4, pipefusion=2)
+    >>> plan_parallel(3, ModelFacts(num_heads=4, num_blocks=5), pipefusion=True).pipefusion
+    3
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"parallel must be a positive int or a ParallelConfig, got {n!r}")
     cfg = 2 if facts.guides and n % 2 == 0 else 1
     rest = n // cfg
+    if pipefusion:
+        return _plan_pipefusion(n, cfg, facts)
     if facts.num_heads is None:
         return ParallelConfig(vae=n)  # a VAE (or other non-attention target) splits over every rank
     ulysses = max(d for d in _divisors(rest) if facts.num_heads % d == 0)
     return ParallelConfig(cfg=cfg, ring=rest // ulysses, ulysses=ulysses, vae=n)
+
+
+def _plan_pipefusion(n: int, cfg: int, facts: ModelFacts) -> ParallelConfig:
+    """``plan_parallel(n, facts, pipefusion=True)`` once CFG took ``cfg`` ranks."""
+    if facts.num_blocks is None:
+        raise ValueError(
+            f"pipefusion=True lets the planner split a transformer's blocks over ranks, but {facts.name} has no "
+            "transformer that hfpatch's PipeFusion supports; drop pipefusion=True"
+        )
+    rest = n // cfg
+    stages = max(d for d in _divisors(rest) if d <= facts.num_blocks)
+    if stages < rest:
+        after = "after cfg=2, " if cfg == 2 else ""
+        raise ValueError(
+            f"parallel={n} with pipefusion=True: {after}{rest} ranks remain but {facts.name} has {facts.num_blocks} "
+            f"transformer blocks, so PipeFusion can take at most {stages} of them (every stage needs a block), and "
+            f"PipeFusion does not combine with ulysses/ring yet to use the other factor {rest // stages}. Use fewer "
+            f"ranks, or name the degrees: parallel=hfpatch.ParallelConfig(cfg={cfg}, data={rest // stages}, "
+            f"pipefusion={stages}) for {rest // stages}+ prompts per call, or ulysses/ring without PipeFusion"
+        )
+    return ParallelConfig(cfg=cfg, pipefusion=stages, vae=n)
 
 
 def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
@@ -153,7 +190,7 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
 
 
 def resolve_parallel(
-    parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts
+    parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts, pipefusion: bool = False
 ) -> ParallelConfig:
     """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
 
@@ -163,16 +200,26 @@ def resolve_parallel(
         parallel: ``None`` (all ranks), an int number of ranks, or an explicit :class:`ParallelConfig`.
         world_size: Ranks available (``torch.distributed`` world size, or the torchrun world about to start).
         facts: What the planner knows about the target.
+        pipefusion: Let the planner of an int ``parallel`` give PipeFusion a degree (:func:`plan_parallel`).
 
     Raises:
         ValueError: If the degrees do not fit the world or the target.
     """
+    if not isinstance(pipefusion, bool):
+        raise ValueError(
+            f"pipefusion must be True or False (True lets the planner of parallel=N use PipeFusion), got {pipefusion!r}"
+        )
     if parallel is None:
         parallel = world_size
     if isinstance(parallel, ParallelConfig):
+        if pipefusion:
+            raise ValueError(
+                f"pipefusion=True lets the planner of an int parallel=N choose a PipeFusion degree, but parallel="
+                f"{parallel} names the degrees; set ParallelConfig(pipefusion=P, ...) there instead"
+            )
         config = parallel
     elif isinstance(parallel, int) and not isinstance(parallel, bool):
-        config = plan_parallel(parallel, facts)
+        config = plan_parallel(parallel, facts, pipefusion)
     else:
         raise TypeError(
             f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}"

@@ -16,6 +16,7 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.LTXVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
+    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),
     # Block-causal streaming with KV cache.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
     # Patch-parallel VAEs.

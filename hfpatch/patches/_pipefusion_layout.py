@@ -8,13 +8,21 @@ stage sends per transformer call. No torch.distributed and no Hugging Face impor
 [(0, 1), (1, 5)]
 >>> patch_ranges(10, 4)
 [(0, 3), (3, 6), (6, 8), (8, 10)]
+>>> stage_ranges(6, 2, weights=[24, 24, 24, 10, 10, 10])  # Flux: dual-stream blocks weigh 2.4x single ones
+[(0, 2), (2, 6)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["check_stage_counts", "patch_ranges", "stage_bytes_per_call", "stage_ranges"]
+__all__ = [
+    "balanced_stage_counts",
+    "check_stage_counts",
+    "patch_ranges",
+    "stage_bytes_per_call",
+    "stage_ranges",
+]
 
 
 def _positive_int(value: object) -> bool:
@@ -42,13 +50,21 @@ def check_stage_counts(num_blocks: int, stages: int, counts: Sequence[int] | Non
         )
 
 
-def stage_ranges(num_blocks: int, stages: int, counts: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def stage_ranges(
+    num_blocks: int,
+    stages: int,
+    counts: Sequence[int] | None = None,
+    weights: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
     """``[(first, end), ...]`` block ranges of the ``stages`` stages, in order.
 
-    Without ``counts``, blocks are dealt as evenly as possible, the first ``num_blocks % stages`` stages
-    taking one more (all blocks of a DiT have the same size, so this also balances the weight bytes).
+    Without ``counts``: with ``weights`` (bytes per block), :func:`balanced_stage_counts`; else blocks are
+    dealt as evenly as possible, the first ``num_blocks % stages`` stages taking one more (when every block has
+    the same size, as in Wan, both give this).
     """
     check_stage_counts(num_blocks, stages, counts, "the model")
+    if counts is None and weights is not None:
+        counts = balanced_stage_counts(weights, stages)
     if counts is None:
         base, extra = divmod(num_blocks, stages)
         counts = [base + (s < extra) for s in range(stages)]
@@ -57,6 +73,48 @@ def stage_ranges(num_blocks: int, stages: int, counts: Sequence[int] | None = No
         ranges.append((start, start + count))
         start += count
     return ranges
+
+
+def balanced_stage_counts(weights: Sequence[int], stages: int) -> list[int]:
+    """Blocks per stage for contiguous stages of blocks weighing ``weights`` (e.g. parameter bytes): the
+    largest stage is as light as possible; among such splits, the sum of squared stage weights is smallest
+    (the others are balanced too); then the earlier stages take more blocks. Exact (dynamic programming).
+
+    >>> balanced_stage_counts([1, 1, 1, 1, 1], 3)    # equal blocks: as stage_ranges deals them
+    [2, 2, 1]
+    >>> balanced_stage_counts([24, 24, 24, 10, 10, 10], 3)
+    [2, 1, 3]
+    """
+    n = len(weights)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages of at least one block")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + int(w))
+
+    def weight(start: int, end: int) -> int:
+        return prefix[end] - prefix[start]
+
+    # 1. the lightest possible largest stage: best[j][i] for the first i blocks in j stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for j in range(1, stages + 1):
+        for i in range(j, n + 1):
+            best[j][i] = min(max(best[j - 1][k], weight(k, i)) for k in range(j - 1, i))
+    limit = best[stages][n]
+    # 2. under that limit: the smallest sum of squares, then the larger earlier stages (lexicographic)
+    keys: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {(0, 0): (0, ())}
+    for j in range(1, stages + 1):
+        for i in range(j, n + 1):
+            options = [
+                (keys[j - 1, k][0] + weight(k, i) ** 2, (*keys[j - 1, k][1], -(i - k)))
+                for k in range(j - 1, i)
+                if (j - 1, k) in keys and weight(k, i) <= limit
+            ]
+            if options:
+                keys[j, i] = min(options)
+    return [-c for c in keys[stages, n][1]]
 
 
 def patch_ranges(tokens: int, patches: int) -> list[tuple[int, int]]:

@@ -1,5 +1,9 @@
 """PipeFusion for ``WanTransformer3DModel``: the blocks split over ranks, the tokens pipelined as patches.
 
+The machinery shared with :mod:`hfpatch.patches.pipefusion_flux` (Flux's two block lists and joint text/image
+sequence) lives here too: :class:`PipeFusionState`, :func:`check_pipefusion_options`,
+:func:`install_model_hooks`, :func:`wrap_stage_blocks`, :func:`release_other_blocks`.
+
 After ``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_patches=M,
 pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, arXiv 2405.14430):
 
@@ -41,7 +45,7 @@ Inference only: a call with gradients enabled or in training mode raises before 
 >>> from hfpatch.testing import tiny_wan_transformer
 >>> from hfpatch.patches.pipefusion import WanPipeFusion
 >>> sorted(WanPipeFusion.options)
-['check_inputs', 'pipefusion_blocks', 'pipefusion_patches', 'pipefusion_release_weights', 'pipefusion_warmup']
+['check_inputs', 'pipefusion', 'pipefusion_blocks', 'pipefusion_patches', 'pipefusion_release_weights', 'pipefusion_warmup']
 """
 
 from __future__ import annotations
@@ -63,7 +67,14 @@ from ..distributed.agreement import install_call_guard, named_arguments
 from ..distributed.collectives import _record, _wait
 from ._pipefusion_layout import check_stage_counts, patch_ranges, stage_ranges
 
-__all__ = ["PipeFusionState", "PipeFusionWanAttnProcessor", "WanPipeFusion", "parameter_bytes"]
+__all__ = [
+    "PIPEFUSION_OPTIONS",
+    "PipeFusionState",
+    "PipeFusionWanAttnProcessor",
+    "WanPipeFusion",
+    "check_pipefusion_options",
+    "parameter_bytes",
+]
 
 #: ``count_comm`` kinds: hidden states handed to the next stage, and the output sent by the last stage.
 HANDOFF, OUTPUT = "pipefusion", "pipefusion_output"
@@ -146,7 +157,7 @@ class PipeFusionState:
         ranks decide alike from alike inputs), so a bad geometry raises on every rank before any send."""
         ranges = patch_ranges(tokens, self.patches)  # also checks that M fits the tokens
         name, step = self.context if self.context is not None else (None, None)
-        key = (name, tuple(hidden_states.shape), hidden_states.dtype, hidden_states.device)
+        key = (name, tuple(hidden_states.shape), tokens, hidden_states.dtype, hidden_states.device)
         stream = self.streams.get(key)
         if stream is None:
             stream = self.streams[key] = _Stream()
@@ -402,10 +413,76 @@ def _release(modules: list[torch.nn.Module], keep: set[int]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- family
+#: Options of every PipeFusion family (see :class:`WanPipeFusion`).
+PIPEFUSION_OPTIONS: dict[str, Any] = {
+    "pipefusion": False,
+    "pipefusion_patches": None,
+    "pipefusion_warmup": 1,
+    "pipefusion_blocks": None,
+    "pipefusion_release_weights": True,
+    "check_inputs": True,
+}
+
+
+def check_pipefusion_options(
+    target: Any, config: ParallelConfig, options: dict[str, Any], num_blocks: int, name: str
+) -> bool:
+    """The checks every PipeFusion family makes at ``apply`` (pure, so they raise alike on every rank).
+
+    Returns:
+        Whether the plan uses PipeFusion (``config.pipefusion > 1``); the family then checks its processors.
+    """
+    stages = config.pipefusion
+    patches, warmup = options["pipefusion_patches"], options["pipefusion_warmup"]
+    blocks, release = options["pipefusion_blocks"], options["pipefusion_release_weights"]
+    if stages == 1:
+        if options.get("pipefusion"):
+            return False  # the planner was allowed PipeFusion and gave it one rank: the options are moot
+        given = [
+            f"{k}={options[k]!r}"
+            for k in ("pipefusion_patches", "pipefusion_blocks")
+            if options[k] is not None
+        ]
+        given += [f"pipefusion_warmup={warmup!r}"] if warmup != 1 else []
+        given += [f"pipefusion_release_weights={release!r}"] if release is not True else []
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} configure PipeFusion, but the plan has pipefusion=1; pass "
+                "parallel=hfpatch.ParallelConfig(pipefusion=N, ...) (or parallel=N, pipefusion=True) or drop "
+                "these options"
+            )
+        return False
+    if patches is not None and (not isinstance(patches, int) or isinstance(patches, bool) or patches < 1):
+        raise ValueError(
+            f"pipefusion_patches must be a positive int (token patches) or None, got {patches!r}"
+        )
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise ValueError(
+            f"pipefusion_warmup must be an int >= 1 (synchronous steps that fill the K/V buffers), got {warmup!r}"
+        )
+    if not isinstance(release, bool):
+        raise ValueError(f"pipefusion_release_weights must be True or False, got {release!r}")
+    check_stage_counts(num_blocks, stages, blocks, name)
+    if config.sequence_parallel > 1:
+        raise ValueError(
+            f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported yet; "
+            "combine PipeFusion with cfg=2 or data=N, or use ulysses/ring without PipeFusion"
+        )
+    if target.training:
+        raise ValueError(
+            f"PipeFusion is inference only, but {name} is in training mode; call .eval() before hfpatch.apply"
+        )
+    if any(p.device.type == "meta" for p in target.parameters()):
+        raise ValueError(f"{name} has parameters on the meta device (already released?); load it fully first")
+    return True
+
+
 class WanPipeFusion(PatchFamily):
     """PipeFusion for ``diffusers.WanTransformer3DModel`` (registered in ``hfpatch.patches.BUILTIN_FAMILIES``).
 
     Options:
+        pipefusion: Let the planner of ``parallel=N`` give PipeFusion a degree (default False: an int
+            ``parallel`` never plans PipeFusion, which is approximate; see :func:`hfpatch.core.config.plan_parallel`).
         pipefusion_patches: ``M``, token patches per pipelined call (default ``None``: the number of stages).
         pipefusion_warmup: ``W`` >= 1, exact synchronous calls per stream before pipelining (default 1).
         pipefusion_blocks: Blocks per stage, e.g. ``(3, 2)``; default: as even as possible.
@@ -418,60 +495,19 @@ class WanPipeFusion(PatchFamily):
 
     name: ClassVar[str] = "wan_pipefusion"
     role: ClassVar[str] = "transformer"
-    options: ClassVar[dict[str, Any]] = {
-        "pipefusion_patches": None,
-        "pipefusion_warmup": 1,
-        "pipefusion_blocks": None,
-        "pipefusion_release_weights": True,
-        "check_inputs": True,
-    }
+    options: ClassVar[dict[str, Any]] = PIPEFUSION_OPTIONS
 
     def facts(self, target: Any) -> ModelFacts:
-        return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
+        return ModelFacts(
+            num_heads=target.config.num_attention_heads,
+            name=type(target).__name__,
+            num_blocks=len(target.blocks),
+        )
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         name = type(target).__name__
-        stages = config.pipefusion
-        patches, warmup = options["pipefusion_patches"], options["pipefusion_warmup"]
-        blocks, release = options["pipefusion_blocks"], options["pipefusion_release_weights"]
-        if stages == 1:
-            given = [
-                f"{k}={options[k]!r}"
-                for k in ("pipefusion_patches", "pipefusion_blocks")
-                if options[k] is not None
-            ]
-            given += [f"pipefusion_warmup={warmup!r}"] if warmup != 1 else []
-            given += [f"pipefusion_release_weights={release!r}"] if release is not True else []
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} configure PipeFusion, but the plan has pipefusion=1; pass "
-                    "parallel=hfpatch.ParallelConfig(pipefusion=N, ...) or drop these options"
-                )
+        if not check_pipefusion_options(target, config, options, len(target.blocks), name):
             return
-        if patches is not None and (not isinstance(patches, int) or isinstance(patches, bool) or patches < 1):
-            raise ValueError(
-                f"pipefusion_patches must be a positive int (token patches) or None, got {patches!r}"
-            )
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
-            raise ValueError(
-                f"pipefusion_warmup must be an int >= 1 (synchronous steps that fill the K/V buffers), got {warmup!r}"
-            )
-        if not isinstance(release, bool):
-            raise ValueError(f"pipefusion_release_weights must be True or False, got {release!r}")
-        check_stage_counts(len(target.blocks), stages, blocks, name)
-        if config.sequence_parallel > 1:
-            raise ValueError(
-                f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported yet; "
-                "combine PipeFusion with cfg=2 or data=N, or use ulysses/ring without PipeFusion"
-            )
-        if target.training:
-            raise ValueError(
-                f"PipeFusion is inference only, but {name} is in training mode; call .eval() before hfpatch.apply"
-            )
-        if any(p.device.type == "meta" for p in target.parameters()):
-            raise ValueError(
-                f"{name} has parameters on the meta device (already released?); load it fully first"
-            )
         for index, block in enumerate(target.blocks):
             found = type(block.attn1.processor).__name__
             if found != "WanAttnProcessor":
@@ -531,22 +567,10 @@ def apply_pipefusion(
     if options["check_inputs"] and group is not None:
         install_call_guard(patch, target, group, f"{name}.forward (PipeFusion stages)")
     own = range(state.first, state.end)
-    originals: dict[int, Callable[..., torch.Tensor]] = {}
-    stage_blocks: list[Callable[..., torch.Tensor]] = []  # filled once every block is wrapped
-    runner = _stage_runner(state, stage_blocks)
-
-    def wrap_block(index: int) -> Callable[[Callable], Callable]:
-        def wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-            originals[index] = original
-            return runner if index == 0 else _passthrough
-
-        return wrapper
-
-    # The stock loop calls every block in turn: the first runs this stage for the whole call, the others
-    # pass the hidden states through.
-    for index, block in enumerate(target.blocks):
-        patch.wrap_method(block, "forward", wrap_block(index))
-    stage_blocks.extend(originals[i] for i in own)
+    stage_blocks: list[Callable[..., torch.Tensor]] = []  # the stock forwards of this stage's blocks
+    wrap_stage_blocks(
+        patch, list(target.blocks), own, _stage_runner(state, stage_blocks), _passthrough, stage_blocks
+    )
     for index in own:
         attention = target.blocks[index].attn1
         backend = getattr(attention.processor, "_attention_backend", None)
@@ -554,15 +578,71 @@ def apply_pipefusion(
 
     patch_size = tuple(target.config.patch_size)
 
+    def tokens_of(named: dict[str, Any]) -> int:
+        tokens = 1
+        for size, step in zip(named["hidden_states"].shape[2:], patch_size):
+            tokens *= size // step
+        return tokens
+
+    install_model_hooks(target, patch, state, name, tokens_of)
+    if options["pipefusion_release_weights"]:
+        release_other_blocks(
+            target,
+            patch,
+            state,
+            list(target.blocks),
+            own,
+            ("blocks",),
+            lambda i: f"{name}.blocks {_spans(i)}",
+        )
+    return state
+
+
+def wrap_stage_blocks(
+    patch: Patch,
+    blocks: list[torch.nn.Module],
+    own: range,
+    runner: Callable[..., Any],
+    passthrough: Callable[..., Any],
+    stage_blocks: list[Callable[..., Any]] | None = None,
+) -> None:
+    """The stock loop calls every block in turn: the first one's ``forward`` becomes ``runner`` (this stage
+    for the whole call), the others' ``passthrough``. ``stage_blocks`` (the list ``runner`` reads) gets the
+    stock forwards of the blocks in ``own``."""
+    originals: dict[int, Callable[..., Any]] = {}
+
+    def wrap_block(index: int) -> Callable[[Callable], Callable]:
+        def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            originals[index] = original
+            return runner if index == 0 else passthrough
+
+        return wrapper
+
+    for index, block in enumerate(blocks):
+        patch.wrap_method(block, "forward", wrap_block(index))
+    if stage_blocks is not None:
+        stage_blocks.extend(originals[i] for i in own)
+
+
+def install_model_hooks(
+    target: Any,
+    patch: Patch,
+    state: PipeFusionState,
+    name: str,
+    tokens_of: Callable[[dict[str, Any]], int],
+    precheck: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Wrap ``target.forward`` (inference check, ``precheck`` of the named arguments, the call's stream and
+    patches, the output sent to every rank) and ``cache_context`` (the stream name); clear the buffers at
+    ``remove()``. Everything that raises here raises before any communication of the call."""
+
     def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             _check_inference(target, name)
             named = named_arguments(type(target).forward, (target, *args), kwargs)
-            hidden, timestep = named.get("hidden_states"), named.get("timestep")
-            tokens = 1
-            for size, step in zip(hidden.shape[2:], patch_size):
-                tokens *= size // step
-            state.begin(hidden, torch.as_tensor(timestep), tokens)
+            if precheck is not None:
+                precheck(named)
+            state.begin(named["hidden_states"], torch.as_tensor(named.get("timestep")), tokens_of(named))
             try:
                 out = original(*args, **kwargs)
                 _deliver(state, out)
@@ -579,30 +659,44 @@ def apply_pipefusion(
         patch.wrap_method(target, "cache_context", _recording_context(state))
     patch.on_remove(target, "pipefusion buffers", state.clear)
     patch.set_attr(target, "_hfpatch_pipefusion", state)
-    others = [b for i, b in enumerate(target.blocks) if i not in own]
-    if options["pipefusion_release_weights"] and others:
-        keep = {id(t) for i in own for t in (*target.blocks[i].parameters(), *target.blocks[i].buffers())}
-        keep |= {
-            id(t)
-            for n, m in target.named_children()
-            if n != "blocks"
-            for t in (*m.parameters(), *m.buffers())
-        }
-        keep |= {id(t) for t in target._parameters.values() if t is not None}
-        state.released_bytes = _release(others, keep)
-        released = [i for i in range(len(target.blocks)) if i not in own]
 
-        def warn_released() -> None:
-            warnings.warn(
-                f"hfpatch: PipeFusion released the weights of {name}.blocks {_spans(released)} on this rank "
-                f"({state.released_bytes} bytes; they are on the meta device now) and cannot restore them: "
-                "patch.remove() restored everything else, but those blocks cannot run. Reload the model to run "
-                "it unpatched, or apply with pipefusion_release_weights=False to keep every weight.",
-                stacklevel=4,
-            )
 
-        patch.on_remove(target, "pipefusion released weights", warn_released)
-    return state
+def release_other_blocks(
+    target: Any,
+    patch: Patch,
+    state: PipeFusionState,
+    blocks: list[torch.nn.Module],
+    own: range,
+    containers: tuple[str, ...],
+    describe: Callable[[list[int]], str],
+) -> None:
+    """Release the weights of ``blocks`` outside ``own`` to ``meta`` (keeping every tensor shared with this
+    stage's blocks, with the children of ``target`` other than ``containers``, and ``target``'s own
+    parameters), and warn at ``remove()`` that they do not come back. ``describe(indices)`` names them."""
+    others = [b for i, b in enumerate(blocks) if i not in own]
+    if not others:
+        return
+    keep = {id(t) for i in own for t in (*blocks[i].parameters(), *blocks[i].buffers())}
+    keep |= {
+        id(t)
+        for n, m in target.named_children()
+        if n not in containers
+        for t in (*m.parameters(), *m.buffers())
+    }
+    keep |= {id(t) for t in target._parameters.values() if t is not None}
+    state.released_bytes = _release(others, keep)
+    released = describe([i for i in range(len(blocks)) if i not in own])
+
+    def warn_released() -> None:
+        warnings.warn(
+            f"hfpatch: PipeFusion released the weights of {released} on this rank "
+            f"({state.released_bytes} bytes; they are on the meta device now) and cannot restore them: "
+            "patch.remove() restored everything else, but those blocks cannot run. Reload the model to run "
+            "it unpatched, or apply with pipefusion_release_weights=False to keep every weight.",
+            stacklevel=4,
+        )
+
+    patch.on_remove(target, "pipefusion released weights", warn_released)
 
 
 def _spans(indices: list[int]) -> str:

@@ -249,7 +249,8 @@ def tiny_flux_pipe(seed: int = 0):
 
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        # shift_factor: FluxPipeline decodes with it (output_type "pil"/"pt")
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
         text_encoder=None,
         tokenizer=None,
         text_encoder_2=None,
@@ -628,7 +629,8 @@ def tiny_flux_pipe_with_text_encoders(seed: int = 0):
 
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        # shift_factor: FluxPipeline decodes with it (output_type "pil"/"pt")
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
         text_encoder=tiny_clip_text_model(seed=seed),
         tokenizer=tiny_clip_tokenizer(),
         text_encoder_2=tiny_t5_encoder(seed=seed),

@@ -109,3 +109,81 @@ def test_plan_parallel_is_pure_and_deterministic():
     facts = ModelFacts(num_heads=24, guides=True)
     assert all(plan_parallel(n, facts) == plan_parallel(n, facts) for n in range(1, 17))
     assert all(plan_parallel(n, facts).world_size == n for n in range(1, 17))
+
+
+# ----------------------------------------------------------------------------------------------- PipeFusion
+PIPEFUSION_PLANS = [
+    # (n, facts, expected (cfg, pipefusion, ulysses, ring, vae)): CFG first (exact), then PipeFusion takes the rest
+    (4, ModelFacts(num_heads=4, guides=True, num_blocks=5), (2, 2, 1, 1, 4)),
+    (2, ModelFacts(num_heads=4, guides=True, num_blocks=5), (2, 1, 1, 1, 2)),  # CFG took both ranks
+    (2, ModelFacts(num_heads=4, num_blocks=5), (1, 2, 1, 1, 2)),  # no guidance (Flux): PipeFusion takes both
+    (3, ModelFacts(num_heads=4, guides=True, num_blocks=5), (1, 3, 1, 1, 3)),  # odd: no CFG split
+    (5, ModelFacts(num_heads=4, num_blocks=5), (1, 5, 1, 1, 5)),  # one block per stage
+    (8, ModelFacts(num_heads=4, guides=True, num_blocks=40), (2, 4, 1, 1, 8)),
+    (1, ModelFacts(num_heads=4, num_blocks=5), (1, 1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("n, facts, expected", PIPEFUSION_PLANS)
+def test_plan_parallel_pipefusion_only_when_asked(n, facts, expected):
+    config = resolve_parallel(n, n, facts, pipefusion=True)
+    assert (config.cfg, config.pipefusion, config.ulysses, config.ring, config.vae) == expected
+    assert config.world_size == n
+    default = resolve_parallel(n, n, facts)  # never proposed unless asked: it is approximate
+    assert default.pipefusion == 1 and default == plan_parallel(n, facts)
+
+
+def test_plan_parallel_pipefusion_never_combines_with_sequence_parallel():
+    for n in range(1, 33):
+        for blocks in (1, 2, 3, 5, 8):
+            for guides in (False, True):
+                facts = ModelFacts(num_heads=4, guides=guides, num_blocks=blocks, name="WanPipeline")
+                try:
+                    config = plan_parallel(n, facts, pipefusion=True)
+                except ValueError as exc:
+                    assert "PipeFusion does not combine with ulysses/ring yet" in str(exc)
+                    continue
+                assert (
+                    config.sequence_parallel == 1 and config.pipefusion <= blocks and config.world_size == n
+                )
+
+
+@pytest.mark.parametrize(
+    "parallel, world, facts, message",
+    [
+        (
+            12,
+            12,
+            ModelFacts(num_heads=4, guides=True, num_blocks=5, name="WanPipeline"),
+            "parallel=12 with pipefusion=True: after cfg=2, 6 ranks remain but WanPipeline has 5 transformer blocks, "
+            "so PipeFusion can take at most 3 of them (every stage needs a block), and PipeFusion does not combine "
+            "with ulysses/ring yet to use the other factor 2. Use fewer ranks, or name the degrees: parallel="
+            "hfpatch.ParallelConfig(cfg=2, data=2, pipefusion=3) for 2+ prompts per call, or ulysses/ring without "
+            "PipeFusion",
+        ),
+        (
+            2,
+            2,
+            ModelFacts(num_heads=4, name="StableDiffusion3Pipeline"),
+            "pipefusion=True lets the planner split a transformer's blocks over ranks, but StableDiffusion3Pipeline "
+            "has no transformer that hfpatch's PipeFusion supports; drop pipefusion=True",
+        ),
+        (
+            ParallelConfig(ulysses=2),
+            2,
+            ModelFacts(num_heads=4, num_blocks=5),
+            "pipefusion=True lets the planner of an int parallel=N choose a PipeFusion degree, but parallel="
+            "ParallelConfig(data=1, cfg=1, ring=1, ulysses=2, vae=2) names the degrees; set "
+            "ParallelConfig(pipefusion=P, ...) there instead",
+        ),
+    ],
+)
+def test_plan_parallel_pipefusion_errors(parallel, world, facts, message):
+    with pytest.raises(ValueError) as info:
+        resolve_parallel(parallel, world, facts, pipefusion=True)
+    assert str(info.value) == message
+
+
+def test_plan_parallel_pipefusion_flag_must_be_bool():
+    with pytest.raises(ValueError, match="pipefusion must be True or False"):
+        resolve_parallel(2, 2, ModelFacts(num_heads=4, num_blocks=5), pipefusion=2)

@@ -1,4 +1,5 @@
-"""PipeFusion (``hfpatch.patches.pipefusion``) on a tiny stock ``WanPipeline``, gloo ranks, fp32.
+"""PipeFusion (``hfpatch.patches.pipefusion``, ``pipefusion_flux``) on tiny stock ``WanPipeline`` and
+``FluxPipeline``, gloo ranks, fp32.
 
 Exactness: with ``pipefusion_warmup`` >= the number of steps every call is a synchronous warm-up call, which
 runs the stock kernels on the stock shapes (the stages only hand the hidden states on), so every rank must
@@ -23,9 +24,23 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._pipefusion_layout import patch_ranges, stage_bytes_per_call, stage_ranges
+from hfpatch.patches._pipefusion_layout import (
+    balanced_stage_counts,
+    patch_ranges,
+    stage_bytes_per_call,
+    stage_ranges,
+)
 from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
-from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.testing import (
+    tiny_flux_pipe,
+    tiny_flux_pipe_with_text_encoders,
+    tiny_flux_transformer,
+    tiny_sd3_pipe,
+    tiny_wan_pipe,
+    tiny_wan_transformer,
+    wan_prompt_embeds,
+)
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 STEPS = 3
@@ -36,6 +51,14 @@ TOKENS, CHANNELS, OUT_NUMEL = 8, 32, 4 * 2 * 4 * 4
 #: ones measured at 35.6 dB (warm-up 1, M=4) and 91 dB (warm-up 2, M=3) on this machine (README table: 49-55 dB
 #: at 64x64, 8 steps). The bound only says the error stays an error of stale K/V, not a broken pipeline.
 MIN_PSNR_DB = 20.0
+
+#: Flux: 3 dual-stream + 3 single-stream blocks; a dual block holds 2.4x the parameter bytes of a single one,
+#: so the default (byte-balanced) stages are (2, 4) at P=2 (stage 1 spans both lists), (2, 1, 3) at P=3 and
+#: (1, 1, 1, 3) at P=4: uneven everywhere. 16x16 pixels -> 16 image tokens after the T=8 text tokens: a joint
+#: sequence of 24 tokens of 32 channels; M=4 patches of 6 tokens make a text-only first patch and a mixed
+#: (2 text + 4 image) second one.
+FLUX_DUAL, FLUX_SINGLE, FLUX_STEPS = 3, 3, 3
+FLUX_TEXT, FLUX_IMAGE, FLUX_WIDTH, FLUX_OUT = 8, 16, 32, 16
 
 
 def _pipe(layers: int = LAYERS) -> Any:
@@ -254,6 +277,188 @@ def _remove_cases() -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------------------------- Flux
+def _flux_pipe(guide: bool = False) -> Any:
+    """Without ``guide``: embeddings given, one call per step. With ``guide``: tiny CLIP/T5 text encoders, a
+    negative prompt and ``true_cfg_scale`` (two calls per step, in ``cache_context("cond")``/``("uncond")``)."""
+    pipe = tiny_flux_pipe_with_text_encoders() if guide else tiny_flux_pipe()
+    pipe.transformer = tiny_flux_transformer(num_layers=FLUX_DUAL, num_single_layers=FLUX_SINGLE)
+    return pipe
+
+
+def _flux_run(pipe: Any, guide: bool = False) -> torch.Tensor:
+    dtype = pipe.transformer.dtype
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, FLUX_IMAGE, FLUX_OUT, generator=gen)  # packed noise, fp32 draws for fp64 twins
+    if guide:
+        text = dict(prompt="a cat", negative_prompt="a dog", true_cfg_scale=4.0, max_sequence_length=8)
+    else:
+        text = dict(
+            prompt_embeds=torch.randn(1, FLUX_TEXT, 16, generator=gen).to(dtype),
+            pooled_prompt_embeds=torch.randn(1, 16, generator=gen).to(dtype),
+        )
+    return pipe(
+        **text,
+        latents=latents.to(dtype),
+        height=16,
+        width=16,
+        num_inference_steps=FLUX_STEPS,
+        output_type="pt",
+    ).images
+
+
+def _flux_simulated(patches: int, warmup: int, guide: bool = False) -> torch.Tensor:
+    pipe = _flux_pipe(guide)
+    with Patch("simulation") as patch:
+        options = {**FluxPipeFusion.options, "pipefusion_patches": patches, "pipefusion_warmup": warmup}
+        apply_flux_pipefusion(pipe.transformer, patch, None, options)
+        return _flux_run(pipe, guide)
+
+
+def _flux_exact_case(parallel: ParallelConfig | int, guide: bool = False, **options: Any) -> dict[str, Any]:
+    """Warm-up = every step: patched vs unpatched, bytes sent against the analytic count. With ``guide`` and
+    cfg=2 the pipeline family computes both CFG calls of the first step on every cfg rank (it learns the
+    two-call pattern from it), then one call per step: ``steps + 1`` transformer calls per rank."""
+    pipe = _flux_pipe(guide)
+    reference = _flux_run(pipe, guide)
+    noise = rounding_noise(reference, _flux_run(to_fp64(pipe), guide))
+    patch = hfpatch.apply(pipe, parallel, pipefusion_warmup=FLUX_STEPS, **options)
+    with count_comm() as counter:
+        out = _flux_run(pipe, guide)
+    state = pipe.transformer._hfpatch_pipefusion
+    calls = FLUX_STEPS + (1 if guide and patch.plan.cfg == 2 else 0)
+    hidden_bytes = (FLUX_TEXT + FLUX_IMAGE) * FLUX_WIDTH * 4  # the joint [text, image] sequence
+    analytic = calls * stage_bytes_per_call(state.stage, state.world, hidden_bytes, FLUX_IMAGE * FLUX_OUT * 4)
+    sent = counter.by_op.get("pipefusion", 0) + counter.by_op.get("pipefusion_output", 0)
+    plan = patch.plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # released weights: tested in _flux_weights_case
+        patch.remove()
+    return {
+        "diff": rel_error(out, reference),
+        "tol": reassociation_tol(noise),
+        "shape": (tuple(out.shape), tuple(reference.shape)),
+        "sent": sent,
+        "analytic": analytic,
+        "stage": (state.stage, state.first, state.end),
+        "plan": (plan.cfg, plan.pipefusion, plan.ulysses, plan.ring, plan.vae),
+    }
+
+
+def _flux_approx_case(
+    parallel: ParallelConfig, patches: int, warmup: int, guide: bool = False
+) -> dict[str, Any]:
+    """Pipelined after the warm-up: equal to the one-process simulation, deterministic, a bounded error."""
+    pipe = _flux_pipe(guide)
+    reference = _flux_run(pipe, guide)
+    patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
+    with count_comm() as counter:
+        out = _flux_run(pipe, guide)
+    again = _flux_run(pipe, guide)
+    state = pipe.transformer._hfpatch_pipefusion
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.remove()
+    simulated = _flux_simulated(patches, warmup, guide)
+    return {
+        "vs_simulation": (out - simulated).abs().max().item(),
+        "deterministic": torch.equal(out, again),
+        "max_abs": (out - reference).abs().max().item(),
+        "psnr": _psnr(out, reference),
+        "handoffs": counter.calls.get("pipefusion", 0),
+        "handoff_bytes": counter.by_op.get("pipefusion", 0),
+        "stage": state.stage,
+    }
+
+
+def _flux_weights_case() -> dict[str, Any]:
+    """Weights per rank after release: own blocks (across both block lists) plus the unsplit layers."""
+    pipe = _flux_pipe()
+    model = pipe.transformer
+    total = parameter_bytes(model)
+    per_block = [parameter_bytes(b) for b in flux_blocks(model)]
+    patch = hfpatch.apply(pipe, ParallelConfig(pipefusion=2, vae=1))
+    state = model._hfpatch_pipefusion
+    own = range(state.first, state.end)
+    after = parameter_bytes(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch.remove()
+    return {
+        "after": after,
+        "expected": total - sum(per_block) + sum(per_block[i] for i in own),
+        "released": (state.released_bytes, sum(b for i, b in enumerate(per_block) if i not in own)),
+        "meta": [
+            i
+            for i, b in enumerate(flux_blocks(model))
+            if all(p.device.type == "meta" for p in b.parameters())
+        ],
+        "own": list(own),
+        "own_block_bytes": sum(per_block[i] for i in own),
+        "block_bytes": sum(per_block),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _flux_error_cases() -> dict[str, str]:
+    pf2 = ParallelConfig(pipefusion=2, vae=1)
+    one_block = tiny_flux_pipe()
+    one_block.transformer = tiny_flux_transformer(num_layers=1, num_single_layers=0)
+    results = {"stages_over_blocks": _errors(lambda: hfpatch.apply(one_block, pf2))}
+
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class CustomProcessor(FluxAttnProcessor):
+        pass
+
+    custom = _flux_pipe()
+    custom.transformer.single_transformer_blocks[1].attn.set_processor(CustomProcessor())
+    results["custom_processor"] = _errors(lambda: hfpatch.apply(custom, pf2))
+
+    pipe = _flux_pipe()
+    patch = hfpatch.apply(pipe, pf2, pipefusion_release_weights=False)
+    model, gen = pipe.transformer, torch.Generator().manual_seed(2)
+    args = [torch.randn(1, FLUX_IMAGE, 16, generator=gen), torch.randn(1, FLUX_TEXT, 16, generator=gen)]
+    kwargs = dict(
+        pooled_projections=torch.randn(1, 16, generator=gen),
+        timestep=torch.tensor([0.9]),
+        img_ids=torch.zeros(FLUX_IMAGE, 3),
+        txt_ids=torch.zeros(FLUX_TEXT, 3),
+    )
+    with torch.no_grad():
+        residuals = [torch.zeros(1, FLUX_IMAGE, FLUX_WIDTH)]
+        results["controlnet"] = _errors(lambda: model(*args, **kwargs, controlnet_block_samples=residuals))
+        patched = model(*args, **kwargs).sample  # the refused call left nothing behind: a warm-up call, exact
+    patch.remove()
+    with torch.no_grad():
+        results["after_errors_exact"] = torch.equal(patched, model(*args, **kwargs).sample)
+    pipe = _flux_pipe()
+    patch = hfpatch.apply(pipe, pf2, pipefusion_patches=FLUX_TEXT + FLUX_IMAGE + 1)
+    results["patches_over_tokens"] = _errors(lambda: _flux_run(pipe))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.remove()
+    return results
+
+
+def _planner_cases() -> dict[str, Any]:
+    """``parallel=N, pipefusion=True`` (2 ranks): Wan guides, so CFG takes both ranks (pipefusion=1, the
+    PipeFusion options are then moot); Flux without true CFG gets pipefusion=2. ``parallel=2`` alone never
+    plans PipeFusion."""
+    pipe = _pipe()
+    reference, noise = _reference(pipe)
+    with hfpatch.apply(pipe, 2, pipefusion=True, pipefusion_warmup=STEPS) as patch:
+        out = _run(pipe)
+        wan_plan = (patch.plan.cfg, patch.plan.pipefusion, patch.plan.vae)
+    with hfpatch.apply(_flux_pipe(), 2) as patch:
+        default_plan = (patch.plan.cfg, patch.plan.pipefusion, patch.plan.ulysses)
+    return {
+        "wan": {"plan": wan_plan, "diff": rel_error(out, reference), "tol": reassociation_tol(noise)},
+        "flux": _flux_exact_case(2, pipefusion=True),
+        "default_flux_plan": default_plan,
+    }
+
+
 # ----------------------------------------------------------------------------------------------- rank fns
 def _cases_two_ranks() -> dict[str, Any]:
     pf2 = ParallelConfig(pipefusion=2, vae=1)
@@ -264,12 +469,22 @@ def _cases_two_ranks() -> dict[str, Any]:
         "wan22": _wan22_case(),
         "errors": _error_cases(),
         "remove": _remove_cases(),
+        "flux_exact": _flux_exact_case(ParallelConfig(pipefusion=2, vae=1), pipefusion_patches=4),
+        "flux_approx": _flux_approx_case(ParallelConfig(pipefusion=2, vae=1), patches=4, warmup=1),
+        "flux_weights": _flux_weights_case(),
+        "flux_errors": _flux_error_cases(),
+        "planner": _planner_cases(),
     }
 
 
 def _cases_three_ranks() -> dict[str, Any]:
     pf3 = ParallelConfig(pipefusion=3, vae=1)
-    return {"exact": _exact_case(pf3), "approx": _approx_case(pf3, patches=3, warmup=2)}
+    return {
+        "exact": _exact_case(pf3),
+        "approx": _approx_case(pf3, patches=3, warmup=2),
+        "flux_exact": _flux_exact_case(pf3),
+        "flux_approx": _flux_approx_case(pf3, patches=3, warmup=2),
+    }
 
 
 def _cases_four_ranks() -> dict[str, Any]:
@@ -280,6 +495,9 @@ def _cases_four_ranks() -> dict[str, Any]:
         "exact_data_pf": _exact_case(ParallelConfig(data=2, pipefusion=2, vae=1), per_prompt=2),
         "approx_cfg_pf": _approx_case(cfg_pf),
         "ulysses": _errors(lambda: hfpatch.apply(_pipe(), ParallelConfig(pipefusion=2, ulysses=2, vae=1))),
+        "flux_exact_p4": _flux_exact_case(ParallelConfig(pipefusion=4, vae=1)),
+        "flux_exact_cfg_pf": _flux_exact_case(cfg_pf, guide=True),
+        "flux_approx_cfg_pf": _flux_approx_case(cfg_pf, patches=4, warmup=1, guide=True),
     }
 
 
@@ -304,6 +522,31 @@ def test_stage_ranges_uneven_first_stages_take_more():
     assert stage_ranges(5, 4) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert stage_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert stage_ranges(6, 2, counts=(2, 4)) == [(0, 2), (2, 6)]
+
+
+def test_balanced_stage_counts_minimise_the_heaviest_stage():
+    dual, single = 24, 10  # Flux-like: a dual-stream block weighs 2.4 single-stream ones
+    assert balanced_stage_counts([dual] * 3 + [single] * 3, 2) == [2, 4]  # 48 | 54, not 72 | 30 by count
+    assert balanced_stage_counts([dual] * 4 + [single] * 8, 4) == [2, 2, 4, 4]
+    assert balanced_stage_counts([7] * 5, 3) == [2, 2, 1]  # equal blocks: as stage_ranges deals them
+    for n in range(1, 9):
+        for stages in range(1, n + 1):
+            weights = [(3 * i) % 7 + 1 for i in range(n)]
+            counts = balanced_stage_counts(weights, stages)
+            assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+            edges = [sum(counts[:s]) for s in range(stages + 1)]
+            heaviest = max(sum(weights[a:b]) for a, b in zip(edges, edges[1:]))
+            assert heaviest == _brute_force_heaviest(weights, stages)
+
+
+def _brute_force_heaviest(weights: list[int], stages: int) -> int:
+    from itertools import combinations
+
+    n = len(weights)
+    return min(
+        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in combinations(range(1, n), stages - 1)
+    )
 
 
 def test_stage_ranges_more_stages_than_blocks_raises():
@@ -419,3 +662,103 @@ def test_pipefusion_releases_other_stages_weights_and_remove_warns(two):
         assert r["after_release"] == r["total"] - r["blocks_bytes"] + r["own_blocks_bytes"]
         assert r["meta_blocks"] == [i for i in range(LAYERS) if i not in r["own"]]
         assert len(r["warnings"]) == 1 and "cannot restore them" in r["warnings"][0], r["warnings"]
+
+
+# ----------------------------------------------------------------------------------------------- Flux
+def test_flux_simulation_warmup_every_step_equals_unpatched():
+    assert torch.equal(_flux_simulated(patches=4, warmup=FLUX_STEPS), _flux_run(_flux_pipe()))
+
+
+@pytest.mark.parametrize(
+    ("world", "case", "stages"),
+    [
+        (2, "flux_exact", [(0, 0, 2), (1, 2, 6)]),  # stage 1: transformer_blocks 2 + single 0-2
+        (3, "flux_exact", [(0, 0, 2), (1, 2, 3), (2, 3, 6)]),
+        (4, "flux_exact_p4", [(0, 0, 1), (1, 1, 2), (2, 2, 3), (3, 3, 6)]),
+        (4, "flux_exact_cfg_pf", [(0, 0, 2), (1, 2, 6), (0, 0, 2), (1, 2, 6)]),  # true CFG, negative prompt
+    ],
+)
+def test_flux_pipefusion_warmup_all_steps_equals_unpatched(two, three, four, world, case, stages):
+    results = {2: two, 3: three, 4: four}[world]
+    for rank, result in enumerate(results):
+        r = result[case]
+        assert r["shape"][0] == r["shape"][1]
+        assert r["diff"] <= r["tol"] and r["sent"] == r["analytic"], (rank, r)
+    assert [r[case]["stage"] for r in results] == stages
+
+
+@pytest.mark.parametrize(
+    ("world", "case"), [(2, "flux_approx"), (3, "flux_approx"), (4, "flux_approx_cfg_pf")]
+)
+def test_flux_pipefusion_after_warmup_equals_simulation_with_bounded_error(two, three, four, world, case):
+    results = {2: two, 3: three, 4: four}[world]
+    for rank, result in enumerate(results):
+        r = result[case]
+        assert r["vs_simulation"] == 0.0, (rank, r)
+        assert r["deterministic"], (rank, r)
+        assert 0.0 < r["max_abs"] and r["psnr"] >= MIN_PSNR_DB, (rank, r)
+    first = results[0][case]
+    patches, warmup = {2: (4, 1), 3: (3, 2), 4: (4, 1)}[world]
+    # one hand-off per patch per pipelined call, one per warm-up call; with true CFG at cfg=2 the first step
+    # also ran the other branch's call on this rank (one more warm-up call, in its own stream)
+    extra = 1 if world == 4 else 0
+    assert first["handoffs"] == warmup + (FLUX_STEPS - warmup) * patches + extra
+    assert first["handoff_bytes"] == (FLUX_STEPS + extra) * (FLUX_TEXT + FLUX_IMAGE) * FLUX_WIDTH * 4
+    assert all(r[case]["max_abs"] == first["max_abs"] for r in results)
+
+
+def test_flux_pipefusion_releases_other_stages_weights(two):
+    for rank, result in enumerate(two):
+        r = result["flux_weights"]
+        assert r["after"] == r["expected"] and r["released"][0] == r["released"][1], (rank, r)
+        assert r["meta"] == [i for i in range(FLUX_DUAL + FLUX_SINGLE) if i not in r["own"]]
+        assert len(r["warnings"]) == 1 and "cannot restore them" in r["warnings"][0], r["warnings"]
+    assert "Model.transformer_blocks 0-1 on this rank" in two[1]["flux_weights"]["warnings"][0]
+    assert (
+        "transformer_blocks 2, single_transformer_blocks 0-2 on this rank"
+        in two[0]["flux_weights"]["warnings"][0]
+    )
+    # byte-balanced stages: each rank holds at most 1.1/P of the block weights (block counts 2 and 4)
+    for result in two:
+        r = result["flux_weights"]
+        assert r["own_block_bytes"] <= 1.1 / 2 * r["block_bytes"], r
+
+
+def test_flux_pipefusion_bad_configurations_raise_on_every_rank(two):
+    expected = {
+        "stages_over_blocks": "ValueError: pipefusion=2 stages but FluxTransformer2DModel has only 1 transformer",
+        "custom_processor": "ValueError: FluxTransformer2DModel.single_transformer_blocks.1.attn uses attention "
+        "processor CustomProcessor",
+        "controlnet": "ValueError: PipeFusion on FluxTransformer2DModel does not support ControlNet residuals",
+        "patches_over_tokens": "ValueError: pipefusion_patches=25 does not fit a sequence of 24 tokens",
+    }
+    for rank, result in enumerate(two):
+        for name, start in expected.items():
+            assert result["flux_errors"][name].startswith(start), (rank, name, result["flux_errors"][name])
+        assert result["flux_errors"]["after_errors_exact"], rank
+
+
+# ----------------------------------------------------------------------------------------------- planner
+def test_planner_pipefusion_opt_in_spawned(two):
+    for rank, result in enumerate(two):
+        r = result["planner"]
+        assert r["wan"]["plan"] == (2, 1, 2) and r["wan"]["diff"] <= r["wan"]["tol"], (rank, r["wan"])
+        flux = r["flux"]
+        assert flux["plan"] == (1, 2, 1, 1, 2), (rank, flux)  # cfg, pipefusion, ulysses, ring, vae
+        assert flux["diff"] <= flux["tol"] and flux["sent"] == flux["analytic"], (rank, flux)
+        assert r["default_flux_plan"] == (1, 1, 2), rank  # parallel=2 alone: Ulysses, never PipeFusion
+
+
+def test_planner_pipefusion_opt_in_one_process_and_misuse():
+    pipe = _flux_pipe()
+    reference = _flux_run(pipe)
+    # parallel=1 (one process): the planner had one rank for PipeFusion; its options are then moot, not errors
+    with hfpatch.apply(pipe, 1, pipefusion=True, pipefusion_warmup=2) as patch:
+        assert patch.plan.pipefusion == 1 and patch.plan.world_size == 1
+        assert torch.equal(_flux_run(pipe), reference)
+    with pytest.raises(ValueError, match="pipefusion must be True or False"):
+        hfpatch.apply(pipe, 1, pipefusion="yes")
+    with pytest.raises(ValueError, match="set ParallelConfig\\(pipefusion=P, ...\\) there instead"):
+        hfpatch.apply(pipe, ParallelConfig(), pipefusion=True)
+    with pytest.raises(TypeError, match="unknown option 'pipefusion' for StableDiffusion3Pipeline"):
+        hfpatch.apply(tiny_sd3_pipe(), 1, pipefusion=True)  # no PipeFusion family for SD3 (yet)

@@ -1,0 +1,400 @@
+"""PipeFusion for ``FluxTransformer2DModel``: the dual- and single-stream blocks split over ranks, the joint
+``[text, image]`` sequence pipelined as patches.
+
+``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_patches=M, pipefusion_warmup=W)``
+works as for Wan (:mod:`hfpatch.patches.pipefusion`: stages, exact warm-up, stale K/V after it, streams per
+``cache_context`` name, output sent to every rank, weights of the other stages released); this module holds
+what Flux adds.
+
+**Stages over two block lists.** Flux runs ``transformer_blocks`` (dual-stream: text and image have their own
+weights and meet in a joint attention) then ``single_transformer_blocks`` (one stream over the concatenated
+``[text, image]`` sequence). The stages cut the concatenated list ``transformer_blocks + single_transformer_blocks``
+(global block index), so a stage may end inside either list or span the switch; at every stage boundary the
+state is a (text, image) pair of hidden states of the same width, whatever the block type. A dual-stream block
+holds about 2.4 times the parameters of a single-stream one (two streams of projections and MLPs), so equal
+block counts would leave the first stages heavy: the default stages balance the parameter bytes instead
+(:func:`~hfpatch.patches._pipefusion_layout.balanced_stage_counts`, which also balances the linear layers'
+compute; ``pipefusion_blocks=(n0, n1, ...)`` overrides it).
+
+**Text tokens: a prefix of the joint sequence, in the K/V buffer like the image tokens.** Every block is per
+token except its attention, which is one softmax over the joint sequence ``[text (T), image (S)]`` in both
+block types (Flux's dual-stream attention concatenates ``[text, image]`` queries, keys and values exactly as
+the single-stream blocks do, rotary table included). So PipeFusion treats the joint sequence of ``T + S``
+tokens as *the* token sequence: its ``M`` patches are contiguous runs of it
+(:func:`~hfpatch.patches._pipefusion_layout.patch_ranges` over ``T + S``), so the text tokens fall into the
+first patch(es) and, when ``T`` is large, a patch holds the last text tokens and the first image tokens; a
+patch carries its text part and image part together (one point-to-point message of ``[B, tokens, C]``), and
+every attention keeps one K/V buffer of the ``T + S`` rows. The alternatives were weighed:
+
+* *Text with every patch* (each patch recomputes all ``T`` text tokens beside its ``S / M`` image tokens):
+  ``M`` times the text compute and hand-off bytes per call (for Flux.1 at 1024^2, ``T = 512`` and
+  ``S = 4096``: at ``M = 8`` the text would be as much work as the image), and ``M`` divergent copies of the
+  text stream of which one would have to be chosen.
+* *Text with the first patch* (text prefix, image cut into ``M`` equal parts): the same arithmetic as the
+  design taken when ``T`` is below one patch, but the first patch then carries ``T + S / M`` tokens, a
+  pipeline stall of ``T`` tokens per stage per call. Cutting the joint sequence balances the patches.
+
+With the text first, every image patch of a pipelined call attends to *fresh* text K/V (computed in this call,
+by the first patch), and the text queries see fresh K/V of their own patch and stale K/V of the later
+patches: the only approximation is, as for Wan, stale K/V of patches not yet passed through a layer. Compute
+and hand-off bytes per call equal the synchronous ones (``[B, T + S, C]`` per stage boundary). (xDiT's own Flux
+pipeline refuses its asynchronous PipeFusion loop, "Async pipeline not supported in flux", and runs Flux with
+the stages synchronous only.)
+
+Refused before any communication: ControlNet residuals (added between blocks, possibly on another stage), an
+``attention_mask`` in ``joint_attention_kwargs``, and non-stock attention processors (IP-Adapter) at apply.
+
+>>> from hfpatch.patches.pipefusion_flux import FluxPipeFusion
+>>> from hfpatch.testing import tiny_flux_transformer
+>>> FluxPipeFusion().facts(tiny_flux_transformer(num_layers=2, num_single_layers=3)).num_blocks
+5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..core.config import ModelFacts, ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import PatchFamily
+from ..distributed.agreement import install_call_guard
+from ._pipefusion_layout import stage_ranges
+from .pipefusion import (
+    HANDOFF,
+    PIPEFUSION_OPTIONS,
+    PipeFusionState,
+    _spans,
+    check_pipefusion_options,
+    install_model_hooks,
+    release_other_blocks,
+    wrap_stage_blocks,
+)
+
+__all__ = [
+    "FluxPipeFusion",
+    "PipeFusionFluxAttnProcessor",
+    "apply_flux_pipefusion",
+    "block_bytes",
+    "flux_blocks",
+]
+
+
+def flux_blocks(model: Any) -> list[torch.nn.Module]:
+    """``transformer_blocks + single_transformer_blocks``: the blocks in the order the stages cut them."""
+    return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+def block_bytes(block: torch.nn.Module) -> int:
+    """Parameter bytes of a block (from shapes and dtypes: the same on every rank, before any release)."""
+    return sum(p.numel() * p.element_size() for p in block.parameters())
+
+
+def _describe(model: Any, indices: list[int]) -> str:
+    """Global block indices -> ``"FluxTransformer2DModel.transformer_blocks 0-1, .single_transformer_blocks 0"``."""
+    dual = len(model.transformer_blocks)
+    parts = []
+    if first := [i for i in indices if i < dual]:
+        parts.append(f"transformer_blocks {_spans(first)}")
+    if second := [i - dual for i in indices if i >= dual]:
+        parts.append(f"single_transformer_blocks {_spans(second)}")
+    return f"{type(model).__name__}." + ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+class PipeFusionFluxAttnProcessor:
+    """Flux joint attention of a block of this stage (dual- or single-stream), over the stage's K/V buffer.
+
+    The patch's queries are the joint-sequence tokens ``call.current`` (its text part then its image part,
+    as the stock processor concatenates them); its fresh keys and values (after the norms and rotary)
+    overwrite those rows of the buffer of ``T + S`` rows, and the queries attend to the whole buffer.
+    Warm-up: the stock computation on the whole sequence, op for op, storing K/V.
+
+    Args:
+        state: The model's :class:`~hfpatch.patches.pipefusion.PipeFusionState`.
+        layer: Global index of the block (``transformer_blocks`` then ``single_transformer_blocks``).
+        backend: The replaced processor's ``_attention_backend`` (kept).
+    """
+
+    _parallel_config = None
+
+    def __init__(self, state: PipeFusionState, layer: int, backend: Any = None) -> None:
+        self.state = state
+        self.layer = layer
+        self._attention_backend = backend
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        call = self.state.call
+        if call is None:
+            raise RuntimeError(
+                f"{self.state.name} block {self.layer} attention ran outside a PipeFusion call of the model (a "
+                "block called on its own?): call the model, whose blocks are split over the PipeFusion ranks"
+            )
+        if attention_mask is not None:
+            raise ValueError("PipeFusion on Flux does not support an attention_mask (joint_attention_kwargs)")
+        # The stock FluxAttnProcessor, op for op (warm-up calls must equal it bit for bit).
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            encoder_query = attn.norm_added_q(encoder_query)
+            encoder_key = attn.norm_added_k(encoder_key)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if image_rotary_emb is not None:  # the rows of this patch (sliced by the stage runner)
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        if call.synchronous:
+            call.stream.kv[self.layer] = [key, value]
+        else:
+            buffer = call.stream.kv.get(self.layer)
+            start, end = call.current
+            if buffer is None or buffer[0].shape[1] < end or key.shape[1] != end - start:
+                raise RuntimeError(
+                    f"PipeFusion: no K/V buffer for Flux block {self.layer} (warm-up skipped?)"
+                )
+            buffer[0][:, start:end] = key
+            buffer[1][:, start:end] = value
+            key, value = buffer
+
+        hidden = dispatch_attention_fn(
+            query, key, value, attn_mask=None, backend=self._attention_backend, parallel_config=None
+        )
+        hidden = hidden.flatten(2, 3)
+        hidden = hidden.to(query.dtype)
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_out, hidden = hidden.split_with_sizes([text, hidden.shape[1] - text], dim=1)
+            hidden = attn.to_out[0](hidden.contiguous())
+            hidden = attn.to_out[1](hidden)
+            encoder_out = attn.to_add_out(encoder_out.contiguous())
+            return hidden, encoder_out
+        return hidden
+
+    def __repr__(self) -> str:
+        return f"PipeFusionFluxAttnProcessor(layer={self.layer}, {self.state!r})"
+
+
+# ----------------------------------------------------------------------------------------------- stage runner
+def _slice_rotary(rotary: Any, start: int, end: int) -> Any:
+    if rotary is None:
+        return None
+    if isinstance(rotary, (tuple, list)):
+        return type(rotary)(r[start:end] for r in rotary)
+    return rotary[start:end]
+
+
+def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]]) -> Callable[..., Any]:
+    """Replacement ``forward`` of the first block (``transformer_blocks[0]``): runs this rank's stage
+    (``blocks``: the stock forwards of its blocks, of either type) for the whole call, patch by patch over the
+    joint ``[text, image]`` sequence, and returns ``(text, image)`` hidden states on the last stage (its inputs,
+    placeholders, elsewhere)."""
+
+    def run_stage(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: Any = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        call = state.call
+        if call is None:
+            raise RuntimeError(f"{state.name} blocks ran outside a PipeFusion call of the model")
+        text = encoder_hidden_states.shape[1]
+        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
+        texts: list[torch.Tensor] = []
+        images: list[torch.Tensor] = []
+        sending: list[dist.Work] = []
+
+        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
+            start, end = call.patches[index]
+            buffer = hidden_states.new_empty((batch, end - start, channels))
+            return buffer, state.recv(buffer, state.stage - 1)
+
+        pending = post_recv(0) if not state.is_first else None
+        for index, (start, end) in enumerate(call.patches):
+            own_text = max(0, min(end, text) - start)  # text tokens of this patch: the joint sequence's head
+            if state.is_first:
+                txt = encoder_hidden_states[:, start : start + own_text]
+                img = hidden_states[:, max(start, text) - text : max(end, text) - text]
+            else:
+                received, works = pending
+                if index + 1 < len(call.patches):  # the next patch arrives while this one computes
+                    pending = post_recv(index + 1)
+                state.wait(works, "PipeFusion receive")
+                txt, img = received[:, :own_text], received[:, own_text:]
+            rotary = image_rotary_emb if call.synchronous else _slice_rotary(image_rotary_emb, start, end)
+            call.current = (start, end)
+            for block in blocks:
+                txt, img = block(
+                    hidden_states=img,
+                    encoder_hidden_states=txt,
+                    temb=temb,
+                    image_rotary_emb=rotary,
+                    joint_attention_kwargs=joint_attention_kwargs,
+                )
+            if state.is_last:
+                texts.append(txt)
+                images.append(img)
+            else:
+                state.wait(sending, "PipeFusion send")  # at most one patch in flight
+                sending = state.send(torch.cat([txt, img], dim=1), state.stage + 1, HANDOFF)
+        state.wait(sending, "PipeFusion send")
+        if not state.is_last:
+            return encoder_hidden_states, hidden_states  # placeholders: the output comes from the last stage
+        if len(images) == 1:
+            return texts[0], images[0]
+        return torch.cat(texts, dim=1), torch.cat(images, dim=1)
+
+    return run_stage
+
+
+def _passthrough(
+    hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement ``forward`` of every block but the first: the first one ran the whole stage."""
+    return encoder_hidden_states, hidden_states
+
+
+def _precheck(name: str) -> Callable[[dict[str, Any]], None]:
+    def check(named: dict[str, Any]) -> None:
+        for key in ("controlnet_block_samples", "controlnet_single_block_samples"):
+            if named.get(key) is not None:
+                raise ValueError(
+                    f"PipeFusion on {name} does not support ControlNet residuals ({key}): they are added between "
+                    "blocks that live on different ranks; apply without PipeFusion (ulysses/ring, cfg, data)"
+                )
+        extra = named.get("joint_attention_kwargs") or {}
+        if extra.get("attention_mask") is not None:
+            raise ValueError(
+                f"PipeFusion on {name} does not support an attention_mask in joint_attention_kwargs"
+            )
+
+    return check
+
+
+# ----------------------------------------------------------------------------------------------- family
+class FluxPipeFusion(PatchFamily):
+    """PipeFusion for ``diffusers.FluxTransformer2DModel`` (options as :class:`~hfpatch.patches.pipefusion.
+    WanPipeFusion`; ``pipefusion_blocks`` counts ``transformer_blocks`` then ``single_transformer_blocks``)."""
+
+    name: ClassVar[str] = "flux_pipefusion"
+    role: ClassVar[str] = "transformer"
+    options: ClassVar[dict[str, Any]] = PIPEFUSION_OPTIONS
+
+    def facts(self, target: Any) -> ModelFacts:
+        return ModelFacts(
+            num_heads=target.config.num_attention_heads,
+            name=type(target).__name__,
+            num_blocks=len(flux_blocks(target)),
+        )
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        name = type(target).__name__
+        if not check_pipefusion_options(target, config, options, len(flux_blocks(target)), name):
+            return
+        dual = len(target.transformer_blocks)
+        for index, block in enumerate(flux_blocks(target)):
+            found = type(block.attn.processor).__name__
+            if found != "FluxAttnProcessor":
+                where = (
+                    f"transformer_blocks.{index}"
+                    if index < dual
+                    else f"single_transformer_blocks.{index - dual}"
+                )
+                raise ValueError(
+                    f"{name}.{where}.attn uses attention processor {found}; PipeFusion replaces only the stock "
+                    "FluxAttnProcessor (no IP-Adapter). Restore it (model.set_default_attn_processor() or unload "
+                    "the IP-Adapter) before hfpatch.apply"
+                )
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        if mesh.config.pipefusion == 1:
+            return
+        apply_flux_pipefusion(target, patch, mesh.group("pipefusion"), options)
+
+
+def apply_flux_pipefusion(
+    target: Any,
+    patch: Patch,
+    group: Any,
+    options: dict[str, Any],
+    stages: list[tuple[int, int]] | None = None,
+) -> PipeFusionState:
+    """Install PipeFusion on a ``FluxTransformer2DModel`` through ``patch`` (what :class:`FluxPipeFusion` does);
+    ``group=None`` is the one-process simulation, as in :func:`hfpatch.patches.pipefusion.apply_pipefusion`.
+
+    >>> import torch
+    >>> from hfpatch.core.patch import Patch
+    >>> from hfpatch.testing import tiny_flux_transformer
+    >>> model = tiny_flux_transformer()
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, text, pooled = torch.randn(1, 16, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.randn(1, 16)
+    >>> ids = {"img_ids": torch.randn(16, 3, generator=g), "txt_ids": torch.zeros(8, 3)}
+    >>> with torch.no_grad():
+    ...     reference = model(x, text, pooled, torch.tensor([0.9]), **ids).sample
+    ...     with Patch("pipefusion") as patch:
+    ...         state = apply_flux_pipefusion(model, patch, None, {**FluxPipeFusion.options, "pipefusion_patches": 3})
+    ...         warm = model(x, text, pooled, torch.tensor([0.9]), **ids).sample     # warm-up call: exact
+    ...         stale = model(x, text, pooled, torch.tensor([0.8]), **ids).sample    # pipelined: stale K/V
+    >>> torch.equal(warm, reference), torch.equal(stale, model(x, text, pooled, torch.tensor([0.8]), **ids).sample)
+    (True, False)
+    """
+    name = type(target).__name__
+    blocks = flux_blocks(target)
+    world = 1 if group is None else dist.get_world_size(group)
+    if stages is None:
+        counts = options["pipefusion_blocks"] if world > 1 else None
+        stages = stage_ranges(len(blocks), world, counts, weights=[block_bytes(b) for b in blocks])
+    state = PipeFusionState(
+        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name
+    )
+    if options["check_inputs"] and group is not None:
+        install_call_guard(patch, target, group, f"{name}.forward (PipeFusion stages)")
+    own = range(state.first, state.end)
+    stage_blocks: list[Callable[..., Any]] = []  # the stock forwards of this stage's blocks
+    wrap_stage_blocks(patch, blocks, own, _flux_stage_runner(state, stage_blocks), _passthrough, stage_blocks)
+    for index in own:
+        attention = blocks[index].attn
+        backend = getattr(attention.processor, "_attention_backend", None)
+        patch.swap_processor(attention, PipeFusionFluxAttnProcessor(state, index, backend))
+
+    def tokens_of(named: dict[str, Any]) -> int:  # the joint sequence: text tokens, then image tokens
+        return named["encoder_hidden_states"].shape[1] + named["hidden_states"].shape[1]
+
+    install_model_hooks(target, patch, state, name, tokens_of, _precheck(name))
+    if options["pipefusion_release_weights"]:
+        release_other_blocks(
+            target,
+            patch,
+            state,
+            blocks,
+            own,
+            ("transformer_blocks", "single_transformer_blocks"),
+            lambda indices: _describe(target, indices),
+        )
+    return state
