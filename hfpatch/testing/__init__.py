@@ -12,8 +12,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
   :func:`tiny_ltx_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
-  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`; with text encoders and in-memory tokenizers:
-  :func:`tiny_flux_pipe_with_text_encoders`.
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_qwenimage_pipe`, :func:`tiny_ltx_pipe`; with text
+  encoders and in-memory tokenizers: :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
 * Text encoders: :func:`tiny_bert`, :func:`tiny_clip_text_model` with :func:`tiny_clip_tokenizer`,
@@ -55,10 +55,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_ltx_pipe,
         tiny_ltx_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
+        tiny_qwenimage_pipe,
         tiny_qwenimage_transformer,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
@@ -89,10 +91,12 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",

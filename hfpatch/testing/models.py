@@ -26,10 +26,12 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
@@ -706,3 +708,100 @@ def tiny_ltx_transformer(
         caption_channels=16,
     )
     return _build(LTXVideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_qwenimage_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``QwenImagePipeline`` from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]`` and ``prompt_embeds_mask`` ``[B, T]`` (and their negatives for true CFG), ``height``/``width``
+    multiples of 4 (the VAE's 2x and the 2x2 patches: 20 x 20 pixels are 5 x 5 tokens); packed ``latents=``
+    ``[B, H*W, 16]``. Keyword arguments go to :func:`tiny_qwenimage_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_qwenimage_pipe
+    >>> pipe = tiny_qwenimage_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 5, 16), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
+    ...            height=32, width=32, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (1, 3, 32, 32)
+    """
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    vae = _build(
+        AutoencoderKLQwenImage,
+        dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ),
+        {},
+        seed,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_qwenimage_transformer(seed=seed, **transformer_overrides),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``LTXPipeline`` (batched CFG) from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]`` and their negatives; ``height``/``width`` multiples of 32
+    (the VAE's spatial factor: 160 x 160 gives 5 x 5 latent tokens per frame), ``num_frames`` = 1 + 8k (its
+    temporal factor). Latents (``latents=``) are packed ``[B, F*H*W, 8]``. Keyword arguments go to
+    :func:`tiny_ltx_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_ltx_pipe
+    >>> pipe = tiny_ltx_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            negative_prompt_embeds=torch.zeros(1, 4, 16),
+    ...            negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            height=64, width=32, num_frames=9, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 9, 3, 64, 32)
+    """
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    vae = _build(
+        AutoencoderKLLTXVideo,
+        dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=8,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False),
+            decoder_inject_noise=(False, False, False, False, False),
+            upsample_residual=(False, False, False, False),
+            upsample_factor=(1, 1, 1, 1),
+            timestep_conditioning=False,
+            patch_size=4,
+            patch_size_t=1,
+            encoder_causal=True,
+            decoder_causal=False,
+        ),
+        {},
+        seed,
+    )
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_ltx_transformer(seed=seed, **transformer_overrides),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
