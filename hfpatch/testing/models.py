@@ -19,6 +19,7 @@ __all__ = [
     "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
     "tiny_bert",
+    "tiny_chronoedit_transformer",
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
@@ -26,6 +27,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
@@ -39,6 +41,7 @@ __all__ = [
     "tiny_t5_tokenizer",
     "tiny_wan_pipe",
     "tiny_wan_transformer",
+    "tiny_wan_vace_transformer",
     "tiny_wan_vae",
     "wan_prompt_embeds",
 ]
@@ -805,3 +808,90 @@ def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_chronoedit_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``ChronoEditTransformer3DModel`` (Wan 2.1 I2V layout: cross-attention to text and image keys).
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2; ``F = 2`` takes ChronoEdit's temporal-skip
+    rotary path), ``timestep`` ``[B]``, ``encoder_hidden_states`` ``[B, T, 16]`` and
+    ``encoder_hidden_states_image`` ``[B, I, 16]``.
+    """
+    from diffusers import ChronoEditTransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=16,
+        added_kv_proj_dim=num_heads * head_dim,
+        rope_max_seq_len=64,
+        rope_temporal_skip_len=8,
+    )
+    return _build(ChronoEditTransformer3DModel, config, overrides, seed)
+
+
+def tiny_wan_vace_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``WanVACETransformer3DModel``: :func:`tiny_wan_transformer`'s layout plus a VACE block per layer.
+
+    Call it like the Wan transformer plus ``control_hidden_states`` ``[B, 8, F, H, W]`` (the latent's frames and
+    size) and optionally ``control_hidden_states_scale`` ``[num_layers]``.
+    """
+    from diffusers import WanVACETransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+        vace_layers=list(range(num_layers)),
+        vace_in_channels=8,
+    )
+    return _build(WanVACETransformer3DModel, config, overrides, seed)
+
+
+def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``HunyuanVideoTransformer3DModel`` (text-to-video) with one dual- and one single-stream block.
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2), ``timestep`` ``[B]``,
+    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` (a prefix of ones) and
+    ``pooled_projections`` ``[B, 16]``.
+    """
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    config = dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=False,
+        text_embed_dim=16,
+        pooled_projection_dim=16,
+        rope_axes_dim=(2, 2, 4),
+    )
+    return _build(HunyuanVideoTransformer3DModel, config, overrides, seed)
