@@ -13,8 +13,9 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
   :func:`tiny_wan_vace_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
-  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_qwenimage_pipe`, :func:`tiny_ltx_pipe`; with text
-  encoders and in-memory tokenizers: :func:`tiny_flux_pipe_with_text_encoders`.
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_qwenimage_pipe`, :func:`tiny_ltx_pipe`,
+  :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
+  :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
 * Text encoders: :func:`tiny_bert`, :func:`tiny_clip_text_model` with :func:`tiny_clip_tokenizer`,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_hunyuanvideo_pipe,
         tiny_hunyuanvideo_transformer,
         tiny_ltx_pipe,
         tiny_ltx_transformer,
@@ -96,6 +98,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",

@@ -27,6 +27,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
@@ -895,3 +896,52 @@ def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: i
         rope_axes_dim=(2, 2, 4),
     )
     return _build(HunyuanVideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``HunyuanVideoPipeline`` (true CFG with a negative prompt) from tiny parts, without text encoders:
+    call it with ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, ``pooled_prompt_embeds``
+    ``[B, 16]`` (and their negatives with ``true_cfg_scale > 1``); ``height``/``width`` multiples of 16 (the
+    VAE's 8x and the 2x2 patches: 80 x 80 pixels are 5 x 5 tokens per latent frame). Keyword arguments go to
+    :func:`tiny_hunyuanvideo_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_hunyuanvideo_pipe
+    >>> pipe = tiny_hunyuanvideo_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            pooled_prompt_embeds=torch.ones(1, 16), height=32, width=32, num_frames=1,
+    ...            num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 1, 3, 32, 32)
+    """
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+
+    vae = _build(
+        AutoencoderKLHunyuanVideo,
+        dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+            mid_block_add_attention=True,
+        ),
+        {},
+        seed,
+    )
+    pipe = HunyuanVideoPipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_hunyuanvideo_transformer(seed=seed, **transformer_overrides),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -14,8 +14,11 @@ same shards and run the same scheduler steps).
   pipeline); decoded images compared (``output_type="pt"``).
 * ``LTXPipeline`` (batched CFG, masked text for the cross-attention): ``parallel=N`` plans CFG 2 x Ulysses N/2
   (each cfg rank computes one half of the ``[uncond, cond]`` batch); ``ParallelConfig(cfg=2, ring=2)`` at world
-  4 for Ring inside CFG. Latents compared (the tiny random VAE
-  saturates most pixels, which would hide differences).
+  4 for Ring inside CFG. Latents compared (the tiny random VAE saturates most pixels, which would hide
+  differences).
+* ``HunyuanVideoPipeline`` (true CFG with a negative prompt, two calls per step; text joined behind the video
+  tokens, padded prompts masked): as QwenImage, ``parallel=N`` (Ulysses N) and ``cfg=2`` x Ulysses N/2. Latents
+  compared.
 
 25 image/video tokens (5 x 5): no world size of 2-4 divides them, so every split pads.
 """
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.attention.layout import shard_len
-from hfpatch.testing import tiny_ltx_pipe, tiny_qwenimage_pipe
+from hfpatch.testing import tiny_hunyuanvideo_pipe, tiny_ltx_pipe, tiny_qwenimage_pipe
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 
@@ -75,8 +78,36 @@ def _ltx(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     ).frames  # fmt: skip
 
 
+def _hunyuan_inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "prompt_embeds": torch.randn(1, 6, 16, generator=gen),
+        "prompt_attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]]),  # padded prompt: masked text keys
+        "pooled_prompt_embeds": torch.randn(1, 16, generator=gen),
+        "negative_prompt_embeds": torch.randn(1, 6, 16, generator=gen),
+        "negative_prompt_attention_mask": torch.tensor([[1, 1, 1, 0, 0, 0]]),
+        "negative_pooled_prompt_embeds": torch.randn(1, 16, generator=gen),
+        "latents": torch.randn(1, 4, 1, 10, 10, generator=gen),  # 1 frame of 80 x 80: 5 x 5 tokens
+    }
+
+
+def _hunyuan(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if pipe.transformer.dtype == torch.float64:
+        inputs = to_fp64(inputs)
+    return pipe(
+        **inputs, true_cfg_scale=4.0, height=80, width=80, num_frames=1, num_inference_steps=3,
+        output_type="latent",
+    ).frames  # fmt: skip
+
+
 #: name -> (pipeline builder, inputs, run)
-PIPES = {"qwenimage": (tiny_qwenimage_pipe, _qwen_inputs, _qwen), "ltx": (tiny_ltx_pipe, _ltx_inputs, _ltx)}
+PIPES = {
+    "qwenimage": (tiny_qwenimage_pipe, _qwen_inputs, _qwen),
+    "ltx": (tiny_ltx_pipe, _ltx_inputs, _ltx),
+    "hunyuanvideo": (tiny_hunyuanvideo_pipe, _hunyuan_inputs, _hunyuan),
+}
+#: Pipelines with two transformer calls per step (true CFG): cfg=2 puts them on different ranks, bit-exact.
+TWO_CALL = ("qwenimage", "hunyuanvideo")
 
 
 def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
@@ -90,6 +121,12 @@ def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
             ParallelConfig(cfg=2, ulysses=half, vae=world),
         ),
         f"ltx parallel={world}": ("ltx", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
+        f"hunyuanvideo parallel={world}": ("hunyuanvideo", world, ParallelConfig(ulysses=world, vae=world)),
+        f"hunyuanvideo cfg=2 ulysses={half}": (
+            "hunyuanvideo",
+            ParallelConfig(cfg=2, ulysses=half),
+            ParallelConfig(cfg=2, ulysses=half, vae=world),
+        ),
     }
     if world == 4:
         cases["ltx cfg=2 ring=2"] = (
@@ -157,16 +194,15 @@ def test_dit_pipelines_every_rank_equals_unpatched(rank_pool, world):
                 result["error"],
                 result["noise"],
             )
-            if (
-                name == "qwenimage" and plan.ulysses * plan.ring == 1
-            ):  # two-call CFG alone: calls run as unpatched
+            # Two-call CFG alone: every transformer call runs as in the unpatched pipeline.
+            if name in TWO_CALL and plan.ulysses * plan.ring == 1:
                 assert result["error"] == 0.0, (rank, case, result["error"])
             # USP really ran where the plan has a sequence degree (2 attention modules per tiny transformer).
             assert result["usp_swapped"] == (2 if plan.ulysses * plan.ring > 1 else 0), (rank, case)
             # Each rank computed its shard of the tokens, and LTX's batched [uncond, cond] was split by cfg.
             batch = 2 // plan.cfg if name == "ltx" else 1
             assert result["seen"] == {(batch, shard_len(25, plan.ulysses * plan.ring))}, (rank, case, result)
-            if name == "qwenimage" and plan.cfg == 2:
+            if name in TWO_CALL and plan.cfg == 2:
                 assert result["phase"] == "parallel", (rank, case)  # cond/uncond on different cfg ranks
         outputs = [r[case]["out"] for r in results]
         assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
