@@ -20,9 +20,9 @@ at the same size (8 heads of 16, ``C = 128``, MLP ``4 C``, 2 layers, 4096 image/
 
 - ``QwenImageTransformer2DModel``: joint attention with the 16 text tokens replicated. Analytic bytes add,
   per layer under Ulysses, the all-gather of the joint (text) output heads, ``(u-1)`` times the local
-  ``[B, T, H/u, D]`` slice; the text keys/values are never sent (every rank has them). The plan cuts the
-  sequence at block 0's input, so the full ``img_in`` output stays referenced by the stock forward until
-  block 0 returns (peak above ``1/N``: reported, not hidden).
+  ``[B, T, H/u, D]`` slice; the text keys/values are never sent (every rank has them). hfpatch cuts the
+  image tokens at ``img_in``'s output (diffusers' plan cuts them at block 0's input, which keeps the full
+  embedding alive until block 0 returns).
 - ``LTXVideoTransformer3DModel``: self-attention over the video tokens, cross-attention to the replicated text
   (no communication); the rotary output is cut, the tokens enter block 0 cut.
 

@@ -47,7 +47,7 @@ tokens at the ``front`` or ``back`` (``T = len - local_len``), as the entry decl
 '_cp_plan'
 >>> from hfpatch.patches.dit import PlannedDiTUSP
 >>> sorted(PlannedDiTUSP().plan_for(tiny_qwenimage_transformer()))
-['pos_embed', 'proj_out', 'transformer_blocks.*', 'transformer_blocks.0']
+['img_in', 'pos_embed', 'proj_out', 'transformer_blocks.*']
 """
 
 from __future__ import annotations
@@ -116,6 +116,9 @@ class DiTPlan:
         plan: hfpatch's own sequence plan, for a class without ``_cp_plan``; ``None``: translate ``_cp_plan``.
         replicate: ``(path, key)`` entries of ``_cp_plan`` that hfpatch keeps replicated (the text); ``key``
             is an argument name or an output index, as in ``_cp_plan``.
+        earlier: ``(path, key)`` entries of ``_cp_plan`` whose tensor hfpatch cuts *earlier* instead, by a spec
+            of ``extra`` (QwenImage: the image tokens at ``img_in``'s output rather than block 0's input, so the
+            full embedding is freed at once instead of living until block 0 returns).
         extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
         refuse: ``forward`` arguments that must be ``None`` under sequence parallelism (checked per call,
             before any collective), with the reason.
@@ -126,6 +129,7 @@ class DiTPlan:
     attention: tuple[AttentionRoute, ...]
     plan: SequencePlan | None = None
     replicate: tuple[tuple[str, str | int], ...] = ()
+    earlier: tuple[tuple[str, str | int], ...] = ()
     extra: SequencePlan = field(default_factory=dict)
     refuse: Mapping[str, str] = field(default_factory=dict)
     refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
@@ -178,6 +182,8 @@ PLANS: dict[str, DiTPlan] = {
             ("transformer_blocks.*", "encoder_hidden_states_mask"),
             ("pos_embed", 1),  # the text rotary table
         ),
+        earlier=(("transformer_blocks.0", "hidden_states"),),
+        extra={"img_in": (SplitOutput(dim=1),)},  # image tokens [B, S, C], cut as they are embedded
         refuse={"controlnet_block_samples": "ControlNet residuals are not sharded by the QwenImage plan"},
     ),
     "diffusers.Flux2Transformer2DModel": DiTPlan(
@@ -528,7 +534,9 @@ class PlannedDiTUSP(SequenceParallelFamily):
                     f"{type(target).__name__} declares no _cp_plan in this diffusers version and hfpatch's table has "
                     "no plan of its own for it"
                 )
-            plan = plan_from_cp(cp_plan, entry.replicate, where=f"{type(target).__name__}._cp_plan")
+            plan = plan_from_cp(
+                cp_plan, entry.replicate + entry.earlier, where=f"{type(target).__name__}._cp_plan"
+            )
         for path, specs in entry.extra.items():
             plan[path] = plan.get(path, ()) + tuple(specs)
         return plan
