@@ -15,7 +15,19 @@ N = 2 and 4 gloo ranks: Ulysses N, Ring N and USP 2x2. Every rank reports:
   ``2 (r-1)`` such tensors (K and V passed ``r-1`` times), times ``num_layers``; the output gather sends
   ``(N-1)`` local output shards. Cross-attention to the replicated text sends nothing.
 
-Writes ``benchmarks/results/usp_transformer.json`` and ``.png``; under two minutes on two CPU cores.
+Two plan-driven families (``hfpatch.patches.dit``, diffusers' ``_cp_plan`` translated) run the same configs
+at the same size (8 heads of 16, ``C = 128``, MLP ``4 C``, 2 layers, 4096 image/video tokens, 16 text tokens):
+
+- ``QwenImageTransformer2DModel``: joint attention with the 16 text tokens replicated. Analytic bytes add,
+  per layer under Ulysses, the all-gather of the joint (text) output heads, ``(u-1)`` times the local
+  ``[B, T, H/u, D]`` slice; the text keys/values are never sent (every rank has them). hfpatch cuts the
+  image tokens at ``img_in``'s output (diffusers' plan cuts them at block 0's input, which keeps the full
+  embedding alive until block 0 returns).
+- ``LTXVideoTransformer3DModel``: self-attention over the video tokens, cross-attention to the replicated text
+  (no communication); the rotary output is cut, the tokens enter block 0 cut.
+
+Writes ``benchmarks/results/usp_transformer.json`` (Wan at the top level, the others under ``families``) and
+``.png``; about two minutes on two CPU cores.
 
     python benchmarks/usp_transformer.py
 """
@@ -23,6 +35,7 @@ Writes ``benchmarks/results/usp_transformer.json`` and ``.png``; under two minut
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +63,10 @@ CONFIGS = {
     4: [("ulysses", 1, 4), ("ring", 4, 1), ("usp 2x2", 2, 2)],
 }
 MARKERS = {"ulysses": "o-", "ring": "s-", "usp 2x2": "^"}
+#: Plan-driven families benchmarked next to Wan (same heads, width, layers and token count).
+FAMILIES = ("qwenimage", "ltx")
+FAMILY_GRID = {"qwenimage": (1, 64, 64), "ltx": (16, 16, 16)}  # (frames, height, width) in tokens
+FAMILY_OUT = {"qwenimage": 16, "ltx": 8}  # proj_out channels (QwenImage: 2x2 patch x 4 latent channels)
 
 
 def seq_len(latent: tuple[int, ...] = LATENT) -> int:
@@ -87,6 +104,93 @@ def analytic_bytes(ring: int, ulysses: int, latent: tuple[int, ...] = LATENT) ->
         "all_to_all": LAYERS * 4 * (ulysses - 1) * qkv // ulysses,
         "ring": LAYERS * 2 * (ring - 1) * qkv,
         "all_gather": (world - 1) * out_shard,
+    }
+
+
+def build_family(name: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A plan-driven family's benchmark model (stock class, same weights on every rank) and forward kwargs."""
+    from hfpatch.testing import tiny_ltx_transformer, tiny_qwenimage_transformer
+
+    frames, height, width = FAMILY_GRID[name]
+    tokens = frames * height * width
+    gen = torch.Generator().manual_seed(1)
+    text = torch.randn(1, TEXT_LEN, 16, generator=gen)
+    if name == "qwenimage":
+        model = tiny_qwenimage_transformer(
+            num_heads=HEADS, head_dim=HEAD_DIM, num_layers=LAYERS, axes_dims_rope=(4, 6, 6)
+        )
+        kwargs = dict(
+            hidden_states=torch.randn(1, tokens, 16, generator=gen),
+            encoder_hidden_states=text,
+            timestep=torch.tensor([0.5]),
+            img_shapes=[[(frames, height, width)]],
+        )
+    elif name == "ltx":
+        model = tiny_ltx_transformer(num_heads=HEADS, head_dim=HEAD_DIM, num_layers=LAYERS)
+        kwargs = dict(
+            hidden_states=torch.randn(1, tokens, 8, generator=gen),
+            encoder_hidden_states=text,
+            encoder_attention_mask=torch.ones(1, TEXT_LEN, dtype=torch.long),
+            timestep=torch.tensor([500]),
+            num_frames=frames,
+            height=height,
+            width=width,
+        )
+    else:
+        raise ValueError(name)
+    return model, kwargs
+
+
+def analytic_family_bytes(name: str, ring: int, ulysses: int) -> dict[str, int]:
+    """Minimum bytes one rank sends in a forward of a plan-driven family (fp32, per collective kind)."""
+    world = ring * ulysses
+    local = shard_len(math.prod(FAMILY_GRID[name]), world)
+    qkv = local * HIDDEN * 4  # one local [1, S/N, H, D] fp32 tensor
+    bytes_ = {
+        "all_to_all": LAYERS * 4 * (ulysses - 1) * qkv // ulysses,
+        "ring": LAYERS * 2 * (ring - 1) * qkv,
+        "all_gather": (world - 1) * local * FAMILY_OUT[name] * 4,
+    }
+    if name == "qwenimage":  # the joint (text) output heads, all-gathered over the Ulysses group
+        heads = -(-HEADS // ulysses)  # the largest head slice (heads split as evenly as possible)
+        bytes_["all_gather"] += LAYERS * (ulysses - 1) * TEXT_LEN * heads * HEAD_DIM * 4
+    return bytes_
+
+
+def measure_family(name: str, ring: int, ulysses: int, reference: torch.Tensor) -> dict[str, Any]:
+    """On every rank: a plan-driven family's peak, bytes sent and error vs ``reference``."""
+    model, kwargs = build_family(name)
+    with hfpatch.apply(model, parallel=ParallelConfig(ring=ring, ulysses=ulysses)):
+        with torch.no_grad(), count_comm() as comm, track_memory() as mem:
+            out = model(**kwargs).sample
+    return {
+        "peak": mem.peak_bytes,
+        "sent": dict(comm.by_op),
+        "max_abs_diff": (out - reference).abs().max().item(),
+    }
+
+
+def _summary(name: str, world: int, ring: int, ulysses: int, per_rank: list, unpatched_peak: int, analytic):
+    """One run's row: the worst rank's peak and bytes against the unpatched peak and the analytic minimum."""
+    ops = sorted({op for r in per_rank for op in r["sent"]} | set(analytic))
+    sent = max(sum(r["sent"].values()) for r in per_rank)
+    peak = max(r["peak"] for r in per_rank)
+    return {
+        "name": name,
+        "N": world,
+        "ring": ring,
+        "ulysses": ulysses,
+        "peak_per_rank": [r["peak"] for r in per_rank],
+        "peak_max": peak,
+        "peak_over_unpatched": peak / unpatched_peak,
+        "target": 1.2 / world,
+        "meets_target": peak / unpatched_peak <= 1.2 / world,
+        "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+        "sent_by_op_max": {op: max(r["sent"].get(op, 0) for r in per_rank) for op in ops},
+        "sent_max": sent,
+        "analytic_by_op": analytic,
+        "analytic": sum(analytic.values()),
+        "sent_over_analytic": sent / sum(analytic.values()),
     }
 
 
@@ -152,7 +256,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
     base = results["unpatched"]["peak"] / MB
     ns = [1, 2, 4]
-    fig, (ax_mem, ax_comm) = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, (ax_mem, ax_comm, ax_fam) = plt.subplots(1, 3, figsize=(17, 4.4))
     ax_mem.plot(ns, [base / n for n in ns], "k:", label="ideal 1/N")
     ax_mem.plot(ns, [1.2 * base / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
     for name, marker in MARKERS.items():
@@ -179,6 +283,24 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs], fontsize=8)
     ax_comm.set(ylabel="bytes sent per rank, one forward (MiB)")
     ax_comm.legend(fontsize=8)
+    ax_fam.plot(ns, [1 / n for n in ns], "k:", label="ideal 1/N")
+    ax_fam.plot(ns, [1.2 / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
+    families = {"wan": {"runs": results["runs"], "unpatched_peak": results["unpatched"]["peak"]}}
+    families.update(results["families"])
+    for (family_name, family), color in zip(families.items(), ("C0", "C1", "C2")):
+        for name, marker in MARKERS.items():
+            rows = [r for r in family["runs"] if r["name"] == name]
+            ax_fam.plot(
+                [1] + [r["N"] for r in rows],
+                [1.0] + [r["peak_max"] / family["unpatched_peak"] for r in rows],
+                marker,
+                color=color,
+                alpha=0.8,
+                label=f"{family_name} {name}",
+            )
+    ax_fam.set(xlabel="ranks N", ylabel="per-rank peak / unpatched", xticks=ns, yscale="log")
+    ax_fam.set_title(f"Wan, QwenImage, LTX-Video: S=4096, C={HIDDEN}, {LAYERS} layers, fp32", fontsize=9)
+    ax_fam.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -194,8 +316,31 @@ def main() -> dict[str, Any]:
     reference = unpatched.pop("out")
     seq = seq_len()
     runs = []
+    families: dict[str, dict[str, Any]] = {}
+    for name in FAMILIES:
+        family_model, family_kwargs = build_family(name)
+        with torch.no_grad(), track_memory() as mem:
+            family_out = family_model(**family_kwargs).sample
+        tokens = math.prod(FAMILY_GRID[name])
+        families[name] = {
+            "model": f"diffusers {type(family_model).__name__} (hfpatch.testing, plan: _cp_plan)",
+            "seq": tokens,
+            "text_len": TEXT_LEN,
+            "unpatched_peak": mem.peak_bytes,
+            "output_max_abs": family_out.abs().max().item(),
+            "full_hidden_bytes": tokens * HIDDEN * 4,
+            "reference": family_out,
+            "runs": [],
+        }
     for world, configs in CONFIGS.items():
         with RankPool(world, timeout_s=600) as pool:
+            for name, family in families.items():
+                for config, ring, ulysses in configs:
+                    per_rank = pool.run(measure_family, name, ring, ulysses, family["reference"])
+                    analytic = analytic_family_bytes(name, ring, ulysses)
+                    row = _summary(config, world, ring, ulysses, per_rank, family["unpatched_peak"], analytic)
+                    row["max_rel_diff"] = row["max_abs_diff"] / family["output_max_abs"]
+                    family["runs"].append(row)
             for name, ring, ulysses in configs:
                 per_rank = pool.run(measure, ring, ulysses, reference)
                 analytic = analytic_bytes(ring, ulysses)
@@ -258,6 +403,9 @@ def main() -> dict[str, Any]:
             "tables (the rope shards are views) are alive next to 1/N of the block working set."
         ),
         "runs": runs,
+        "families": {
+            name: {k: v for k, v in family.items() if k != "reference"} for name, family in families.items()
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "usp_transformer.json").write_text(json.dumps(results, indent=2))
@@ -280,3 +428,14 @@ if __name__ == "__main__":
             f"max|diff| {run['max_abs_diff']:.1e}; sent {run['sent_max'] / MB:5.2f} MiB = "
             f"{run['sent_over_analytic']:.3f} x analytic {run['sent_by_op_max']}"
         )
+    for family_name, family in res["families"].items():
+        print(
+            f"{family_name}: S={family['seq']}, unpatched peak {family['unpatched_peak'] / MB:.2f} MiB, "
+            f"output max |x| {family['output_max_abs']:.3g}"
+        )
+        for run in family["runs"]:
+            print(
+                f"  {run['name']:8s} N={run['N']}: peak {run['peak_over_unpatched']:.3f} x unpatched; "
+                f"max|diff| {run['max_abs_diff']:.1e}; sent {run['sent_max'] / MB:5.2f} MiB = "
+                f"{run['sent_over_analytic']:.3f} x analytic {run['sent_by_op_max']} vs {run['analytic_by_op']}"
+            )

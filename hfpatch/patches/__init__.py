@@ -14,6 +14,9 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.QwenImageTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.Flux2Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.LTXVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.ChronoEditTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.WanVACETransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.HunyuanVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),

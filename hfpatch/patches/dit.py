@@ -47,7 +47,7 @@ tokens at the ``front`` or ``back`` (``T = len - local_len``), as the entry decl
 '_cp_plan'
 >>> from hfpatch.patches.dit import PlannedDiTUSP
 >>> sorted(PlannedDiTUSP().plan_for(tiny_qwenimage_transformer()))
-['pos_embed', 'proj_out', 'transformer_blocks.*', 'transformer_blocks.0']
+['img_in', 'pos_embed', 'proj_out', 'transformer_blocks.*']
 """
 
 from __future__ import annotations
@@ -116,32 +116,61 @@ class DiTPlan:
         plan: hfpatch's own sequence plan, for a class without ``_cp_plan``; ``None``: translate ``_cp_plan``.
         replicate: ``(path, key)`` entries of ``_cp_plan`` that hfpatch keeps replicated (the text); ``key``
             is an argument name or an output index, as in ``_cp_plan``.
+        earlier: ``(path, key)`` entries of ``_cp_plan`` whose tensor hfpatch cuts *earlier* instead, by a spec
+            of ``extra`` (QwenImage: the image tokens at ``img_in``'s output rather than block 0's input, so the
+            full embedding is freed at once instead of living until block 0 returns).
         extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
         refuse: ``forward`` arguments that must be ``None`` under sequence parallelism (checked per call,
             before any collective), with the reason.
+        refuse_config: ``config`` attribute -> (value, reason): a model configured so is refused at ``apply``
+            (a variant whose stock code indexes the token sequence by position, say).
     """
 
     attention: tuple[AttentionRoute, ...]
     plan: SequencePlan | None = None
     replicate: tuple[tuple[str, str | int], ...] = ()
+    earlier: tuple[tuple[str, str | int], ...] = ()
     extra: SequencePlan = field(default_factory=dict)
     refuse: Mapping[str, str] = field(default_factory=dict)
+    refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
 
 
 _TEXT = "the text tokens stay replicated (joint part of the attention)"
 
+#: Wan 2.1/2.2 (T2V, I2V) and ChronoEdit: hfpatch's own plan, though diffusers has one. It cuts the patch
+#: embedding's output instead of block 0's input (the full embedding is freed at once:
+#: tests/patches/test_usp_memory.py) and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to
+#: the replicated text/image.
+_WAN_PLAN: SequencePlan = {
+    "": (SplitInput("timestep", dim=1, ndim=2),),
+    "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
+    "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
+    "proj_out": (GatherOutput(dim=1),),
+}
+
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
-    # Wan 2.1/2.2 (T2V, I2V): hfpatch's own plan, though diffusers has one. It cuts the patch embedding's
-    # output instead of block 0's input (the full embedding is freed at once: tests/patches/test_usp_memory.py)
-    # and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to the replicated text/image.
     "diffusers.WanTransformer3DModel": DiTPlan(
-        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),),
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=_WAN_PLAN
+    ),
+    # ChronoEdit: Wan 2.1 I2V's forward with a temporal-skip rotary table (its own WanAttnProcessor class, the
+    # same code). Wan's plan rather than its _cp_plan: the same memory argument. attn2's image keys are
+    # attended with parallel_config=None by the stock code: local, exact (replicated keys, local queries).
+    "diffusers.ChronoEditTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=_WAN_PLAN
+    ),
+    # Wan VACE: Wan's plan, plus the control video's patch embedding cut the same way (the hints the VACE
+    # blocks add to the main blocks are per token); the VACE blocks' self-attention is routed too. A control
+    # video with fewer tokens than the latent (zero-padded by the stock code after the embedding) gets a
+    # sequence-length error from the split on every rank, before any collective.
+    "diffusers.WanVACETransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),
+            AttentionRoute("vace_blocks.*.attn1", ("WanAttnProcessor",)),
+        ),
         plan={
-            "": (SplitInput("timestep", dim=1, ndim=2),),
-            "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
-            "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
-            "proj_out": (GatherOutput(dim=1),),
+            **{k: v for k, v in _WAN_PLAN.items() if k != ""},  # VACE takes timesteps [B] only
+            "vace_patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
         },
     ),
     "diffusers.QwenImageTransformer2DModel": DiTPlan(
@@ -153,6 +182,8 @@ PLANS: dict[str, DiTPlan] = {
             ("transformer_blocks.*", "encoder_hidden_states_mask"),
             ("pos_embed", 1),  # the text rotary table
         ),
+        earlier=(("transformer_blocks.0", "hidden_states"),),
+        extra={"img_in": (SplitOutput(dim=1),)},  # image tokens [B, S, C], cut as they are embedded
         refuse={"controlnet_block_samples": "ControlNet residuals are not sharded by the QwenImage plan"},
     ),
     "diffusers.Flux2Transformer2DModel": DiTPlan(
@@ -173,6 +204,29 @@ PLANS: dict[str, DiTPlan] = {
         attention=(AttentionRoute("transformer_blocks.*.attn1", ("LTXVideoAttnProcessor",)),),
         replicate=(("", "encoder_hidden_states"), ("", "encoder_attention_mask")),
         extra={"": (SplitInput("timestep", dim=1, ndim=2),)},  # per-token timesteps [B, S] (LTX 0.9.5+)
+    ),
+    # HunyuanVideo (T2V): no _cp_plan. The video tokens are cut at the patch embedding's output and the rotary
+    # tables ([S, D] each) at the rope's; the text (after its token refiner, which attends within the text)
+    # stays replicated and joins every attention *behind* the video tokens; the stock key mask over
+    # [video, text] masks only the padded text.
+    "diffusers.HunyuanVideoTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"),
+            AttentionRoute(
+                "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
+            ),
+        ),
+        plan={
+            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
+            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        refuse_config={
+            "image_condition_type": (
+                "token_replace",
+                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+            )
+        },
     ),
 }
 
@@ -480,7 +534,9 @@ class PlannedDiTUSP(SequenceParallelFamily):
                     f"{type(target).__name__} declares no _cp_plan in this diffusers version and hfpatch's table has "
                     "no plan of its own for it"
                 )
-            plan = plan_from_cp(cp_plan, entry.replicate, where=f"{type(target).__name__}._cp_plan")
+            plan = plan_from_cp(
+                cp_plan, entry.replicate + entry.earlier, where=f"{type(target).__name__}._cp_plan"
+            )
         for path, specs in entry.extra.items():
             plan[path] = plan.get(path, ()) + tuple(specs)
         return plan
@@ -505,6 +561,12 @@ class PlannedDiTUSP(SequenceParallelFamily):
                 f"{type(target).__name__} has diffusers' own context parallelism enabled (enable_parallelism); "
                 "hfpatch replaces it: load the model without it before hfpatch.apply"
             )
+        for attr, (value, reason) in self._entry(target).refuse_config.items():
+            if getattr(target.config, attr, None) == value:
+                raise ValueError(
+                    f"{type(target).__name__} with {attr}={value!r} is not supported under sequence parallelism "
+                    f"({reason})"
+                )
         super().validate(target, config, options)
         for path, module, _ in self._routes(target):
             if not _routes_through_dispatch(type(module.processor)):

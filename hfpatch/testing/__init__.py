@@ -10,9 +10,11 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_autoencoder_kl` (``AutoencoderKL``).
 * Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
   :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
-  :func:`tiny_ltx_transformer`.
+  :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
+  :func:`tiny_wan_vace_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
-  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`; with text encoders and in-memory tokenizers:
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_qwenimage_pipe`, :func:`tiny_ltx_pipe`,
+  :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
   :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
@@ -48,6 +50,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         qwen3_vl_inputs,
         tiny_autoencoder_kl,
         tiny_bert,
+        tiny_chronoedit_transformer,
         tiny_clip_text_model,
         tiny_clip_tokenizer,
         tiny_cogvideox_transformer,
@@ -55,10 +58,14 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_hunyuanvideo_pipe,
+        tiny_hunyuanvideo_transformer,
+        tiny_ltx_pipe,
         tiny_ltx_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
+        tiny_qwenimage_pipe,
         tiny_qwenimage_transformer,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
@@ -66,6 +73,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_t5_tokenizer,
         tiny_wan_pipe,
         tiny_wan_transformer,
+        tiny_wan_vace_transformer,
         tiny_wan_vae,
         wan_prompt_embeds,
     )
@@ -82,6 +90,7 @@ __all__ = [
     "run_ranks",
     "tiny_autoencoder_kl",
     "tiny_bert",
+    "tiny_chronoedit_transformer",
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
@@ -89,10 +98,14 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo_pipe",
+    "tiny_hunyuanvideo_transformer",
+    "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
@@ -100,6 +113,7 @@ __all__ = [
     "tiny_t5_tokenizer",
     "tiny_wan_pipe",
     "tiny_wan_transformer",
+    "tiny_wan_vace_transformer",
     "tiny_wan_vae",
     "track_memory",
     "wan_prompt_embeds",

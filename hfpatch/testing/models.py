@@ -19,6 +19,7 @@ __all__ = [
     "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
     "tiny_bert",
+    "tiny_chronoedit_transformer",
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_cogvideox_transformer",
@@ -26,10 +27,14 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo_pipe",
+    "tiny_hunyuanvideo_transformer",
+    "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
+    "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
     "tiny_sd3_transformer",
@@ -37,6 +42,7 @@ __all__ = [
     "tiny_t5_tokenizer",
     "tiny_wan_pipe",
     "tiny_wan_transformer",
+    "tiny_wan_vace_transformer",
     "tiny_wan_vae",
     "wan_prompt_embeds",
 ]
@@ -708,3 +714,236 @@ def tiny_ltx_transformer(
         caption_channels=16,
     )
     return _build(LTXVideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_qwenimage_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``QwenImagePipeline`` from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]`` and ``prompt_embeds_mask`` ``[B, T]`` (and their negatives for true CFG), ``height``/``width``
+    multiples of 4 (the VAE's 2x and the 2x2 patches: 20 x 20 pixels are 5 x 5 tokens); packed ``latents=``
+    ``[B, H*W, 16]``. Keyword arguments go to :func:`tiny_qwenimage_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_qwenimage_pipe
+    >>> pipe = tiny_qwenimage_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 5, 16), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
+    ...            height=32, width=32, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (1, 3, 32, 32)
+    """
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    vae = _build(
+        AutoencoderKLQwenImage,
+        dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ),
+        {},
+        seed,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_qwenimage_transformer(seed=seed, **transformer_overrides),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``LTXPipeline`` (batched CFG) from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]`` and their negatives; ``height``/``width`` multiples of 32
+    (the VAE's spatial factor: 160 x 160 gives 5 x 5 latent tokens per frame), ``num_frames`` = 1 + 8k (its
+    temporal factor). Latents (``latents=``) are packed ``[B, F*H*W, 8]``. Keyword arguments go to
+    :func:`tiny_ltx_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_ltx_pipe
+    >>> pipe = tiny_ltx_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            negative_prompt_embeds=torch.zeros(1, 4, 16),
+    ...            negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            height=64, width=32, num_frames=9, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 9, 3, 64, 32)
+    """
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    vae = _build(
+        AutoencoderKLLTXVideo,
+        dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=8,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False),
+            decoder_inject_noise=(False, False, False, False, False),
+            upsample_residual=(False, False, False, False),
+            upsample_factor=(1, 1, 1, 1),
+            timestep_conditioning=False,
+            patch_size=4,
+            patch_size_t=1,
+            encoder_causal=True,
+            decoder_causal=False,
+        ),
+        {},
+        seed,
+    )
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_ltx_transformer(seed=seed, **transformer_overrides),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_chronoedit_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``ChronoEditTransformer3DModel`` (Wan 2.1 I2V layout: cross-attention to text and image keys).
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2; ``F = 2`` takes ChronoEdit's temporal-skip
+    rotary path), ``timestep`` ``[B]``, ``encoder_hidden_states`` ``[B, T, 16]`` and
+    ``encoder_hidden_states_image`` ``[B, I, 16]``.
+    """
+    from diffusers import ChronoEditTransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=16,
+        added_kv_proj_dim=num_heads * head_dim,
+        rope_max_seq_len=64,
+        rope_temporal_skip_len=8,
+    )
+    return _build(ChronoEditTransformer3DModel, config, overrides, seed)
+
+
+def tiny_wan_vace_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``WanVACETransformer3DModel``: :func:`tiny_wan_transformer`'s layout plus a VACE block per layer.
+
+    Call it like the Wan transformer plus ``control_hidden_states`` ``[B, 8, F, H, W]`` (the latent's frames and
+    size) and optionally ``control_hidden_states_scale`` ``[num_layers]``.
+    """
+    from diffusers import WanVACETransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+        vace_layers=list(range(num_layers)),
+        vace_in_channels=8,
+    )
+    return _build(WanVACETransformer3DModel, config, overrides, seed)
+
+
+def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``HunyuanVideoTransformer3DModel`` (text-to-video) with one dual- and one single-stream block.
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2), ``timestep`` ``[B]``,
+    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` (a prefix of ones) and
+    ``pooled_projections`` ``[B, 16]``.
+    """
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    config = dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=False,
+        text_embed_dim=16,
+        pooled_projection_dim=16,
+        rope_axes_dim=(2, 2, 4),
+    )
+    return _build(HunyuanVideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``HunyuanVideoPipeline`` (true CFG with a negative prompt) from tiny parts, without text encoders:
+    call it with ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, ``pooled_prompt_embeds``
+    ``[B, 16]`` (and their negatives with ``true_cfg_scale > 1``); ``height``/``width`` multiples of 16 (the
+    VAE's 8x and the 2x2 patches: 80 x 80 pixels are 5 x 5 tokens per latent frame). Keyword arguments go to
+    :func:`tiny_hunyuanvideo_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_hunyuanvideo_pipe
+    >>> pipe = tiny_hunyuanvideo_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            pooled_prompt_embeds=torch.ones(1, 16), height=32, width=32, num_frames=1,
+    ...            num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 1, 3, 32, 32)
+    """
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+
+    vae = _build(
+        AutoencoderKLHunyuanVideo,
+        dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+            mid_block_add_attention=True,
+        ),
+        {},
+        seed,
+    )
+    pipe = HunyuanVideoPipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_hunyuanvideo_transformer(seed=seed, **transformer_overrides),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -4,8 +4,11 @@ The same battery as ``test_dit_usp.py`` (its rank functions and tolerances: patc
 within ``reassociation_tol`` of the unpatched model's own fp32-vs-fp64 noise), over the classes whose plan
 is diffusers' ``_cp_plan``, translated: QwenImage (joint attention, text replicated, with and without a
 padded-prompt mask), Flux.2 (dual- and single-stream joint attention) and LTX-Video (self-attention, cross-
-attention to a masked text; per-sample and per-token timesteps). 25 or 12 tokens: every world size of 2-4
-leaves padding in some layout. On top: the sequence is really cut (each rank attends from its shard), the
+attention to a masked text; per-sample and per-token timesteps), and over the classes with a table plan:
+ChronoEdit (Wan I2V layout: image keys in the cross-attention, temporal-skip rotary of 2 frames, 50 tokens),
+Wan VACE (a control video embedded and cut like the latent, VACE blocks' self-attention routed) and
+HunyuanVideo (text joined *behind* the video tokens in dual- and single-stream blocks, padded text masked per
+sample). 25, 50 or 12 tokens: every world size of 2-4 leaves padding in some layout. On top: the sequence is really cut (each rank attends from its shard), the
 mask really matters, two patched models and an unpatched one share a process (and ``torch.compile``) without
 touching each other or diffusers' module globals, and bad inputs raise before any collective on every rank.
 """
@@ -51,8 +54,9 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
                 if isinstance(getattr(m, "processor", None), USPDispatchProcessor)
             ]
             state = stand_ins[0].state
+            x = kwargs[name]  # packed [B, S, C], or a latent [B, C, F, H, W] with 1x2x2 patches
             results[family] = {
-                "tokens": kwargs[name].shape[1],
+                "tokens": x.shape[1] if x.dim() == 3 else x.shape[2] * x.shape[3] * x.shape[4] // 4,
                 "valid_len": state.valid_len,
                 "local_len": state.local_len,
                 "calls": [p.calls for p in stand_ins],
@@ -128,6 +132,20 @@ def planned_error_cases() -> dict[str, str]:
     ltx, _, _ = build("ltx")
     ltx._parallel_config = object()  # what diffusers' enable_parallelism() leaves
     expect("diffusers_cp", ValueError, lambda: hfpatch.apply(ltx, parallel=ParallelConfig(ring=world)))
+
+    from hfpatch.testing import tiny_hunyuanvideo_transformer
+
+    i2v = tiny_hunyuanvideo_transformer(image_condition_type="token_replace")
+    expect("token_replace", ValueError, lambda: hfpatch.apply(i2v, parallel=ParallelConfig(ulysses=world)))
+
+    vace, kwargs, _ = build("wan_vace")
+    short = {
+        **kwargs,
+        "control_hidden_states": kwargs["control_hidden_states"][..., :8, :],
+    }  # 20 of 25 tokens
+    with hfpatch.apply(vace, parallel=ParallelConfig(ring=world)), torch.no_grad():
+        expect("short_control", ValueError, lambda: vace(**short))
+        messages["vace_runs_after_error"] = str(tuple(vace(**kwargs).sample.shape))
     return messages
 
 
@@ -157,7 +175,12 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
     layouts = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)], 4: [(2, 2), (1, 4), (4, 1)]}[world]
     cases = [(family, u, r) for family in PLANNED for u, r in layouts]
     if world == 2:  # gradient checkpointing: blocks recomputed in backward re-cut the same shard
-        cases += [("qwenimage_mask_gc", 1, 2), ("flux2_gc", 2, 1), ("ltx_tokens_gc", 1, 2)]
+        cases += [
+            ("qwenimage_mask_gc", 1, 2),
+            ("flux2_gc", 2, 1),
+            ("ltx_tokens_gc", 1, 2),
+            ("hunyuanvideo_gc", 2, 1),
+        ]
     results = rank_pool(world).run(backward_cases, cases)
     for rank, rank_result in enumerate(results):
         for case in cases:
@@ -168,9 +191,10 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
-    families = ["qwenimage", "flux2", "ltx"]
+    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo"]
     results = rank_pool(2).run(lifecycle_cases, families)
-    expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2}  # LTX: attn1 only (attn2 attends to the text)
+    # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
+    expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -180,7 +204,7 @@ def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(ra
 
 
 def test_planned_usp_attends_from_each_rank_shard(rank_pool):
-    families = ["qwenimage", "flux2", "ltx_tokens"]
+    families = ["qwenimage", "flux2", "ltx_tokens", "chronoedit", "wan_vace", "hunyuanvideo"]
     for world in (3,):
         for rank_result in rank_pool(world).run(shard_cases, families):
             for family, seen in rank_result.items():
@@ -189,10 +213,14 @@ def test_planned_usp_attends_from_each_rank_shard(rank_pool):
                 assert all(calls == 1 for calls in seen["calls"]), (family, seen)
 
 
-def test_planned_usp_text_mask_changes_the_stock_output():
-    """The masked case can fail: the mask moves the unpatched output by far more than any tolerance."""
-    model, masked, _ = build("qwenimage_mask")
-    unmasked = {k: v for k, v in masked.items() if k != "encoder_hidden_states_mask"}
+@pytest.mark.parametrize(
+    ("family", "mask"),
+    [("qwenimage_mask", "encoder_hidden_states_mask"), ("hunyuanvideo", "encoder_attention_mask")],
+)
+def test_planned_usp_text_mask_changes_the_stock_output(family, mask):
+    """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance."""
+    model, masked, _ = build(family)
+    unmasked = {**masked, mask: torch.ones_like(masked[mask])}
     with torch.no_grad():
         assert rel_error(model(**masked).sample, model(**unmasked).sample) > 1e-3
 
@@ -220,6 +248,14 @@ def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
     assert "kv_cache_mode= is not supported under sequence parallelism" in messages["kv_cache_mode"]
     assert messages["runs_after_refusal"] == "(1, 25, 16)"
     assert "diffusers' own context parallelism" in messages["diffusers_cp"]
+    assert (
+        "HunyuanVideoTransformer3DModel with image_condition_type='token_replace' is not supported under sequence "
+        "parallelism" in messages["token_replace"]
+    ), messages["token_replace"]
+    assert "got a sequence of 20 tokens but this forward already split 25" in messages["short_control"], (
+        messages["short_control"]
+    )
+    assert messages["vace_runs_after_error"] == "(2, 4, 1, 10, 10)"
 
 
 def test_planned_usp_support_table_names_plan_source_per_class():
@@ -231,8 +267,11 @@ def test_planned_usp_support_table_names_plan_source_per_class():
     assert rows["LTXVideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["WanTransformer3DModel"] == "dit_usp (plan: hfpatch table)"
     assert rows["FluxTransformer2DModel"] == "flux_usp (plan: hfpatch family module)"
-    assert (
-        rows["ChronoEditTransformer3DModel"]
-        == "not supported (declares _cp_plan, no hfpatch table entry yet)"
-    )
+    for name in (
+        "ChronoEditTransformer3DModel",
+        "WanVACETransformer3DModel",
+        "HunyuanVideoTransformer3DModel",
+    ):
+        assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
+    assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()

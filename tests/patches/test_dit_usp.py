@@ -29,8 +29,18 @@ from hfpatch.distributed.runtime import get_mesh
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
-#: Classes parallelised by the plan-driven family (hfpatch.patches.dit): diffusers' _cp_plan, translated.
-PLANNED = ("qwenimage", "qwenimage_mask", "flux2", "ltx", "ltx_tokens")
+#: Classes parallelised by the plan-driven family (hfpatch.patches.dit): diffusers' _cp_plan, translated
+#: (QwenImage, Flux.2, LTX-Video), or hfpatch's table plan (ChronoEdit, Wan VACE, HunyuanVideo).
+PLANNED = (
+    "qwenimage",
+    "qwenimage_mask",
+    "flux2",
+    "ltx",
+    "ltx_tokens",
+    "chronoedit",
+    "wan_vace",
+    "hunyuanvideo",
+)
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -145,6 +155,37 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             width=width,
         )
         return model, kwargs, "hidden_states"
+    if family == "chronoedit":  # 2 x 5 x 5 = 50 tokens (the temporal-skip rotary of 2 frames), image keys
+        model = testing.tiny_chronoedit_transformer()
+        kwargs = dict(
+            hidden_states=_randn(1, 4, 2, 10, 10, seed=1),
+            timestep=torch.tensor([300]),
+            encoder_hidden_states=_randn(1, 6, 16, seed=2),
+            encoder_hidden_states_image=_randn(1, 3, 16, seed=3),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "wan_vace":  # 1 x 5 x 5 = 25 tokens, batch 2, a control video of the latent's size
+        model = testing.tiny_wan_vace_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 1, 10, 10, seed=1),
+            timestep=torch.tensor([500, 20]),
+            encoder_hidden_states=_randn(2, 6, 16, seed=3),
+            control_hidden_states=_randn(2, 8, 1, 10, 10, seed=4),
+            control_hidden_states_scale=torch.tensor([1.0, 0.5]),
+        )
+        return model, kwargs, "hidden_states"
+    if (
+        family == "hunyuanvideo"
+    ):  # 1 x 5 x 5 = 25 video tokens, batch 2, padded text (masked keys, per sample)
+        model = testing.tiny_hunyuanvideo_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 1, 10, 10, seed=1),
+            timestep=torch.tensor([500, 20]),
+            encoder_hidden_states=_randn(2, 6, 16, seed=2),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            pooled_projections=_randn(2, 16, seed=3),
+        )
+        return model, kwargs, "hidden_states"
     raise ValueError(family)
 
 
@@ -157,14 +198,20 @@ def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Mo
 def forward_cases(
     cases: list[tuple[str, int, int]],
 ) -> dict[tuple[str, int, int], tuple[float, float, torch.Tensor]]:
-    """Per case ``(family, ulysses, ring)``: (error vs unpatched, unpatched fp32 noise, patched output)."""
+    """Per case ``(family, ulysses, ring)``: (error vs unpatched, unpatched fp32 noise, patched output).
+
+    The unpatched reference and its fp64 noise are computed once per family (a fresh model per case).
+    """
     results = {}
+    references: dict[str, tuple[torch.Tensor, float]] = {}
     for family, ulysses, ring in cases:
         model, kwargs, _ = build(family)
-        model64, kwargs64 = _double(model, kwargs)
         with torch.no_grad():
-            ref = model(**kwargs).sample
-            noise = rel_error(ref, model64(**kwargs64).sample)
+            if family not in references:
+                model64, kwargs64 = _double(model, kwargs)
+                ref = model(**kwargs).sample
+                references[family] = (ref, rel_error(ref, model64(**kwargs64).sample))
+            ref, noise = references[family]
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
                 out = model(**kwargs).sample
         assert out.shape == ref.shape and out.dtype == ref.dtype, (family, out.shape, ref.shape)
@@ -190,27 +237,35 @@ _GRAD_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 
 def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], dict[str, Any]]:
-    """Per case: gradient errors after the documented SUM over the ``sp`` group, and the fp32 noise."""
+    """Per case: gradient errors after the documented SUM over the ``sp`` group, and the fp32 noise.
+
+    The unpatched gradients (fp32 and fp64) are computed once per family (a fresh model per case).
+    """
     results = {}
+    references: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float], float]] = {}
     for family, ulysses, ring in cases:
         model, kwargs, _ = build(family)
         model.train()
-        model64, kwargs64 = _double(model, kwargs)
-        weight = _randn(*model(**kwargs).sample.shape, seed=7)
-        ref = _grads(model, kwargs, weight)
-        ref64 = _grads(model64, kwargs64, weight.double())
+        if family not in references:
+            model64, kwargs64 = _double(model, kwargs)
+            weight = _randn(*model(**kwargs).sample.shape, seed=7)
+            ref = _grads(model, kwargs, weight)
+            ref64 = _grads(model64, kwargs64, weight.double())
+            # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
+            # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
+            floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+            scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
+            # The unpatched model's own rounding scale for its gradients (its worst tensor).
+            noise = max(rel_error(ref[name], ref64[name], scales[name]) for name in ref)
+            references[family] = (weight, ref, scales, noise)
+        weight, ref, scales, noise = references[family]
         config = ParallelConfig(ulysses=ulysses, ring=ring)
         with hfpatch.apply(model, parallel=config):
             got = _grads(model, kwargs, weight, get_mesh(config).group("sp"))
-        # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
-        # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
-        floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-        scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
         results[(family, ulysses, ring)] = {
             "keys_match": set(got) == set(ref),
             "errors": {name: rel_error(got[name], ref[name], scales[name]) for name in ref},
-            # The unpatched model's own rounding scale for its gradients (its worst tensor).
-            "noise": max(rel_error(ref[name], ref64[name], scales[name]) for name in ref),
+            "noise": noise,
             "n_params": sum(k.startswith("param:") for k in ref),
         }
     return results

@@ -36,6 +36,7 @@ from hfpatch.testing import (
     tiny_sd3_pipe,
     tiny_wan_pipe,
 )
+from hfpatch.testing import tiny_qwenimage_pipe as _tiny_qwen_image_pipe
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 PROMPTS = ["a cat", "a dog", "the sea"]  # at most 8 CLIP tokens with BOS/EOS: no truncation
@@ -258,46 +259,6 @@ def _sd3_generic_cases() -> dict[str, Any]:
             wan.transformer.forward.state.phase,
         )
     return results
-
-
-def _tiny_qwen_image_pipe() -> Any:
-    """A stock ``QwenImagePipeline`` without text encoder (called with embeddings): 2 layers, 2 heads of 8."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-
-    torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        axes_dims_rope=(2, 2, 4),
-    )
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False],
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
-    )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _qwen_image_cases() -> dict[str, Any]:
