@@ -130,7 +130,9 @@ def plan_parallel(n: int, facts: ModelFacts, pipefusion: bool = False) -> Parall
     if pipefusion:
         return _plan_pipefusion(n, cfg, facts)
     if facts.num_heads is None:
-        return ParallelConfig(vae=n)  # a VAE (or other non-attention target) splits over every rank
+        # No sequence-parallel transformer (a VAE; a UNet pipeline): CFG parallel when it fills every rank,
+        # else the VAE splits over every rank and the denoiser runs whole on each.
+        return ParallelConfig(cfg=2, vae=n) if cfg == 2 and rest == 1 else ParallelConfig(vae=n)
     ulysses = max(d for d in _divisors(rest) if facts.num_heads % d == 0)
     return ParallelConfig(cfg=cfg, ring=rest // ulysses, ulysses=ulysses, vae=n)
 

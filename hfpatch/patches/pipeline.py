@@ -28,8 +28,9 @@ in :data:`PER_SAMPLE_ARGS`, plus the diffusers models named ``transformer``, ``t
   whole (Flux's ``txt_ids``/``img_ids`` are ``[seq, 3]`` positions, not per sample); anything else is refused.
 - *Any other class*, decided per call (:func:`generic_split`): the batch is the leading dim of the first
   forward argument (``hidden_states``, ``sample``). A tensor with that leading dim is split; ``None``, plain
-  Python values, 0-d tensors and tensors of leading dim 1 pass whole; a tensor of another leading dim, or a
-  dict/list/tuple holding tensors (``joint_attention_kwargs`` with IP-adapter embeds), raises ``TypeError``
+  Python values, 0-d tensors and tensors of leading dim 1 pass whole; a flat dict of tensors (SDXL's
+  ``added_cond_kwargs``) follows the same rule per entry; a tensor of another leading dim, or a list/tuple or
+  nested structure holding tensors (``joint_attention_kwargs`` with IP-adapter embeds), raises ``TypeError``
   naming the argument, on every rank alike and before the split's collectives. **Limit:** a tensor without
   a batch dim whose leading dim happens to equal the batch (batch 3 and a ``[3, k]`` table) cannot be told
   apart from a batched one and is split: register such classes in :data:`PER_SAMPLE_ARGS`. Per-sample Python
@@ -195,6 +196,11 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _rows(value: Any) -> int | None:
+    """The leading dim of a tensor of at least one dim, else ``None``."""
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+
 def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) -> tuple[str, ...]:
     """The arguments of a forward call of an unlisted denoiser class to split along dim 0 (see module doc).
 
@@ -205,7 +211,7 @@ def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) ->
 
     Raises:
         TypeError: An argument whose batch dim cannot be told: a tensor of another leading dim than the
-            batch (and not 1), or a container holding tensors.
+            batch (and not 1), or a container holding tensors other than a flat dict of them.
 
     >>> import torch
     >>> x = torch.zeros(2, 4)
@@ -230,6 +236,14 @@ def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) ->
                     f"{batch_arg} nor 1. Use cfg=1 and data=1 for this pipeline, or list {model_name} in "
                     "hfpatch.patches.pipeline.PER_SAMPLE_ARGS."
                 )
+        elif (
+            isinstance(value, dict)
+            and all(isinstance(v, torch.Tensor) or not _holds_tensor(v) for v in value.values())
+            and all(_rows(v) in (None, 1, batch) for v in value.values())
+        ):
+            # A flat dict of per-sample tensors (SDXL's added_cond_kwargs): its tensors follow the rule above.
+            if any(_rows(v) == batch for v in value.values()):
+                split.append(name)
         elif _holds_tensor(value):
             raise TypeError(
                 f"hfpatch data/CFG parallel cannot tell whether the tensors inside {model_name}.forward argument "
@@ -439,9 +453,16 @@ class _ParallelForward:
         arguments = bound.arguments.copy()
         if self.varkw is not None and self.varkw in arguments:
             arguments[self.varkw] = dict(arguments[self.varkw])
+        batch = self._batch(bound)
         for name in names:
             holder = arguments if name in arguments else arguments[self.varkw]
-            holder[name] = holder[name].narrow(0, start, length)
+            value = holder[name]
+            if isinstance(value, dict):  # a flat dict of per-sample tensors (see generic_split)
+                holder[name] = {
+                    k: v.narrow(0, start, length) if _rows(v) == batch else v for k, v in value.items()
+                }
+            else:
+                holder[name] = value.narrow(0, start, length)
         return inspect.BoundArguments(bound.signature, arguments)
 
     # -- compute ----------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
   :func:`tiny_wan_vace_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
-  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_qwenimage_pipe`, :func:`tiny_ltx_pipe`,
-  :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
+  :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
+  :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
   :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_qwenimage_transformer,
         tiny_sd3_pipe,
         tiny_sd3_transformer,
+        tiny_sdxl_pipe,
         tiny_t5_encoder,
         tiny_t5_tokenizer,
         tiny_wan_pipe,
@@ -108,6 +109,7 @@ __all__ = [
     "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
+    "tiny_sdxl_pipe",
     "tiny_sd3_transformer",
     "tiny_t5_encoder",
     "tiny_t5_tokenizer",

@@ -37,6 +37,7 @@ __all__ = [
     "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
     "tiny_sd3_pipe",
+    "tiny_sdxl_pipe",
     "tiny_sd3_transformer",
     "tiny_t5_encoder",
     "tiny_t5_tokenizer",
@@ -944,6 +945,48 @@ def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
         text_encoder_2=None,
         tokenizer_2=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_pipe(seed: int = 0):
+    """A stock ``StableDiffusionXLPipeline`` around a tiny ``UNet2DConditionModel`` (``text_time`` added
+    conditioning), no text encoders: call it with ``prompt_embeds`` ``[B, L, 16]``, ``pooled_prompt_embeds``
+    ``[B, 16]`` and their negatives, and 16 x 16 pixels (8 x 8 latents).
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_sdxl_pipe
+    >>> pipe = tiny_sdxl_pipe()
+    >>> embeds = {"prompt_embeds": torch.zeros(1, 5, 16), "pooled_prompt_embeds": torch.zeros(1, 16)}
+    >>> tuple(pipe(**embeds, height=16, width=16, num_inference_steps=1, output_type="latent").images.shape)
+    (1, 4, 8, 8)
+    """
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    config = dict(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        cross_attention_dim=16,
+        norm_num_groups=8,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=16 + 6 * 4,  # pooled text + 6 time ids of 4 channels
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        text_encoder=None,
+        text_encoder_2=None,
+        tokenizer=None,
+        tokenizer_2=None,
+        unet=_build(UNet2DConditionModel, config, {}, seed),
+        scheduler=EulerDiscreteScheduler(),
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

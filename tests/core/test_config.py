@@ -16,6 +16,9 @@ VALID = [
     (3, 3, ModelFacts(num_heads=4, guides=True), (1, 1, 3, 1, 3)),  # odd: no CFG split possible
     (5, 5, ModelFacts(num_heads=5), (1, 1, 1, 5, 5)),
     (4, 4, ModelFacts(), (1, 1, 1, 1, 4)),  # VAE only: every rank splits the VAE
+    # A guiding pipeline without a sequence-parallel transformer (a UNet): CFG when it fills every rank.
+    (2, 2, ModelFacts(guides=True, pipeline=True), (1, 2, 1, 1, 2)),
+    (4, 4, ModelFacts(guides=True, pipeline=True), (1, 1, 1, 1, 4)),
     (None, 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 2)),  # None = the world size
     (ParallelConfig(cfg=2, ulysses=2, ring=2), 8, ModelFacts(num_heads=4, guides=True), (1, 2, 2, 2, 8)),
     (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4, pipeline=True), (2, 1, 1, 2, 4)),

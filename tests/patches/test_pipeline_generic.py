@@ -34,6 +34,7 @@ from hfpatch.testing import (
     tiny_flux_pipe_with_text_encoders,
     tiny_flux_transformer,
     tiny_sd3_pipe,
+    tiny_sdxl_pipe,
     tiny_wan_pipe,
 )
 from hfpatch.testing import tiny_qwenimage_pipe as _tiny_qwen_image_pipe
@@ -410,8 +411,37 @@ class _ReadsCond(DiffusionPipeline):
         return latents
 
 
+def _sdxl_cases() -> dict[str, Any]:
+    """StableDiffusionXLPipeline (a UNet, batched CFG, per-sample tensors inside ``added_cond_kwargs``) at
+    data=2, cfg=2 and parallel=2 against the unpatched pipe (batch 4 per call: 2 prompts x CFG)."""
+    pipe = tiny_sdxl_pipe()
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "prompt_embeds": torch.randn(2, 5, 16, generator=gen),
+        "pooled_prompt_embeds": torch.randn(2, 16, generator=gen),
+        "negative_prompt_embeds": torch.randn(2, 5, 16, generator=gen),
+        "negative_pooled_prompt_embeds": torch.randn(2, 16, generator=gen),
+        "latents": torch.randn(2, 4, 8, 8, generator=gen),
+    }
+
+    def run(target: Any) -> torch.Tensor:
+        kwargs = to_fp64(inputs) if target is not pipe else inputs
+        return target(
+            **kwargs, height=16, width=16, num_inference_steps=2, guidance_scale=5.0, output_type="latent"
+        ).images
+
+    reference = run(pipe)
+    noise = rounding_noise(reference, run(to_fp64(pipe)))
+    results: dict[str, Any] = {}
+    for case, parallel in (("data", ParallelConfig(data=2)), ("cfg", ParallelConfig(cfg=2)), ("planned", 2)):
+        with hfpatch.apply(pipe, parallel, registry=_registry()) as patch:
+            results[case] = (rel_error(run(pipe), reference), noise, patch.plan)
+    return results
+
+
 def _all_cases() -> dict[str, Any]:
     return {
+        "sdxl": _sdxl_cases(),
         "flux": _flux_cases(),
         "sd3": _sd3_generic_cases(),
         "qwen_image": _qwen_image_cases(),
@@ -437,6 +467,14 @@ def test_flux_data_parallel_rows_equal_per_prompt_runs(results):
         # Against the batch-2 run (other GEMM shapes): reassociation only.
         diff, noise = flux["vs_batched"]
         assert diff <= reassociation_tol(noise), (rank, diff, noise)
+
+
+def test_sdxl_unet_data_and_cfg_parallel_equal_unpatched(results):
+    # Each rank runs the UNet on its rows of the batch (other GEMM shapes): reassociation only.
+    for rank, result in enumerate(results):
+        for case, (diff, noise, _plan) in result["sdxl"].items():
+            assert diff <= reassociation_tol(noise), (rank, case, diff, noise)
+        assert result["sdxl"]["planned"][2] == ParallelConfig(cfg=2)  # parallel=2: CFG parallel for a UNet
 
 
 def test_qwen_image_true_cfg_data_parallel_rows_equal_per_prompt_runs(results):
