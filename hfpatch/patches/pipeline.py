@@ -70,10 +70,11 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..core.config import ModelFacts, ParallelConfig
 from ..core.registry import PatchFamily
@@ -281,9 +282,8 @@ class _Pending:
     model: torch.nn.Module
     tensor: torch.Tensor  # cfg rank 0: its cond output; cfg rank 1: the placeholder it returned
     error: Exception | None  # cfg rank 0: its cond call failed; raised at the uncond call (see _uncond)
-    placeholder: (
-        torch.Tensor
-    )  # the plain tensor behind ``tensor`` (a guarded view of it for generic pipelines)
+    # The plain tensor behind ``tensor`` (``tensor`` is a guarded view of it for generic pipelines).
+    placeholder: torch.Tensor
 
 
 @dataclass
@@ -298,16 +298,33 @@ class _State:
 
     pending: _Pending | None = None
     phase: str = "observe"
-    seen: list[tuple[str, torch.nn.Module]] | None = None  # (context, model) of the first step's calls
+    seen: list[tuple[str, torch.nn.Module]] = field(default_factory=list)  # (context, model), first step
     watched: _WatchedPrediction | None = None  # the first step's cond prediction
-    shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None  # id(model) -> its prediction's
+    shapes: dict[int, tuple[torch.Size, torch.dtype]] = field(
+        default_factory=dict
+    )  # id(model) -> prediction's
 
     def reset(self) -> None:
-        self.pending, self.phase, self.seen, self.watched, self.shapes = None, "observe", [], None, {}
+        self.pending, self.phase, self.watched = None, "observe", None
+        self.seen, self.shapes = [], {}
 
 
 # Tensor methods that read metadata only: allowed on a prediction before its values exist.
 _METADATA_ONLY = frozenset({"__get__", "size", "dim", "numel", "__len__", "stride", "is_contiguous"})
+
+
+def _used(cls: type, func: Any, args: tuple, kwargs: dict | None) -> list[Any]:
+    """The ``cls`` tensors an op computes with, anywhere in its arguments (``torch.cat([t, ...])`` too);
+    none for ops that read metadata only."""
+    if getattr(func, "__name__", "") in _METADATA_ONLY:
+        return []
+    return [leaf for leaf in tree_leaves((args, kwargs or {})) if isinstance(leaf, cls)]
+
+
+def _plain(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``func`` on the plain tensors behind any subclass instances: plain results."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
 
 
 class _WatchedPrediction(torch.Tensor):
@@ -319,11 +336,9 @@ class _WatchedPrediction(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for arg in args:
-            if isinstance(arg, _WatchedPrediction) and arg.observing and func.__name__ not in _METADATA_ONLY:
-                arg.read = True
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        for prediction in _used(cls, func, args, kwargs):
+            prediction.read = prediction.read or prediction.observing
+        return _plain(func, args, kwargs)
 
 
 class _PendingPrediction(torch.Tensor):
@@ -336,11 +351,10 @@ class _PendingPrediction(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for arg in args:
-            if isinstance(arg, _PendingPrediction) and not arg.filled and func.__name__ not in _METADATA_ONLY:
-                raise RuntimeError(arg.message)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        for prediction in _used(cls, func, args, kwargs):
+            if not prediction.filled:
+                raise RuntimeError(prediction.message)
+        return _plain(func, args, kwargs)
 
 
 class _ParallelForward:
@@ -506,12 +520,11 @@ class _ParallelForward:
         return_dict = bound.arguments.get("return_dict", True)
         batch = self._batch(bound)
         data_world = 1 if self.data_group is None else torch.distributed.get_world_size(self.data_group)
-        if self.mode == "generic" and self.context in ("cond", "uncond") and self.cfg_group is not None:
-            out = self._observed_two_call(bound, names)
-            return Transformer2DModelOutput(sample=out) if return_dict else (out,)
-        if self.mode == "generic" and self.context not in _BATCHED_CONTEXTS:
+        # A generic pipeline's cond/uncond calls are its two-call CFG (observed first); its other calls batch.
+        observed = self.mode == "generic" and self.context in ("cond", "uncond")
+        if self.mode == "generic" and not observed and self.context not in _BATCHED_CONTEXTS:
             raise self._pattern_error(f"a call inside cache_context({self.context!r})")
-        batched_cfg = self.mode in ("batched", "generic") and self.cfg_group is not None
+        batched_cfg = self.mode in ("batched", "generic") and not observed and self.cfg_group is not None
         data_batch = batch // 2 if batched_cfg and batch >= 2 else batch  # the smaller cfg half
         if data_batch < data_world:
             raise ValueError(
@@ -519,7 +532,9 @@ class _ParallelForward:
                 f"has batch {data_batch}{' per CFG half' if data_batch != batch else ''}; pass at least {data_world} prompts (or num_images/videos_per_prompt) per "
                 "call, or use fewer data ranks"
             )
-        if self.mode == "two_call" and self.cfg_group is not None:
+        if observed:
+            out = self._observed_two_call(bound, names)
+        elif self.mode == "two_call" and self.cfg_group is not None:
             out = self._two_call(bound, names)
         elif batched_cfg:
             out = self._split_compute(bound, [self.cfg_group, self.data_group], names)
@@ -803,7 +818,6 @@ class PipelineParallel(PatchFamily):
             # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
             patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
         state = _State()
-        state.reset()
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:

@@ -375,19 +375,26 @@ def _observed_cfg_cases() -> dict[str, Any]:
         torch.randn(1, 8, 16, generator=gen),
         torch.randn(1, 16, generator=gen),
     ]
-    references = {read: pipe(*args, read_from_step=read) for read in (0, 1, None)}
+    # Reads from the first step / from the second step / never; directly, or inside a list (torch.cat).
+    cases = [(0, False), (1, False), (None, False), (0, True), (1, True)]
+    references = {case: pipe(*args, read_from_step=case[0], in_list=case[1]) for case in cases}
     with hfpatch.apply(pipe, ParallelConfig(cfg=2), registry=_registry()):
-        for read in (0, 1, None):  # reads from the first step / from the second step / never
-            outcome = _outcome(lambda read=read: results.__setitem__("out", pipe(*args, read_from_step=read)))
-            equal = outcome.startswith("ok") and torch.equal(results.pop("out"), references[read])
-            results[f"reads_from_{read}"] = (outcome, equal, pipe.transformer.forward.state.phase)
+        for read, in_list in cases:
+            outcome = _outcome(
+                lambda read=read, in_list=in_list: results.__setitem__(
+                    "out", pipe(*args, read_from_step=read, in_list=in_list)
+                )
+            )
+            equal = outcome.startswith("ok") and torch.equal(results.pop("out"), references[read, in_list])
+            key = f"reads_from_{read}" + ("_in_list" if in_list else "")
+            results[key] = (outcome, equal, pipe.transformer.forward.state.phase)
     return results
 
 
 class _ReadsCond(DiffusionPipeline):
     """A two-call CFG pipeline that computes with the cond prediction before its uncond call from step
-    ``read_from_step`` on (``None``: never), to test what hfpatch does when the first step's pattern is not
-    the supported one or changes later."""
+    ``read_from_step`` on (``None``: never), directly or as an element of a list argument (``in_list``), to
+    test what hfpatch does when the first step's pattern is not the supported one or changes later."""
 
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
@@ -395,7 +402,7 @@ class _ReadsCond(DiffusionPipeline):
 
     @torch.no_grad()
     def __call__(
-        self, latents, text, pooled, read_from_step: int | None = None, steps: int = 3
+        self, latents, text, pooled, read_from_step: int | None = None, in_list: bool = False, steps: int = 3
     ) -> torch.Tensor:
         ids = {"img_ids": torch.zeros(latents.shape[1], 3), "txt_ids": torch.zeros(text.shape[1], 3)}
         for i in self.progress_bar(range(steps)):
@@ -403,7 +410,8 @@ class _ReadsCond(DiffusionPipeline):
             with self.transformer.cache_context("cond"):
                 cond = self.transformer(latents, text, pooled, t, **ids, return_dict=False)[0]
             if read_from_step is not None and i >= read_from_step:
-                cond = cond.clamp(-10, 10)  # e.g. a guidance rescale that needs the cond prediction early
+                # e.g. a guidance rescale that needs the cond prediction early
+                cond = torch.cat([cond], dim=0) * 1.5 if in_list else cond.clamp(-10, 10)
             with self.transformer.cache_context("uncond"):
                 uncond = self.transformer(latents, -text, pooled, t, **ids, return_dict=False)[0]
             latents = latents - 0.1 * (uncond + 3.0 * (cond - uncond))
@@ -557,6 +565,9 @@ def test_cond_prediction_used_before_the_uncond_call(results):
             "RuntimeError: hfpatch CFG parallel (cfg=2): _ReadsCond computed with the cond prediction"
         )
         assert "Apply with cfg=1" in outcome
+        # The same when the prediction is used inside a list argument (torch.cat([cond])).
+        assert observed["reads_from_0_in_list"] == ("ok [sent 0 B]", True, "off")
+        assert observed["reads_from_1_in_list"][0] == outcome and not observed["reads_from_1_in_list"][1]
     assert outcomes[0]["reads_from_1"] == outcomes[1]["reads_from_1"]  # the same error on both ranks
 
 
