@@ -461,13 +461,13 @@ class _ParallelForward:
         return tuple(names)
 
     def _slice(
-        self, bound: inspect.BoundArguments, names: tuple[str, ...], start: int, length: int
+        self, bound: inspect.BoundArguments, names: tuple[str, ...], batch: int, start: int, length: int
     ) -> inspect.BoundArguments:
-        """A copy of ``bound`` with the arguments ``names`` narrowed to rows ``start:start + length``."""
+        """A copy of ``bound`` (of batch ``batch``) with the arguments ``names`` narrowed to rows
+        ``start:start + length``."""
         arguments = bound.arguments.copy()
         if self.varkw is not None and self.varkw in arguments:
             arguments[self.varkw] = dict(arguments[self.varkw])
-        batch = self._batch(bound)
         for name in names:
             holder = arguments if name in arguments else arguments[self.varkw]
             value = holder[name]
@@ -508,7 +508,7 @@ class _ParallelForward:
             return self._split_compute(bound, rest, names)
         sizes = even_sizes(batch, world)
         me = torch.distributed.get_rank(group)
-        local = self._split_compute(self._slice(bound, names, sum(sizes[:me]), sizes[me]), rest, names)
+        local = self._split_compute(self._slice(bound, names, batch, sum(sizes[:me]), sizes[me]), rest, names)
         return all_gather(local, dim=0, group=group, sizes=sizes)
 
     # -- the call ---------------------------------------------------------------------------------------
