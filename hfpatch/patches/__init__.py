@@ -17,6 +17,7 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.ChronoEditTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.WanVACETransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.HunyuanVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.HunyuanVideo15Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),

@@ -228,6 +228,21 @@ PLANS: dict[str, DiTPlan] = {
             )
         },
     ),
+    # HunyuanVideo 1.5: no _cp_plan. HunyuanVideo's layout (video tokens cut at the patch embedding, rotary
+    # tables [S, D] at the rope, text replicated and joined *behind* the video). The text (refined MLLM text,
+    # ByT5 glyph text and the image tokens, valid ones first) comes with a query x key mask m[i] & m[j] over
+    # [video, text] (video unmasked): a key mask plus fully masked padded-text query rows, honoured exactly
+    # (_token_masks). The token refiner attends within the replicated text only (not routed).
+    "diffusers.HunyuanVideo15Transformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideo15AttnProcessor2_0",), joint="back"),
+        ),
+        plan={
+            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
+            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
 }
 
 
@@ -327,6 +342,36 @@ def _key_mask(attn_mask: torch.Tensor | None, batch: int, keys: int, where: str)
             "values (a bias is not a mask of keys)"
         )
     return keep
+
+
+def _token_masks(
+    attn_mask: torch.Tensor | None, batch: int, queries: int, keys: int, where: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(key mask, query mask)``, each ``[B|1, S]`` bool or ``None``, from a key-only or a *token* mask.
+
+    A token mask is a self-attention's query x key mask ``[B|1, 1, S, S]`` that is the outer AND of one token
+    mask ``m`` with itself (HunyuanVideo 1.5: ``m[i] & m[j]``, padded text masked as keys *and* as queries).
+    That is exactly a key mask ``m`` plus fully masked query rows where ``m`` is False, whose output SDPA gives
+    as zeros (torch's safe softmax): the caller zeroes those rows (no gradient flows through them either).
+    Anything else is a key-only mask (:func:`_key_mask`) or refused.
+    """
+    if attn_mask is None or attn_mask.dim() != 4 or attn_mask.shape[-2] == 1:
+        return _key_mask(attn_mask, batch, keys, where), None
+    shape = tuple(attn_mask.shape)
+    if not (queries == keys and shape[-2:] == (queries, keys) and shape[1] == 1 and shape[0] in (1, batch)):
+        raise ValueError(
+            f"{where}: sequence-parallel attention takes key-only masks [B or 1, 1, 1, {keys}] or a token mask "
+            f"[B or 1, 1, {queries}, {keys}] (outer AND of one mask of tokens); got an attention mask of shape {shape}"
+        )
+    keep = _key_mask(attn_mask.reshape(-1, 1, 1, keys), shape[0] * queries, keys, where)
+    keep = keep.reshape(shape[0], queries, keys)
+    tokens = keep.diagonal(dim1=-2, dim2=-1)
+    if not torch.equal(keep, tokens[:, :, None] & tokens[:, None, :]):
+        raise ValueError(
+            f"{where}: sequence-parallel attention takes a query x key mask only when it is the outer AND of one "
+            "mask of tokens (masked tokens neither attend nor are attended to); this one is not"
+        )
+    return tokens, None if bool(tokens.all()) else tokens
 
 
 #: diffusers' own ``dispatch_attention_fn`` (the one every stock module imports), set by :func:`_routed_call`.
@@ -454,7 +499,7 @@ class USPDispatchProcessor:
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
             text = 0  # usp_attention_call says what is wrong with the length
-        mask = _key_mask(attn_mask, query.shape[0], key.shape[1], self.where)
+        mask, query_mask = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
         sizes = [text, local] if self.joint != "back" else [local, text]
         (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
         if self.joint == "back":
@@ -475,6 +520,8 @@ class USPDispatchProcessor:
         )  # fmt: skip
         if joint_out is None:
             return out
+        if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
+            joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
     "tiny_ltx_pipe",
@@ -990,3 +991,32 @@ def tiny_sdxl_pipe(seed: int = 0):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_hunyuanvideo15_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``HunyuanVideo15Transformer3DModel`` (HunyuanVideo 1.5: dual-stream blocks, video and text joined).
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x1x1: ``F*H*W`` tokens), ``timestep`` ``[B]``,
+    ``encoder_hidden_states`` ``[B, T, 16]`` with ``encoder_attention_mask`` ``[B, T]``,
+    ``encoder_hidden_states_2`` ``[B, T2, 16]`` with ``encoder_attention_mask_2`` ``[B, T2]`` (the ByT5 text) and
+    ``image_embeds`` ``[B, N, 16]`` (all zeros: text-to-video, the image tokens masked).
+    """
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    config = dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        num_layers=num_layers,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        text_embed_2_dim=16,
+        image_embed_dim=16,
+        rope_axes_dim=(2, 2, 4),
+    )
+    return _build(HunyuanVideo15Transformer3DModel, config, overrides, seed)

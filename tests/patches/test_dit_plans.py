@@ -54,9 +54,12 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
                 if isinstance(getattr(m, "processor", None), USPDispatchProcessor)
             ]
             state = stand_ins[0].state
-            x = kwargs[name]  # packed [B, S, C], or a latent [B, C, F, H, W] with 1x2x2 patches
+            x = kwargs[
+                name
+            ]  # packed [B, S, C], or a latent [B, C, F, H, W] with 1x2x2 patches (1x1x1: HV 1.5)
+            patch = 1 if family == "hunyuanvideo15" else 4
             results[family] = {
-                "tokens": x.shape[1] if x.dim() == 3 else x.shape[2] * x.shape[3] * x.shape[4] // 4,
+                "tokens": x.shape[1] if x.dim() == 3 else x.shape[2] * x.shape[3] * x.shape[4] // patch,
                 "valid_len": state.valid_len,
                 "local_len": state.local_len,
                 "calls": [p.calls for p in stand_ins],
@@ -191,10 +194,11 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
-    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo"]
+    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuanvideo15"]
     results = rank_pool(2).run(lifecycle_cases, families)
     # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
     expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
+    expected_swaps.update(hunyuanvideo15=2)
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -204,7 +208,15 @@ def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(ra
 
 
 def test_planned_usp_attends_from_each_rank_shard(rank_pool):
-    families = ["qwenimage", "flux2", "ltx_tokens", "chronoedit", "wan_vace", "hunyuanvideo"]
+    families = [
+        "qwenimage",
+        "flux2",
+        "ltx_tokens",
+        "chronoedit",
+        "wan_vace",
+        "hunyuanvideo",
+        "hunyuanvideo15",
+    ]
     for world in (3,):
         for rank_result in rank_pool(world).run(shard_cases, families):
             for family, seen in rank_result.items():
@@ -215,7 +227,12 @@ def test_planned_usp_attends_from_each_rank_shard(rank_pool):
 
 @pytest.mark.parametrize(
     ("family", "mask"),
-    [("qwenimage_mask", "encoder_hidden_states_mask"), ("hunyuanvideo", "encoder_attention_mask")],
+    [
+        ("qwenimage_mask", "encoder_hidden_states_mask"),
+        ("hunyuanvideo", "encoder_attention_mask"),
+        ("hunyuanvideo15", "encoder_attention_mask"),
+        ("hunyuanvideo15", "encoder_attention_mask_2"),
+    ],
 )
 def test_planned_usp_text_mask_changes_the_stock_output(family, mask):
     """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance."""
@@ -271,7 +288,28 @@ def test_planned_usp_support_table_names_plan_source_per_class():
         "ChronoEditTransformer3DModel",
         "WanVACETransformer3DModel",
         "HunyuanVideoTransformer3DModel",
+        "HunyuanVideo15Transformer3DModel",
     ):
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
     assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
+
+
+def test_planned_usp_token_mask_is_a_key_mask_plus_masked_query_rows_or_refused():
+    """HunyuanVideo 1.5's query x key mask m[i] & m[j] is read as key mask m plus masked query rows."""
+    from hfpatch.patches.dit import _token_masks
+
+    m = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    outer = (m[:, :, None] & m[:, None, :])[:, None]
+    keys, queries = _token_masks(outer, 2, 4, 4, "here")
+    assert torch.equal(keys, m) and torch.equal(queries, m)
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~outer, float("-inf"))
+    keys, queries = _token_masks(additive, 2, 4, 4, "here")
+    assert torch.equal(keys, m) and torch.equal(queries, m)
+    keys, queries = _token_masks(torch.ones(1, 1, 4, 4, dtype=torch.bool), 2, 4, 4, "here")
+    assert keys.all() and queries is None
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    with pytest.raises(ValueError, match="outer AND of one mask of tokens"):
+        _token_masks(causal, 1, 4, 4, "here")
+    with pytest.raises(ValueError, match="token mask"):
+        _token_masks(torch.ones(1, 2, 4, 4, dtype=torch.bool), 1, 4, 4, "here")

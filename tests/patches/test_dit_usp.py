@@ -40,6 +40,7 @@ PLANNED = (
     "chronoedit",
     "wan_vace",
     "hunyuanvideo",
+    "hunyuanvideo15",
 )
 
 
@@ -184,6 +185,18 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             encoder_hidden_states=_randn(2, 6, 16, seed=2),
             encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
             pooled_projections=_randn(2, 16, seed=3),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "hunyuanvideo15":  # 1 x 5 x 5 = 25 video tokens, batch 2, three padded texts (token mask)
+        model = testing.tiny_hunyuanvideo15_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 1, 5, 5, seed=1),
+            timestep=torch.tensor([500.0, 20.0]),
+            encoder_hidden_states=_randn(2, 6, 16, seed=2),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            encoder_hidden_states_2=_randn(2, 4, 16, seed=3),
+            encoder_attention_mask_2=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]),
+            image_embeds=torch.zeros(2, 3, 16),  # text-to-video: the image tokens are masked
         )
         return model, kwargs, "hidden_states"
     raise ValueError(family)
