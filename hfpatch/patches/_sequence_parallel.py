@@ -57,6 +57,7 @@ from ..distributed.collectives import all_gather
 
 __all__ = [
     "GatherOutput",
+    "ReplicatedOutput",
     "SequenceParallelFamily",
     "SequencePlan",
     "SequenceShard",
@@ -110,7 +111,16 @@ class GatherOutput:
     dim: int
 
 
-Spec = SplitInput | SplitOutput | GatherOutput
+@dataclass(frozen=True)
+class ReplicatedOutput:
+    """A submodule output every rank computes in full (a replicated stream's output: LTX-2's audio).
+
+    Every rank returns the same tensor, so a loss on it would count ``N`` times in the SUM of the ranks'
+    gradients: rank 0 of the ``sp`` group takes its gradient, the others get none (forward: identity).
+    """
+
+
+Spec = SplitInput | SplitOutput | GatherOutput | ReplicatedOutput
 #: Submodule path (``""`` = the model) -> the specs applied there.
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
@@ -206,6 +216,19 @@ class USPAttnProcessor:
 
 
 # ----------------------------------------------------------------------------------------------- interpreter
+class _FirstRankGrad(torch.autograd.Function):
+    """Identity whose gradient only one rank keeps (:class:`ReplicatedOutput`)."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
 def _map_tensors(value: Any, fn) -> Any:
     """Apply ``fn`` to a tensor, or to each tensor of a tuple/list (other values pass through)."""
     if isinstance(value, torch.Tensor):
@@ -355,6 +378,12 @@ def apply_sequence_plan(
                     return state.gather(out, dim)
 
                 handles.append(patch.add_forward_hook(module, gather_output))
+            elif isinstance(spec, ReplicatedOutput):
+
+                def replicated_output(_m, _args, _kwargs, out):
+                    return _map_tensors(out, lambda x: _FirstRankGrad.apply(x, state.rank == 0))
+
+                handles.append(patch.add_forward_hook(module, replicated_output))
         installed[path] = (module, handles)
 
     what = f"{type(model).__name__}.forward"

@@ -67,6 +67,7 @@ from ..core.patch import Patch
 from ..core.registry import class_key
 from ._sequence_parallel import (
     GatherOutput,
+    ReplicatedOutput,
     SequenceParallelFamily,
     SequencePlan,
     SequenceShard,
@@ -99,7 +100,9 @@ class AttentionRoute:
         path: Submodule path, ``*`` for one whole segment (``"transformer_blocks.*.attn"``).
         processors: Class names of the stock processors the modules may have (anything else is refused).
         joint: ``None`` for self-attention over the sharded tokens only; ``"front"``/``"back"`` where the
-            processor concatenates the replicated text tokens before/after the image tokens.
+            processor concatenates the replicated text tokens before/after the image tokens; ``"queries"``
+            for a cross-attention whose queries are a replicated stream and whose keys/values are the sharded
+            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`).
     """
 
     path: str
@@ -241,6 +244,34 @@ PLANS: dict[str, DiTPlan] = {
             "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
             "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
             "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # LTX-2 (audio + video): _cp_plan minus the text. Only the video tokens are cut (hidden_states, the
+    # self-attention and a2v/v2a rotary tables: [B, S, D] for interleaved rope, [B, H, S, D/2] for split rope,
+    # per-token timesteps and keyframe markers); the audio stream stays replicated on every rank, with its
+    # self-attention and text cross-attention local. Video self-attention (attn1) is routed; the audio-to-video
+    # attention (video queries, audio keys) is local and exact; the video-to-audio attention (audio queries,
+    # video keys) is routed as joint="queries" (exact merge over the video shards). The audio output is
+    # replicated: rank 0 takes its gradient (ReplicatedOutput), so the SUM over ranks counts it once.
+    "diffusers.LTX2VideoTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("LTX2AudioVideoAttnProcessor",)),
+            AttentionRoute(
+                "transformer_blocks.*.video_to_audio_attn", ("LTX2AudioVideoAttnProcessor",), joint="queries"
+            ),
+        ),
+        replicate=(("", "encoder_hidden_states"), ("", "encoder_attention_mask")),
+        extra={
+            "": (
+                SplitInput("timestep", dim=1, ndim=2),  # per-token timesteps [B, S] (conditioning pipelines)
+                SplitInput("video_keyframes_mask", dim=1, ndim=3),  # [B, S, 1]
+            ),
+            "rope": (SplitOutput(dim=2, ndim=4),),  # split rope: (cos, sin), each [B, H, S, D/2]
+            "cross_attn_rope": (SplitOutput(dim=1, ndim=3), SplitOutput(dim=2, ndim=4)),
+            "audio_proj_out": (ReplicatedOutput(),),
+        },
+        refuse={
+            "video_self_attention_mask": "a query x key mask over the video tokens, which are sharded both ways",
         },
     ),
 }
@@ -495,6 +526,8 @@ class USPDispatchProcessor:
                 f"{self.where}: sequence-parallel attention computes plain softmax attention; got dropout_p="
                 f"{dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}, attention_kwargs={attention_kwargs}"
             )
+        if self.joint == "queries":
+            return self._attend_sharded_keys(query, key, value, attn_mask, scale)
         local = self.state.local_len if self.state.local_len is not None else query.shape[1]
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
@@ -523,6 +556,25 @@ class USPDispatchProcessor:
         if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
             joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def _attend_sharded_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
+        """Replicated queries over the sharded tokens' keys/values (``joint="queries"``)."""
+        from ..attention.sharded_keys import sharded_keys_attention
+
+        if attn_mask is not None:
+            raise ValueError(
+                f"{self.where}: an attention mask over the sharded keys of a replicated-query attention is not "
+                "supported under sequence parallelism"
+            )
+        if self.state.local_len is None or key.shape[1] != self.state.local_len:
+            raise RuntimeError(
+                f"{self.where}: sequence-parallel attention got {key.shape[1]} keys but this call's shard holds "
+                f"{self.state.local_len}: the model ran without its sequence split. Call model(...), not "
+                "model.forward(...)."
+            )
+        return sharded_keys_attention(
+            query, key, value, group=self.state.group, valid_len=self.state.valid_len, scale=scale
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where}, joint={self.joint}, {self.state!r})"

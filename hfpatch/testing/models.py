@@ -30,6 +30,7 @@ __all__ = [
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
+    "tiny_ltx2_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_qwen2_5_vl",
@@ -1020,3 +1021,32 @@ def tiny_hunyuanvideo15_transformer(
         rope_axes_dim=(2, 2, 4),
     )
     return _build(HunyuanVideo15Transformer3DModel, config, overrides, seed)
+
+
+def tiny_ltx2_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``LTX2VideoTransformer3DModel`` (LTX-2: video and audio streams, audio-video cross-attention).
+
+    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``audio_hidden_states`` ``[B, A, 8]``,
+    ``encoder_hidden_states`` and ``audio_encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask``
+    ``[B, T]``, ``timestep`` ``[B]`` (or ``[B, F*H*W]`` per token, with ``audio_timestep`` ``[B]``),
+    ``num_frames``/``height``/``width`` and ``audio_num_frames=A``. The audio stream has 2 heads of 8.
+    """
+    from diffusers import LTX2VideoTransformer3DModel
+
+    config = dict(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        cross_attention_dim=num_heads * head_dim,
+        audio_in_channels=8,
+        audio_out_channels=8,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=8,
+        audio_cross_attention_dim=16,
+        num_layers=num_layers,
+        caption_channels=16,
+    )
+    return _build(LTX2VideoTransformer3DModel, config, overrides, seed)

@@ -141,6 +141,11 @@ def planned_error_cases() -> dict[str, str]:
     i2v = tiny_hunyuanvideo_transformer(image_condition_type="token_replace")
     expect("token_replace", ValueError, lambda: hfpatch.apply(i2v, parallel=ParallelConfig(ulysses=world)))
 
+    ltx2, kwargs, _ = build("ltx2")
+    ic_lora = {**kwargs, "video_self_attention_mask": torch.ones(2, 25, 25)}
+    with hfpatch.apply(ltx2, parallel=ParallelConfig(ulysses=world)), torch.no_grad():
+        expect("video_self_attention_mask", ValueError, lambda: ltx2(**ic_lora))
+
     vace, kwargs, _ = build("wan_vace")
     short = {
         **kwargs,
@@ -183,6 +188,7 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
             ("flux2_gc", 2, 1),
             ("ltx_tokens_gc", 1, 2),
             ("hunyuanvideo_gc", 2, 1),
+            ("ltx2_tokens_gc", 1, 2),  # split rope, gated attention, per-token timesteps
         ]
     results = rank_pool(world).run(backward_cases, cases)
     for rank, rank_result in enumerate(results):
@@ -195,10 +201,11 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
     families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuanvideo15"]
+    families.append("ltx2")
     results = rank_pool(2).run(lifecycle_cases, families)
     # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
     expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
-    expected_swaps.update(hunyuanvideo15=2)
+    expected_swaps.update(hunyuanvideo15=2, ltx2=4)  # LTX-2: attn1 and video_to_audio_attn of 2 blocks
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -216,6 +223,7 @@ def test_planned_usp_attends_from_each_rank_shard(rank_pool):
         "wan_vace",
         "hunyuanvideo",
         "hunyuanvideo15",
+        "ltx2",
     ]
     for world in (3,):
         for rank_result in rank_pool(world).run(shard_cases, families):
@@ -273,6 +281,10 @@ def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
         messages["short_control"]
     )
     assert messages["vace_runs_after_error"] == "(2, 4, 1, 10, 10)"
+    assert (
+        "video_self_attention_mask= is not supported under sequence parallelism"
+        in (messages["video_self_attention_mask"])
+    ), messages["video_self_attention_mask"]
 
 
 def test_planned_usp_support_table_names_plan_source_per_class():
@@ -291,6 +303,7 @@ def test_planned_usp_support_table_names_plan_source_per_class():
         "HunyuanVideo15Transformer3DModel",
     ):
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
+    assert rows["LTX2VideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
 

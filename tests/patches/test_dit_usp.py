@@ -41,6 +41,7 @@ PLANNED = (
     "wan_vace",
     "hunyuanvideo",
     "hunyuanvideo15",
+    "ltx2",
 )
 
 
@@ -199,7 +200,40 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             image_embeds=torch.zeros(2, 3, 16),  # text-to-video: the image tokens are masked
         )
         return model, kwargs, "hidden_states"
+    if family in ("ltx2", "ltx2_tokens"):  # video sharded, audio replicated (5 tokens), masked text
+        if family == "ltx2":  # 1 x 5 x 5 = 25 video tokens, batch 2, one timestep per sample
+            model = testing.tiny_ltx2_transformer()
+            frames, height, width, batch = 1, 5, 5, 2
+            timesteps = dict(timestep=torch.tensor([500.0, 20.0]))
+        else:  # 2 x 2 x 3 = 12 tokens, per-token video timesteps (conditioning), split rope, gated attention
+            model = testing.tiny_ltx2_transformer(rope_type="split", gated_attn=True, audio_gated_attn=True)
+            frames, height, width, batch = 2, 2, 3, 1
+            timesteps = dict(
+                timestep=torch.randint(0, 1000, (1, 12), generator=_gen(2)).float(),
+                audio_timestep=torch.tensor([300.0]),
+            )
+        kwargs = dict(
+            hidden_states=_randn(batch, frames * height * width, 8, seed=1),
+            audio_hidden_states=_randn(batch, 5, 8, seed=4),
+            encoder_hidden_states=_randn(batch, 6, 16, seed=2),
+            audio_encoder_hidden_states=_randn(batch, 6, 16, seed=3),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])[:batch],
+            num_frames=frames,
+            height=height,
+            width=width,
+            audio_num_frames=5,
+            **timesteps,
+        )
+        return model, kwargs, "hidden_states"
     raise ValueError(family)
+
+
+def _sample(out: Any) -> torch.Tensor:
+    """The model's output: ``sample``, with LTX-2's replicated ``audio_sample`` flattened after it."""
+    audio = getattr(out, "audio_sample", None)
+    if audio is None:
+        return out.sample
+    return torch.cat([out.sample.flatten(1), audio.flatten(1)], dim=1)
 
 
 def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -222,11 +256,11 @@ def forward_cases(
         with torch.no_grad():
             if family not in references:
                 model64, kwargs64 = _double(model, kwargs)
-                ref = model(**kwargs).sample
-                references[family] = (ref, rel_error(ref, model64(**kwargs64).sample))
+                ref = _sample(model(**kwargs))
+                references[family] = (ref, rel_error(ref, _sample(model64(**kwargs64))))
             ref, noise = references[family]
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
-                out = model(**kwargs).sample
+                out = _sample(model(**kwargs))
         assert out.shape == ref.shape and out.dtype == ref.dtype, (family, out.shape, ref.shape)
         results[(family, ulysses, ring)] = (rel_error(out, ref), noise, out)
     return results
@@ -238,7 +272,7 @@ def _grads(
     """Gradients of a fixed linear loss; with ``group``, summed over it (the documented convention)."""
     model.zero_grad(set_to_none=True)
     inputs = {k: v.clone().requires_grad_(True) for k, v in kwargs.items() if k in _GRAD_INPUTS}
-    out = model(**{**kwargs, **inputs}).sample
+    out = _sample(model(**{**kwargs, **inputs}))
     (out * weight).sum().backward()
     all_reduce_gradients([model, *inputs.values()], group)
     grads = {f"param:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -246,7 +280,7 @@ def _grads(
     return grads
 
 
-_GRAD_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
+_GRAD_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "audio_hidden_states")
 
 
 def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], dict[str, Any]]:
@@ -261,7 +295,7 @@ def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, in
         model.train()
         if family not in references:
             model64, kwargs64 = _double(model, kwargs)
-            weight = _randn(*model(**kwargs).sample.shape, seed=7)
+            weight = _randn(*_sample(model(**kwargs)).shape, seed=7)
             ref = _grads(model, kwargs, weight)
             ref64 = _grads(model64, kwargs64, weight.double())
             # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
