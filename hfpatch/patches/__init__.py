@@ -19,6 +19,7 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.HunyuanVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.HunyuanVideo15Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.LTX2VideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.MiniMaxH3Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),

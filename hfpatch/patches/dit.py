@@ -274,6 +274,12 @@ PLANS: dict[str, DiTPlan] = {
             "video_self_attention_mask": "a query x key mask over the video tokens, which are sharded both ways",
         },
     ),
+    # MiniMax-H3: its _cp_plan as it is. One packed sequence of video, text and audio rows (the text refined
+    # before packing) attends to itself without a mask; the packed rows are cut at block 0 with their rotary
+    # tables and per-row AdaLN indices, and both heads gather the full sequence before selecting their rows.
+    "diffusers.MiniMaxH3Transformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn", ("MiniMaxH3AttnProcessor",)),),
+    ),
 }
 
 

@@ -11,7 +11,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 * Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
   :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
-  :func:`tiny_wan_vace_transformer`, :func:`tiny_hunyuanvideo15_transformer`, :func:`tiny_ltx2_transformer`.
+  :func:`tiny_wan_vace_transformer`, :func:`tiny_hunyuanvideo15_transformer`, :func:`tiny_ltx2_transformer`,
+  :func:`tiny_minimax_h3_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
   :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_ltx2_transformer,
         tiny_ltx_pipe,
         tiny_ltx_transformer,
+        tiny_minimax_h3_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
@@ -107,6 +109,7 @@ __all__ = [
     "tiny_ltx2_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
+    "tiny_minimax_h3_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",

@@ -33,6 +33,7 @@ __all__ = [
     "tiny_ltx2_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
+    "tiny_minimax_h3_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
@@ -1050,3 +1051,33 @@ def tiny_ltx2_transformer(
         caption_channels=16,
     )
     return _build(LTX2VideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_minimax_h3_transformer(num_heads: int = 4, head_dim: int = 12, seed: int = 0, **overrides: Any):
+    """A stock ``MiniMaxH3Transformer3DModel`` (one packed sequence of video, text and audio rows).
+
+    Call it with ``hidden_states`` ``[B, V, 8]`` (patch 1x2x2 of 2 channels), ``audio_hidden_states``
+    ``[B, A, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``timestep`` (the distinct noise levels),
+    per-row ``timestep_indices``, ``token_tags`` (0 video, 1 text, 2 audio) and ``position_ids`` ``[S, 3]``,
+    and the rows of each modality in the packed sequence (``video_indices``, ``audio_indices``,
+    ``text_indices``; ``S = V + A + T``).
+    """
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    hidden = num_heads * head_dim
+    config = dict(
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        hidden_size=hidden,
+        num_layers=2,
+        num_refiner_layers=1,
+        ffn_dim=2 * hidden,
+        in_channels=2,
+        audio_in_channels=8,
+        text_dim=16,
+        freq_dim=16,
+        time_embed_hidden_dim=hidden,
+        time_embed_dim=16,
+        rope_freq_dim=head_dim // 6,
+    )
+    return _build(MiniMaxH3Transformer3DModel, config, overrides, seed)

@@ -201,11 +201,13 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
     families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuanvideo15"]
-    families.append("ltx2")
+    families += ["ltx2", "minimax_h3"]
     results = rank_pool(2).run(lifecycle_cases, families)
     # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
     expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
-    expected_swaps.update(hunyuanvideo15=2, ltx2=4)  # LTX-2: attn1 and video_to_audio_attn of 2 blocks
+    expected_swaps.update(
+        hunyuanvideo15=2, ltx2=4, minimax_h3=2
+    )  # LTX-2: attn1 and video_to_audio_attn of 2 blocks
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -304,6 +306,8 @@ def test_planned_usp_support_table_names_plan_source_per_class():
     ):
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
     assert rows["LTX2VideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["MiniMaxH3Transformer3DModel"] == "dit_usp (plan: _cp_plan)"
+    assert rows["HeliosTransformer3DModel"].startswith("not supported"), rows["HeliosTransformer3DModel"]
     assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
 

@@ -42,6 +42,7 @@ PLANNED = (
     "hunyuanvideo",
     "hunyuanvideo15",
     "ltx2",
+    "minimax_h3",
 )
 
 
@@ -223,6 +224,26 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             width=width,
             audio_num_frames=5,
             **timesteps,
+        )
+        return model, kwargs, "hidden_states"
+    if family == "minimax_h3":  # one packed sequence: 4 text, 15 video (3 x 5 patches), 6 audio = 25 rows
+        model = testing.tiny_minimax_h3_transformer()
+        order = torch.randperm(25, generator=_gen(5))  # the modalities' rows interleaved in the sequence
+        text_indices, video_indices, audio_indices = order[:4], order[4:19], order[19:]
+        tags = (
+            torch.zeros(25, dtype=torch.long).index_fill(0, text_indices, 1).index_fill(0, audio_indices, 2)
+        )
+        kwargs = dict(
+            hidden_states=_randn(1, 15, 8, seed=1),
+            audio_hidden_states=_randn(1, 6, 8, seed=4),
+            encoder_hidden_states=_randn(1, 4, 16, seed=2),
+            timestep=torch.tensor([0.7, 0.0]),  # noisy targets, clean text
+            timestep_indices=(tags == 1).long(),
+            token_tags=tags,
+            position_ids=torch.randint(0, 6, (25, 3), generator=_gen(6)),
+            video_indices=video_indices,
+            audio_indices=audio_indices,
+            text_indices=text_indices,
         )
         return model, kwargs, "hidden_states"
     raise ValueError(family)
