@@ -34,6 +34,17 @@ buffers, warm-up again) when a new generation begins: the ``step_index`` of the 
 first ``W`` calls of every stream are exact, a Wan 2.2 ``transformer_2`` warms up when it takes over, and
 ``W`` >= the number of steps gives the unpatched output.
 
+With Ulysses/Ring (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, xDiT's hybrid): each stage is the
+``U x R`` ranks of an ``sp`` group (the mesh puts ``pipefusion`` outside ``ring`` and ``ulysses``, so the
+``pipefusion`` group links the same sp rank of every stage). Each patch is padded at its end to a multiple of
+``U x R`` and cut into equal shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout`); a
+rank runs its shard of every patch and hands it to the same sp rank of the next stage. Self-attention
+(:func:`sequence_parallel_attention`): a Ulysses all-to-all to heads, a K/V buffer holding this rank's heads of
+its ring block of every patch, Ring passes of that buffer, the inverse all-to-all (xDiT: its long-context
+attention with a per-patch K/V cache). Sequence parallel is exact: the output equals PipeFusion alone. The
+last stage's sp ranks all-gather the sequence for the output layers. (The sequence-parallel families stand
+aside when ``pipefusion > 1``: this one runs the sequence parallelism.)
+
 Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
 the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
 ``M + P - 1`` patch slots per call (xDiT: ``P - 1`` of ``M * steps + P - 1``). The weights split and the
