@@ -28,6 +28,14 @@ Two parts, fp32 on CPU (gloo ranks):
    on the tiny pipeline (2 + 2 blocks, 32x32 pixels: 8 text + 64 image tokens, 8 steps) for warm-up 1, 2, 4, 8
    and M = 2, 4, 8, by the one-process simulation, with one cell (warm-up 1, M = 4) also run on 2 ranks.
 
+4. **PipeFusion x sequence parallel** (xDiT's hybrid, world 4: ``pipefusion=2`` with ``ulysses=2`` or
+   ``ring=2``; the part 1 pipeline, M = 4, warm-up 1): per rank, parameter and K/V buffer bytes and the bytes
+   sent per step by kind against their analytic counts: hand-off (each sp rank's shard of every patch, ``[B,
+   S / sp, C]`` per call), the last stage's output sends and its sp all-gather, the Ulysses all-to-alls (q, k,
+   v in and the output back: ``4 (u - 1) / u`` of the rank's ``[B, S / sp, H, D]`` per block and call) and the
+   ring passes of the K/V buffer (``(r - 1)`` times both ``[B, S / r, H, D]`` buffers per block and attention
+   call: once per warm-up call, once per patch in a pipelined call).
+
 Writes ``benchmarks/results/pipefusion.json`` (and ``.png`` when matplotlib is installed).
 
     python benchmarks/pipefusion.py
@@ -49,7 +57,7 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._pipefusion_layout import stage_bytes_per_call
+from hfpatch.patches._pipefusion_layout import patch_ranges, stage_bytes_per_call
 from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
 from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
 from hfpatch.testing import (
@@ -154,6 +162,41 @@ def _split_rank(stages: int) -> dict[str, Any]:
         "p2p_sends_per_step": counter.calls.get("pipefusion", 0) / SPLIT_STEPS,
     }
     patch.remove()  # warns: the released weights do not come back (the pipe is dropped here)
+    return result
+
+
+def _sp_split_rank(ulysses: int, ring: int) -> dict[str, Any]:
+    """Part 4 on one rank of ``pipefusion=2 x ulysses x ring`` ranks."""
+    pipe = _split_pipe()
+    model = pipe.transformer
+    patch = hfpatch.apply(
+        pipe, ParallelConfig(pipefusion=2, ulysses=ulysses, ring=ring, vae=1), pipefusion_patches=PATCHES
+    )
+    state = model._hfpatch_pipefusion
+    with count_comm() as counter:
+        _run(pipe, SPLIT_SIZE, SPLIT_STEPS)
+    kv_bytes = state.kv_bytes()
+    tokens, sp, calls = 3 * 4 * 4, ulysses * ring, 2 * SPLIT_STEPS  # cond + uncond
+    rows = sum(-(-(end - start) // sp) for start, end in patch_ranges(tokens, PATCHES))
+    blocks = state.end - state.first
+    attention_calls = 2 * (1 + (SPLIT_STEPS - 1) * PATCHES)  # per block: warm-up once, then once per patch
+    analytic = {
+        "pipefusion": 0 if state.is_last else calls * rows * HIDDEN * 4,
+        "pipefusion_output": calls * 4 * 3 * 8 * 8 * 4 if state.is_last else 0,
+        "all_gather": calls * (sp - 1) * rows * HIDDEN * 4 if state.is_last else 0,
+        "all_to_all": calls * blocks * 4 * (ulysses - 1) * rows * HIDDEN * 4 // ulysses,
+        "ring": attention_calls * blocks * (ring - 1) * 2 * ulysses * rows * (HIDDEN // ulysses) * 4,
+    }
+    result = {
+        "stage": state.stage,
+        "sp_index": state.sp_index,
+        "blocks": [state.first, state.end],
+        "weight_bytes": parameter_bytes(model),
+        "kv_buffer_bytes": kv_bytes,
+        "sent_per_step": {k: counter.by_op.get(k, 0) / SPLIT_STEPS for k in analytic},
+        "analytic_per_step": {k: v / SPLIT_STEPS for k, v in analytic.items()},
+    }
+    patch.remove()
     return result
 
 
@@ -365,6 +408,11 @@ def main() -> dict[str, Any]:
             if stages == 2:
                 on_ranks = pool.run(_fidelity_rank, 4, 1)
                 flux_on_ranks = pool.run(_flux_fidelity_rank, 4, 1)
+            else:
+                sp_split = {
+                    "pipefusion=2,ulysses=2": pool.run(_sp_split_rank, 2, 1),
+                    "pipefusion=2,ring=2": pool.run(_sp_split_rank, 1, 2),
+                }
 
     reference = _run(_fidelity_pipe(), FIDELITY_SIZE, FIDELITY_STEPS)
     table, simulated = _fidelity_table(_simulate, reference, FIDELITY_STEPS)
@@ -379,6 +427,7 @@ def main() -> dict[str, Any]:
             f"{FIDELITY_STEPS} steps, guidance 5, fp32",
         },
         "split": split,
+        "sequence_parallel": sp_split,
         "fidelity": {
             "table": table,
             "two_ranks_vs_simulation_max_abs": max((o - simulated).abs().max().item() for o in on_ranks),
@@ -417,6 +466,13 @@ if __name__ == "__main__":
                 f"activation peak {r['activation_peak'] / MB:.3f} MiB (unpatched "
                 f"{r['activation_peak_unpatched'] / MB:.3f}), K/V {r['kv_buffer_bytes'] / MB:.3f} MiB, sent/step "
                 f"{r['sent_per_step']:.0f} B (analytic {r['analytic_per_step']})"
+            )
+    for config, ranks in out["sequence_parallel"].items():
+        for r in ranks:
+            print(
+                f"{config} stage {r['stage']} sp {r['sp_index']}: weights {r['weight_bytes'] / MB:.2f} MiB, K/V "
+                f"{r['kv_buffer_bytes'] / MB:.3f} MiB, sent/step {r['sent_per_step']} (analytic "
+                f"{r['analytic_per_step']})"
             )
     for cell in out["fidelity"]["table"]:
         print(cell)

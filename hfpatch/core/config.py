@@ -114,14 +114,16 @@ def plan_parallel(n: int, facts: ModelFacts, pipefusion: bool = False) -> Parall
 
     ``pipefusion=True`` (``hfpatch.apply(..., pipefusion=True)``; never the default, PipeFusion is approximate
     after its warm-up) gives the ranks left after CFG to PipeFusion instead: its degree is the largest divisor
-    of them that does not exceed the transformer's block count. PipeFusion does not combine with
-    Ulysses/Ring yet, so when that divisor leaves ranks over, no plan fits and this raises (name the degrees
-    with a :class:`ParallelConfig`, e.g. data parallel for several prompts).
+    of them that does not exceed the transformer's block count. When that divisor leaves ranks over (more
+    ranks than blocks), the other factor runs sequence parallel inside each stage (xDiT's hybrid, exact in
+    itself): Ulysses up to the head count, then Ring, as without PipeFusion.
 
     >>> plan_parallel(4, ModelFacts(num_heads=4, guides=True, num_blocks=5), pipefusion=True)
     ParallelConfig(data=1, cfg=2, ring=1, ulysses=1, vae=4, pipefusion=2)
     >>> plan_parallel(3, ModelFacts(num_heads=4, num_blocks=5), pipefusion=True).pipefusion
     3
+    >>> plan_parallel(8, ModelFacts(num_heads=4, guides=True, num_blocks=2), pipefusion=True)
+    ParallelConfig(data=1, cfg=2, ring=1, ulysses=2, vae=8, pipefusion=2)
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"parallel must be a positive int or a ParallelConfig, got {n!r}")
@@ -146,16 +148,10 @@ def _plan_pipefusion(n: int, cfg: int, facts: ModelFacts) -> ParallelConfig:
         )
     rest = n // cfg
     stages = max(d for d in _divisors(rest) if d <= facts.num_blocks)
-    if stages < rest:
-        after = "after cfg=2, " if cfg == 2 else ""
-        raise ValueError(
-            f"parallel={n} with pipefusion=True: {after}{rest} ranks remain but {facts.name} has {facts.num_blocks} "
-            f"transformer blocks, so PipeFusion can take at most {stages} of them (every stage needs a block), and "
-            f"PipeFusion does not combine with ulysses/ring yet to use the other factor {rest // stages}. Use fewer "
-            f"ranks, or name the degrees: parallel=hfpatch.ParallelConfig(cfg={cfg}, data={rest // stages}, "
-            f"pipefusion={stages}) for {rest // stages}+ prompts per call, or ulysses/ring without PipeFusion"
-        )
-    return ParallelConfig(cfg=cfg, pipefusion=stages, vae=n)
+    sp = rest // stages  # ranks per stage: sequence parallel inside it
+    heads = facts.num_heads or 1
+    ulysses = max(d for d in _divisors(sp) if heads % d == 0)
+    return ParallelConfig(cfg=cfg, pipefusion=stages, ring=sp // ulysses, ulysses=ulysses, vae=n)
 
 
 def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
@@ -178,6 +174,11 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
     if config.pipefusion > 1 and facts.num_heads is None:
         raise ValueError(
             f"pipefusion={config.pipefusion} splits a transformer's blocks; {facts.name} has no transformer"
+        )
+    if config.pipefusion > 1 and facts.num_blocks is None:
+        raise ValueError(
+            f"pipefusion={config.pipefusion} splits a transformer's blocks, but {facts.name} has no transformer "
+            "that hfpatch's PipeFusion supports; use ulysses/ring (and cfg/data) without PipeFusion"
         )
     if config.sequence_parallel > 1 and facts.num_heads is None:
         raise ValueError(

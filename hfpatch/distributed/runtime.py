@@ -272,6 +272,7 @@ class ParallelMesh:
         config: The degrees.
         device_mesh: The torch ``DeviceMesh`` with dims ``AXES`` (``None`` for a single rank).
         groups: Axis name -> ProcessGroup (``None`` when the axis has degree 1). ``"sp"`` is ring x ulysses,
+            ``"pipefusion_sp"`` pipefusion x ring x ulysses (every rank of a PipeFusion pipeline),
             ``"vae"`` is every rank (when the VAE is split), ``"world"`` every rank of the plan (both hfpatch's
             own group of every rank, not the default group). Every group carries :func:`default_timeout`.
     """
@@ -282,7 +283,7 @@ class ParallelMesh:
 
     def group(self, axis: str):
         """The process group of ``axis`` (``"data"``, ``"cfg"``, ``"pipefusion"``, ``"ring"``, ``"ulysses"``,
-        ``"sp"``, ``"vae"``)."""
+        ``"sp"``, ``"pipefusion_sp"``, ``"vae"``)."""
         if axis not in self.groups:
             raise KeyError(f"unknown mesh axis {axis!r}; known: {sorted(self.groups)}")
         return self.groups[axis]
@@ -348,7 +349,7 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         CollectiveError: Creating the groups failed because a rank did not take part (within the timeout).
     """
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
-        return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "vae", "world")})
+        return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "pipefusion_sp", "vae", "world")})
     ensure_process_group(config.world_size)
     timeout = default_timeout()
     backend = dist.get_backend()
@@ -392,12 +393,18 @@ def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_
             if config.ring > 1 and config.ulysses > 1
             else (groups["ring"] or groups["ulysses"])
         )
+        staged = [axis for axis in ("pipefusion", "ring", "ulysses") if getattr(config, axis) > 1]
+        groups["pipefusion_sp"] = (  # PipeFusion x sequence parallel: every stage's sp ranks (same inputs)
+            mesh[tuple(staged)]._flatten("pipefusion_sp", backend_override=override).get_group()
+            if config.pipefusion > 1 and len(staged) > 1
+            else groups["pipefusion"]
+        )
     else:
         mesh = None
         groups.update({a: None for a in AXES})
-        groups["sp"] = None
+        groups["sp"] = groups["pipefusion_sp"] = None
     world = _world_group(world_key, timeout)
-    for axis in (*AXES, "sp"):
+    for axis in (*AXES, "sp", "pipefusion_sp"):
         group = groups[axis]
         if group is None:
             continue
@@ -406,7 +413,8 @@ def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_
         elif override is None:
             _timed_group(group, timeout)
         if group is not world and group.group_name not in _GROUPS:  # sp: only a flattened group is new
-            _register_group(group, "sp (ring x ulysses)" if axis == "sp" else axis, timeout)
+            names = {"sp": "sp (ring x ulysses)", "pipefusion_sp": "pipefusion x sp"}
+            _register_group(group, names.get(axis, axis), timeout)
     groups["vae"] = world if config.vae > 1 else None
     groups["world"] = world  # every rank of the plan (same-input checks of a pipeline call)
     return ParallelMesh(config, mesh, groups)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "SequenceShardLayout",
     "balanced_stage_counts",
     "check_stage_counts",
     "patch_ranges",
@@ -155,3 +156,69 @@ def stage_bytes_per_call(stage: int, stages: int, hidden_bytes: int, output_byte
     if stages == 1:
         return 0
     return hidden_bytes if stage < stages - 1 else (stages - 1) * output_bytes
+
+
+class SequenceShardLayout:
+    """Where the tokens of PipeFusion's patches live when a stage's ranks also split them (``sp`` ranks:
+    ``ring x ulysses``, ``sp index = ring_index * ulysses + ulysses_index``), as in xDiT's hybrid.
+
+    Each patch of ``L`` tokens is padded at its end to a multiple of ``sp`` and cut into ``sp`` equal
+    shards (the layout of :mod:`hfpatch.attention.layout`, per patch); shard ``index`` of every patch lives
+    on this rank. Its local rows are those shards, patch after patch (``local_rows``: ``(first, end)`` of each
+    patch's rows, ``local_index``: the global token of every row, padding rows repeating the patch's last
+    token). After the Ulysses all-to-all a rank holds, for its heads, the ring block ``ring_index`` of every
+    padded patch: ``ulysses`` consecutive shards. Its K/V buffer holds those blocks patch after patch
+    (``kv_rows``); ``valid_keys[s]`` lists the real (not padding) rows of ring rank ``s``'s buffer (``None``:
+    all real). ``sync_order``: the buffer rows taken from the all-to-all output of every local row at once
+    (rows ordered by Ulysses source, then patch), so a synchronous call fills the same buffer.
+    ``global_rows``: the rows of the ``sp`` ranks' local rows gathered (rank after rank) holding tokens
+    ``0..S-1``, in order.
+
+    >>> layout = SequenceShardLayout([(0, 3), (3, 8)], world=2, index=1, ulysses=2)
+    >>> layout.shard, layout.local_rows, layout.local_index
+    ([2, 3], [(0, 2), (2, 5)], [2, 2, 6, 7, 7])
+    >>> layout.kv_rows, layout.valid_keys       # ulysses=2, one ring rank: both shards of each patch
+    ([(0, 4), (4, 10)], [[0, 1, 2, 4, 5, 6, 7, 8]])
+    >>> layout.global_rows
+    [0, 1, 5, 2, 3, 4, 7, 8]
+    """
+
+    def __init__(self, patches: Sequence[tuple[int, int]], world: int, index: int, ulysses: int) -> None:
+        if world % ulysses or not 0 <= index < world:
+            raise ValueError(f"sp index {index} and ulysses={ulysses} do not fit {world} sp ranks")
+        self.patches = list(patches)
+        self.world, self.index, self.ulysses = world, index, ulysses
+        self.ring = world // ulysses
+        lengths = [end - start for start, end in self.patches]
+        self.shard = [-(-n // world) for n in lengths]  # tokens per shard of each patch (padded)
+        self.local_rows: list[tuple[int, int]] = []
+        self.local_index: list[int] = []
+        self.kv_rows: list[tuple[int, int]] = []
+        rows = kv = 0
+        for (start, end), size in zip(self.patches, self.shard):
+            self.local_rows.append((rows, rows + size))
+            rows += size
+            first = start + index * size
+            self.local_index += [min(first + i, end - 1) for i in range(size)]
+            self.kv_rows.append((kv, kv + ulysses * size))
+            kv += ulysses * size
+        self.rows, self.kv_len = rows, kv
+        self.valid_keys: list[list[int] | None] = []
+        for source in range(self.ring):
+            keep: list[int] = []
+            for (first, _), size, n in zip(self.kv_rows, self.shard, lengths):
+                block = ulysses * size
+                keep += [first + i for i in range(max(0, min(block, n - source * block)))]
+            self.valid_keys.append(None if len(keep) == kv else keep)
+        # all-to-all output of every local row: row (u, r) for Ulysses source u and local row r
+        self.sync_order = [
+            u * rows + lo + i
+            for (lo, _), size in zip(self.local_rows, self.shard)
+            for u in range(ulysses)
+            for i in range(size)
+        ]
+        self.global_rows = [
+            (j // size) * rows + lo + j % size
+            for (start, end), (lo, _), size in zip(self.patches, self.local_rows, self.shard)
+            for j in range(end - start)
+        ]

@@ -412,7 +412,8 @@ class SequenceParallelFamily(PatchFamily):
 
     A subclass sets ``plan`` (or overrides :meth:`plan_for`) and implements :meth:`attention_modules` (with
     the class name(s) of the stock processor each one must have) and :meth:`make_processor`. :meth:`apply` is a no-op
-    when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call).
+    when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call), and when
+    ``pipefusion > 1``: the PipeFusion family then runs Ulysses/Ring inside its stages.
     """
 
     role: ClassVar[str] = "transformer"
@@ -443,7 +444,7 @@ class SequenceParallelFamily(PatchFamily):
         return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
-        if config.sequence_parallel == 1:
+        if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
         check_plan(target, self.plan_for(target))
         for path, attention, stock in self.attention_modules(target):
@@ -458,7 +459,9 @@ class SequenceParallelFamily(PatchFamily):
                 )
 
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
-        if mesh.config.sequence_parallel == 1:
+        if (
+            mesh.config.sequence_parallel == 1 or mesh.config.pipefusion > 1
+        ):  # PipeFusion runs sp in its stages
             return
         state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
         apply_sequence_plan(

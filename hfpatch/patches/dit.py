@@ -659,7 +659,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
         return [(path, module, route.processors) for path, module, route in self._routes(target)]
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
-        if config.sequence_parallel == 1:
+        if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
         if getattr(target, "_parallel_config", None) is not None:
             raise ValueError(
@@ -688,7 +688,9 @@ class PlannedDiTUSP(SequenceParallelFamily):
         ]
 
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
-        if mesh.config.sequence_parallel == 1:
+        if (
+            mesh.config.sequence_parallel == 1 or mesh.config.pipefusion > 1
+        ):  # PipeFusion runs sp in its stages
             return
         refuse = dict(self._entry(target).refuse)
         if refuse:

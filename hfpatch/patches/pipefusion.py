@@ -34,6 +34,17 @@ buffers, warm-up again) when a new generation begins: the ``step_index`` of the 
 first ``W`` calls of every stream are exact, a Wan 2.2 ``transformer_2`` warms up when it takes over, and
 ``W`` >= the number of steps gives the unpatched output.
 
+With Ulysses/Ring (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, xDiT's hybrid): each stage is the
+``U x R`` ranks of an ``sp`` group (the mesh puts ``pipefusion`` outside ``ring`` and ``ulysses``, so the
+``pipefusion`` group links the same sp rank of every stage). Each patch is padded at its end to a multiple of
+``U x R`` and cut into equal shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout`); a
+rank runs its shard of every patch and hands it to the same sp rank of the next stage. Self-attention
+(:func:`sequence_parallel_attention`): a Ulysses all-to-all to heads, a K/V buffer holding this rank's heads of
+its ring block of every patch, Ring passes of that buffer, the inverse all-to-all (xDiT: its long-context
+attention with a per-patch K/V cache). Sequence parallel is exact: the output equals PipeFusion alone. The
+last stage's sp ranks all-gather the sequence for the output layers. (The sequence-parallel families stand
+aside when ``pipefusion > 1``: this one runs the sequence parallelism.)
+
 Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
 the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
 ``M + P - 1`` patch slots per call (xDiT: ``P - 1`` of ``M * steps + P - 1``). The weights split and the
@@ -64,8 +75,8 @@ from ..core.patch import Patch
 from ..core.registry import PatchFamily
 from ..distributed import runtime
 from ..distributed.agreement import install_call_guard, named_arguments
-from ..distributed.collectives import _record, _wait
-from ._pipefusion_layout import check_stage_counts, patch_ranges, stage_ranges
+from ..distributed.collectives import _record, _wait, all_gather
+from ._pipefusion_layout import SequenceShardLayout, check_stage_counts, patch_ranges, stage_ranges
 
 __all__ = [
     "PIPEFUSION_OPTIONS",
@@ -119,6 +130,26 @@ class _Call:
     synchronous: bool
     patches: list[tuple[int, int]]  # token ranges (one range of every token when synchronous)
     current: tuple[int, int] = (0, 0)  # token range of the patch the blocks are running on
+    shard: _ShardIndex | None = None  # with sequence parallel in the stage: where this rank's tokens are
+    index: int = 0  # the patch the blocks are running on (pipelined calls)
+
+
+class _ShardIndex:
+    """A :class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout` with its index tensors on a device."""
+
+    def __init__(self, layout: SequenceShardLayout, device: torch.device) -> None:
+        def index(rows: list[int]) -> torch.Tensor:
+            return torch.tensor(rows, dtype=torch.long, device=device)
+
+        self.layout = layout
+        self.rows = layout.rows
+        self.local_rows = layout.local_rows
+        self.kv_rows = layout.kv_rows
+        self.kv_len = layout.kv_len
+        self.local_index = index(layout.local_index)
+        self.sync_order = index(layout.sync_order)
+        self.global_rows = index(layout.global_rows)
+        self.valid_keys = [None if keep is None else index(keep) for keep in layout.valid_keys]
 
 
 class PipeFusionState:
@@ -132,7 +163,15 @@ class PipeFusionState:
         released_bytes: Bytes of parameters and buffers released at apply (0 when kept).
     """
 
-    def __init__(self, group: Any, stages: list[tuple[int, int]], patches: int, warmup: int, name: str):
+    def __init__(
+        self,
+        group: Any,
+        stages: list[tuple[int, int]],
+        patches: int,
+        warmup: int,
+        name: str,
+        sp_groups: tuple[Any, Any, Any] = (None, None, None),
+    ):
         self.group = group
         self.stages = stages
         self.patches = patches
@@ -146,6 +185,12 @@ class PipeFusionState:
         self.peers = (
             [runtime.rank()] if group is None else [dist.get_global_rank(group, r) for r in range(self.world)]
         )
+        # sequence parallel inside the stage (xDiT's hybrid): the sp, ulysses and ring groups of this rank
+        self.sp_group, self.ulysses_group, self.ring_group = sp_groups
+        self.sp_world = 1 if self.sp_group is None else dist.get_world_size(self.sp_group)
+        self.sp_index = 0 if self.sp_group is None else dist.get_rank(self.sp_group)
+        self.ulysses = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
+        self._shards: dict[tuple, _ShardIndex] = {}
         self.streams: dict[tuple, _Stream] = {}
         self.context: tuple[str, int | None] | None = None  # open cache_context: (name, step_index)
         self.call: _Call | None = None
@@ -173,7 +218,18 @@ class PipeFusionState:
         synchronous = stream.calls < self.warmup or self.patches == 1
         stream.calls += 1
         self.call = _Call(stream, synchronous, [(0, tokens)] if synchronous else ranges)
+        if self.sp_world > 1:
+            self.call.shard = self.shard_index(tokens, ranges, hidden_states.device)
         return self.call
+
+    def shard_index(self, tokens: int, ranges: list[tuple[int, int]], device: torch.device) -> _ShardIndex:
+        """This rank's :class:`_ShardIndex` of ``ranges`` (the call's patches, also in a synchronous call: the
+        K/V buffer keeps the pipelined layout)."""
+        key = (tokens, len(ranges), device)
+        if key not in self._shards:
+            layout = SequenceShardLayout(ranges, self.sp_world, self.sp_index, self.ulysses)
+            self._shards[key] = _ShardIndex(layout, device)
+        return self._shards[key]
 
     def abort(self) -> None:
         """A call failed midway: its stream's buffers are half-updated, so the stream starts over."""
@@ -218,9 +274,10 @@ class PipeFusionState:
         _wait(works, what, self.group)
 
     def __repr__(self) -> str:
+        sp = f", sp={self.sp_index}/{self.sp_world}" if self.sp_world > 1 else ""
         return (
             f"PipeFusionState(stage={self.stage}/{self.world}, blocks={self.first}..{self.end - 1}, "
-            f"patches={self.patches}, warmup={self.warmup})"
+            f"patches={self.patches}, warmup={self.warmup}{sp})"
         )
 
     def __deepcopy__(self, memo: dict) -> PipeFusionState:
@@ -271,6 +328,10 @@ class PipeFusionWanAttnProcessor:
         query, key, value = wan_self_attention_qkv(
             attn, hidden_states, rotary_emb
         )  # [B, s, H, D], this patch
+        if call.shard is not None:  # sequence parallel in the stage
+            out = sequence_parallel_attention(self.state, call, self.layer, query, key, value)
+            out = attn.to_out[0](out.flatten(2, 3).type_as(query))
+            return attn.to_out[1](out)
         if call.synchronous:
             call.stream.kv[self.layer] = [key, value]
         else:
@@ -299,6 +360,68 @@ class PipeFusionWanAttnProcessor:
         return f"PipeFusionWanAttnProcessor(layer={self.layer}, {self.state!r})"
 
 
+def sequence_parallel_attention(
+    state: PipeFusionState,
+    call: _Call,
+    layer: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of this rank's query rows over the stage's K/V buffer, sharded over the stage's ``sp`` ranks
+    (xDiT's hybrid: its long-context attention with a K/V cache per patch).
+
+    ``query``/``key``/``value`` ``[B, rows, H, D]`` are this rank's shards (of the current patch, or of every
+    patch in a synchronous call). Ulysses: an all-to-all turns them into this rank's heads of the ring block of
+    each patch; the fresh K/V go into their rows of the buffer (a synchronous call writes every row), which
+    holds, for this rank's heads, the ring block of every patch. Ring: the buffers travel around the ring
+    group, each query block merging its attention over every rank's real (unpadded) keys. The inverse
+    all-to-all returns ``[B, rows, H, D]``. The same stale/fresh K/V as PipeFusion without sequence parallel,
+    so the result equals it up to float reassociation.
+    """
+    from ..attention.local import local_attention
+    from ..attention.merge import merge_attention
+    from ..attention.ulysses import heads_to_sequence, sequence_to_heads
+    from ..distributed.collectives import ring_shift
+
+    shard = call.shard
+    assert shard is not None
+    heads = query.shape[2]
+    q, k, v = (sequence_to_heads(t, state.ulysses_group, heads) for t in (query, key, value))
+    if call.synchronous:
+        buffer = [k.index_select(1, shard.sync_order), v.index_select(1, shard.sync_order)]
+        call.stream.kv[layer] = buffer
+    else:
+        buffer = call.stream.kv.get(layer)
+        first, end = shard.kv_rows[call.index]
+        if buffer is None or buffer[0].shape[1] != shard.kv_len:
+            raise RuntimeError(f"PipeFusion: no K/V buffer for block {layer} (warm-up skipped?)")
+        buffer[0][:, first:end] = k
+        buffer[1][:, first:end] = v
+    del k, v
+    group = state.ring_group
+    world = 1 if group is None else dist.get_world_size(group)
+    me = 0 if group is None else dist.get_rank(group)
+    q_h = q.transpose(1, 2)
+    out = lse = None
+    k_cur, v_cur = buffer
+    for step in range(world):
+        source = (me - step) % world
+        if step < world - 1:  # pass the buffer on before computing with it
+            (k_next, v_next), wait = ring_shift([k_cur, v_cur], group)
+        keep = shard.valid_keys[source]
+        k_blk, v_blk = (k_cur, v_cur) if keep is None else (k_cur[:, keep], v_cur[:, keep])
+        if k_blk.shape[1] > 0:
+            block = local_attention(q_h, k_blk.transpose(1, 2), v_blk.transpose(1, 2))
+            out, lse = merge_attention(out, lse, *block)
+        if step < world - 1:
+            wait()
+            k_cur, v_cur = k_next, v_next
+    assert out is not None  # ring rank 0's buffer holds the first token of every patch
+    out = out.transpose(1, 2).to(query.dtype)
+    return heads_to_sequence(out, state.ulysses_group, heads)
+
+
 # ----------------------------------------------------------------------------------------------- stage runner
 def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tensor]]) -> Callable[..., Any]:
     """Replacement ``forward`` of ``blocks[0]``: runs this rank's stage (``blocks``: the stock forwards of its
@@ -317,27 +440,38 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         outputs: list[torch.Tensor] = []
         sending: list[dist.Work] = []
         batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
+        per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
+        shard = call.shard
+        rows = call.patches
+        source, all_temb, all_rotary = hidden_states, temb, rotary_emb
+        if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
+            rows = [(0, shard.rows)] if call.synchronous else shard.local_rows
+            index_ = shard.local_index
+            source = hidden_states.index_select(1, index_) if state.is_first else hidden_states
+            all_temb = temb.index_select(1, index_) if per_token else temb
+            if rotary_emb is not None:
+                all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
+        sliced = shard is not None or not call.synchronous  # a warm-up call alone runs the stock tensors
 
         def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
-            start, end = call.patches[index]
+            start, end = rows[index]
             buffer = hidden_states.new_empty((batch, end - start, channels))
             return buffer, state.recv(buffer, state.stage - 1)
 
         pending = post_recv(0) if not state.is_first else None
-        for index, (start, end) in enumerate(call.patches):
+        for index, (start, end) in enumerate(rows):
             if state.is_first:
-                x = hidden_states[:, start:end]
+                x = source[:, start:end]
             else:
                 x, works = pending
-                if index + 1 < len(call.patches):  # the next patch arrives while this one computes
+                if index + 1 < len(rows):  # the next patch arrives while this one computes
                     pending = post_recv(index + 1)
                 state.wait(works, "PipeFusion receive")
-            per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
-            temb_patch = temb[:, start:end] if per_token and not call.synchronous else temb
-            rotary = rotary_emb
-            if not call.synchronous and rotary_emb is not None:
-                rotary = tuple(r[:, start:end] for r in rotary_emb)
-            call.current = (start, end)
+            temb_patch = all_temb[:, start:end] if per_token and sliced else all_temb
+            rotary = all_rotary
+            if sliced and all_rotary is not None:
+                rotary = tuple(r[:, start:end] for r in all_rotary)
+            call.current, call.index = (start, end), index
             for block in blocks:
                 x = block(x, encoder_hidden_states, temb_patch, rotary)
             if state.is_last:
@@ -348,7 +482,10 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         state.wait(sending, "PipeFusion send")
         if not state.is_last:
             return hidden_states  # placeholder: the model output comes from the last stage
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if shard is not None:  # the last stage's sp ranks gather the whole sequence for the output layers
+            out = all_gather(out, 1, state.sp_group).index_select(1, shard.global_rows)
+        return out
 
     return run_stage
 
@@ -425,9 +562,15 @@ PIPEFUSION_OPTIONS: dict[str, Any] = {
 
 
 def check_pipefusion_options(
-    target: Any, config: ParallelConfig, options: dict[str, Any], num_blocks: int, name: str
+    target: Any,
+    config: ParallelConfig,
+    options: dict[str, Any],
+    num_blocks: int,
+    name: str,
+    sequence_parallel: bool = False,
 ) -> bool:
     """The checks every PipeFusion family makes at ``apply`` (pure, so they raise alike on every rank).
+    ``sequence_parallel``: whether the family runs Ulysses/Ring inside its stages.
 
     Returns:
         Whether the plan uses PipeFusion (``config.pipefusion > 1``); the family then checks its processors.
@@ -463,10 +606,11 @@ def check_pipefusion_options(
     if not isinstance(release, bool):
         raise ValueError(f"pipefusion_release_weights must be True or False, got {release!r}")
     check_stage_counts(num_blocks, stages, blocks, name)
-    if config.sequence_parallel > 1:
+    if config.sequence_parallel > 1 and not sequence_parallel:
         raise ValueError(
-            f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported yet; "
-            "combine PipeFusion with cfg=2 or data=N, or use ulysses/ring without PipeFusion"
+            f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported for {name} "
+            "yet (it is for WanTransformer3DModel); combine PipeFusion with cfg=2 or data=N, or use "
+            "ulysses/ring without PipeFusion"
         )
     if target.training:
         raise ValueError(
@@ -506,7 +650,9 @@ class WanPipeFusion(PatchFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         name = type(target).__name__
-        if not check_pipefusion_options(target, config, options, len(target.blocks), name):
+        if not check_pipefusion_options(
+            target, config, options, len(target.blocks), name, sequence_parallel=True
+        ):
             return
         for index, block in enumerate(target.blocks):
             found = type(block.attn1.processor).__name__
@@ -519,7 +665,15 @@ class WanPipeFusion(PatchFamily):
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
         if mesh.config.pipefusion == 1:
             return
-        apply_pipefusion(target, patch, mesh.group("pipefusion"), options)
+        sp_groups = (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
+        apply_pipefusion(
+            target,
+            patch,
+            mesh.group("pipefusion"),
+            options,
+            sp_groups=sp_groups,
+            guard=mesh.group("pipefusion_sp"),
+        )
 
 
 def apply_pipefusion(
@@ -528,6 +682,8 @@ def apply_pipefusion(
     group: Any,
     options: dict[str, Any],
     stages: list[tuple[int, int]] | None = None,
+    sp_groups: tuple[Any, Any, Any] = (None, None, None),
+    guard: Any = None,
 ) -> PipeFusionState:
     """Install PipeFusion on a ``WanTransformer3DModel`` through ``patch`` (what :class:`WanPipeFusion` does).
 
@@ -541,6 +697,10 @@ def apply_pipefusion(
         group: The ``pipefusion`` process group, or ``None``.
         options: :attr:`WanPipeFusion.options`, resolved.
         stages: Block ranges per stage (default: from ``pipefusion_blocks`` and the group size).
+        sp_groups: The ``sp``, ``ulysses`` and ``ring`` groups of this rank: sequence parallel inside each
+            stage (:func:`sequence_parallel_attention`); ``None`` each for none.
+        guard: The group whose ranks must get the same call arguments (default ``group``; with sequence
+            parallel, every stage's every sp rank).
 
     >>> import torch
     >>> from hfpatch.core.patch import Patch
@@ -562,10 +722,11 @@ def apply_pipefusion(
     if stages is None:
         stages = stage_ranges(len(target.blocks), world, options["pipefusion_blocks"] if world > 1 else None)
     state = PipeFusionState(
-        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name
+        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name, sp_groups
     )
-    if options["check_inputs"] and group is not None:
-        install_call_guard(patch, target, group, f"{name}.forward (PipeFusion stages)")
+    guard = group if guard is None else guard
+    if options["check_inputs"] and guard is not None:
+        install_call_guard(patch, target, guard, f"{name}.forward (PipeFusion stages)")
     own = range(state.first, state.end)
     stage_blocks: list[Callable[..., torch.Tensor]] = []  # the stock forwards of this stage's blocks
     wrap_stage_blocks(

@@ -124,6 +124,10 @@ PIPEFUSION_PLANS = [
     (5, ModelFacts(num_heads=4, num_blocks=5), (1, 5, 1, 1, 5)),  # one block per stage
     (8, ModelFacts(num_heads=4, guides=True, num_blocks=40), (2, 4, 1, 1, 8)),
     (1, ModelFacts(num_heads=4, num_blocks=5), (1, 1, 1, 1, 1)),
+    # more ranks than blocks: the other factor runs sequence parallel in each stage (Ulysses, then Ring)
+    (12, ModelFacts(num_heads=4, guides=True, num_blocks=5), (2, 3, 2, 1, 12)),
+    (8, ModelFacts(num_heads=4, guides=True, num_blocks=2), (2, 2, 2, 1, 8)),
+    (6, ModelFacts(num_heads=2, num_blocks=1), (1, 1, 2, 3, 6)),
 ]
 
 
@@ -136,34 +140,23 @@ def test_plan_parallel_pipefusion_only_when_asked(n, facts, expected):
     assert default.pipefusion == 1 and default == plan_parallel(n, facts)
 
 
-def test_plan_parallel_pipefusion_never_combines_with_sequence_parallel():
+def test_plan_parallel_pipefusion_sequence_parallel_only_for_ranks_over_the_blocks():
     for n in range(1, 33):
         for blocks in (1, 2, 3, 5, 8):
             for guides in (False, True):
                 facts = ModelFacts(num_heads=4, guides=guides, num_blocks=blocks, name="WanPipeline")
-                try:
-                    config = plan_parallel(n, facts, pipefusion=True)
-                except ValueError as exc:
-                    assert "PipeFusion does not combine with ulysses/ring yet" in str(exc)
-                    continue
-                assert (
-                    config.sequence_parallel == 1 and config.pipefusion <= blocks and config.world_size == n
-                )
+                config = plan_parallel(n, facts, pipefusion=True)
+                rest = n // config.cfg
+                assert config.pipefusion <= blocks and config.world_size == n
+                assert config.pipefusion == max(d for d in range(1, blocks + 1) if rest % d == 0)
+                assert 4 % config.ulysses == 0  # Ulysses within the heads, Ring for the rest
+                if config.sequence_parallel > 1:
+                    assert rest > blocks
 
 
 @pytest.mark.parametrize(
     "parallel, world, facts, message",
     [
-        (
-            12,
-            12,
-            ModelFacts(num_heads=4, guides=True, num_blocks=5, name="WanPipeline"),
-            "parallel=12 with pipefusion=True: after cfg=2, 6 ranks remain but WanPipeline has 5 transformer blocks, "
-            "so PipeFusion can take at most 3 of them (every stage needs a block), and PipeFusion does not combine "
-            "with ulysses/ring yet to use the other factor 2. Use fewer ranks, or name the degrees: parallel="
-            "hfpatch.ParallelConfig(cfg=2, data=2, pipefusion=3) for 2+ prompts per call, or ulysses/ring without "
-            "PipeFusion",
-        ),
         (
             2,
             2,
@@ -185,6 +178,16 @@ def test_plan_parallel_pipefusion_errors(parallel, world, facts, message):
     with pytest.raises(ValueError) as info:
         resolve_parallel(parallel, world, facts, pipefusion=True)
     assert str(info.value) == message
+
+
+def test_pipefusion_degree_needs_a_pipefusion_family():
+    facts = ModelFacts(num_heads=4, name="StableDiffusion3Pipeline", pipeline=True)  # no num_blocks
+    with pytest.raises(ValueError) as info:
+        resolve_parallel(ParallelConfig(pipefusion=2, ulysses=2), 4, facts)
+    assert str(info.value) == (
+        "pipefusion=2 splits a transformer's blocks, but StableDiffusion3Pipeline has no transformer that "
+        "hfpatch's PipeFusion supports; use ulysses/ring (and cfg/data) without PipeFusion"
+    )
 
 
 def test_plan_parallel_pipefusion_flag_must_be_bool():

@@ -25,6 +25,7 @@ from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches._pipefusion_layout import (
+    SequenceShardLayout,
     balanced_stage_counts,
     patch_ranges,
     stage_bytes_per_call,
@@ -154,6 +155,59 @@ def _approx_case(parallel: ParallelConfig, patches: int = 4, warmup: int = 1) ->
         "stage": state.stage,
         "kv_bytes": state.kv_bytes(),
     }
+
+
+def _sp_rows(patches: int, sp: int) -> int:
+    """Tokens a rank of a stage's ``sp`` ranks holds: its (padded) shard of every patch."""
+    return sum(-(-(end - start) // sp) for start, end in patch_ranges(TOKENS, patches))
+
+
+def _sp_case(parallel: ParallelConfig, patches: int, warmup: int = STEPS) -> dict[str, Any]:
+    """PipeFusion x sequence parallel: against the unpatched output (warm-up = every step: exact) and
+    against PipeFusion alone, the one-process simulation at the same ``M`` and warm-up (sequence parallel is
+    exact, so the two must agree up to reassociation). Hand-off bytes: each sp rank's shard of each patch."""
+    pipe = _pipe()
+    reference, noise = _reference(pipe)
+    patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
+    with count_comm() as counter:
+        out = _run(pipe)
+    state = pipe.transformer._hfpatch_pipefusion
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.remove()
+    simulated = _simulated(patches, warmup) if warmup < STEPS else reference
+    calls = 2 * STEPS  # cond and uncond
+    sp = parallel.ring * parallel.ulysses
+    hidden = calls * _sp_rows(patches, sp) * CHANNELS * 4
+    return {
+        "diff": rel_error(out, reference),
+        "vs_pipefusion": rel_error(out, simulated),
+        "max_abs": (out - reference).abs().max().item(),
+        "tol": reassociation_tol(noise),
+        "handoff_bytes": counter.by_op.get("pipefusion", 0),
+        "output_bytes": counter.by_op.get("pipefusion_output", 0),
+        "analytic": (0, (state.world - 1) * calls * OUT_NUMEL * 4) if state.is_last else (hidden, 0),
+        "handoffs": counter.calls.get("pipefusion", 0),
+        "ops": dict(counter.by_op),
+        "stage": (state.stage, state.sp_index),
+    }
+
+
+def _sp_error_cases() -> dict[str, str]:
+    """PipeFusion x sequence parallel misconfigured: raised alike on every rank, before any collective."""
+    pf_u2 = ParallelConfig(pipefusion=2, ulysses=2, vae=1)
+    one_head = _pipe()
+    one_head.transformer = tiny_wan_transformer(num_heads=1, head_dim=32, num_layers=LAYERS)
+    results = {
+        "heads": _errors(lambda: hfpatch.apply(one_head, pf_u2)),
+        "flux": _errors(lambda: hfpatch.apply(_flux_pipe(), pf_u2)),
+        "sd3": _errors(lambda: hfpatch.apply(tiny_sd3_pipe(), pf_u2)),
+    }
+    pipe = _pipe()
+    patch = hfpatch.apply(pipe, pf_u2, pipefusion_patches=TOKENS + 1, pipefusion_release_weights=False)
+    results["patches_over_tokens"] = _errors(lambda: _run(pipe))
+    patch.remove()
+    return results
 
 
 def _wan22_case() -> dict[str, Any]:
@@ -494,7 +548,12 @@ def _cases_four_ranks() -> dict[str, Any]:
         "exact_cfg_pf": _exact_case(cfg_pf),
         "exact_data_pf": _exact_case(ParallelConfig(data=2, pipefusion=2, vae=1), per_prompt=2),
         "approx_cfg_pf": _approx_case(cfg_pf),
-        "ulysses": _errors(lambda: hfpatch.apply(_pipe(), ParallelConfig(pipefusion=2, ulysses=2, vae=1))),
+        "pf_ulysses_exact": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=2),
+        "pf_ulysses_exact_uneven": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=3),
+        "pf_ring_exact_uneven": _sp_case(ParallelConfig(pipefusion=2, ring=2, vae=1), patches=3),
+        "pf_ulysses_approx": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=4, warmup=1),
+        "pf_ring_approx": _sp_case(ParallelConfig(pipefusion=2, ring=2, vae=1), patches=3, warmup=1),
+        "sp_errors": _sp_error_cases(),
         "flux_exact_p4": _flux_exact_case(ParallelConfig(pipefusion=4, vae=1)),
         "flux_exact_cfg_pf": _flux_exact_case(cfg_pf, guide=True),
         "flux_approx_cfg_pf": _flux_approx_case(cfg_pf, patches=4, warmup=1, guide=True),
@@ -564,6 +623,23 @@ def test_patch_ranges_cover_tokens_and_reject_misfits():
             patch_ranges(8, bad)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "patches", "world", "ulysses"),
+    [(8, 2, 2, 2), (8, 3, 2, 1), (10, 3, 4, 2), (7, 3, 4, 4), (5, 2, 4, 1)],
+)
+def test_sequence_shard_layout_covers_every_token_once(tokens, patches, world, ulysses):
+    ranges = patch_ranges(tokens, patches)
+    layouts = [SequenceShardLayout(ranges, world, index, ulysses) for index in range(world)]
+    rows = layouts[0].rows
+    gathered = [token for layout in layouts for token in layout.local_index]  # sp ranks' rows, rank by rank
+    assert [gathered[row] for row in layouts[0].global_rows] == list(range(tokens))
+    for layout in layouts:
+        assert layout.rows == rows and layout.kv_len == ulysses * rows
+        real = [len(keep) if keep is not None else layout.kv_len for keep in layout.valid_keys]
+        assert sum(real) == tokens  # over the ring ranks' buffers, every token's K/V once
+        assert sorted(layout.sync_order) == list(range(layout.kv_len))
+
+
 def test_parallel_config_pipefusion_world_size_and_repr():
     config = ParallelConfig(cfg=2, pipefusion=2)
     assert config.world_size == 4 and config.vae == 4
@@ -624,6 +700,32 @@ def test_pipefusion_after_warmup_equals_simulation_with_bounded_error(two, three
     assert all(r[case]["max_abs"] == first["max_abs"] for r in results)  # every rank returns the same output
 
 
+@pytest.mark.parametrize("case", ["pf_ulysses_exact", "pf_ulysses_exact_uneven", "pf_ring_exact_uneven"])
+def test_pipefusion_x_sequence_parallel_warmup_all_steps_equals_unpatched(four, case):
+    """pipefusion=2 x ulysses=2 / ring=2 (world 4; M=3 cuts 8 tokens into 3, 3, 2: patches of an odd token
+    count are padded per sp shard). Each sp rank hands its shard of every patch to the same sp rank of the
+    next stage; the last stage's ranks gather the sequence and send the output on as without sp."""
+    assert [r[case]["stage"] for r in four] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, result in enumerate(four):
+        r = result[case]
+        assert r["diff"] <= r["tol"], (rank, r)
+        assert (r["handoff_bytes"], r["output_bytes"]) == r["analytic"], (rank, r)
+
+
+@pytest.mark.parametrize(("case", "patches"), [("pf_ulysses_approx", 4), ("pf_ring_approx", 3)])
+def test_pipefusion_x_sequence_parallel_after_warmup_equals_pipefusion_alone(four, case, patches):
+    """Pipelined (warm-up 1): sequence parallel inside the stages is exact, so the output equals PipeFusion
+    alone at the same M and warm-up (the one-process simulation) up to reassociation, and differs from the
+    unpatched output by PipeFusion's own stale-K/V error."""
+    for rank, result in enumerate(four):
+        r = result[case]
+        assert r["vs_pipefusion"] <= r["tol"], (rank, r)
+        assert r["max_abs"] > 0.0, (rank, r)
+        if r["stage"][0] == 0:  # one hand-off per patch per pipelined call, one per warm-up call; 2 streams
+            assert r["handoffs"] == 2 * (1 + (STEPS - 1) * patches), (rank, r)
+        assert (r["handoff_bytes"], r["output_bytes"]) == r["analytic"], (rank, r)
+
+
 def test_pipefusion_wan22_two_transformers_each_warm_up(two):
     for rank, result in enumerate(two):
         exact, pipelined = result["wan22"][6], result["wan22"][1]
@@ -649,8 +751,16 @@ def test_pipefusion_bad_configurations_raise_on_every_rank(two, four):
         for name, start in expected.items():
             assert start in result["errors"][name], (rank, name, result["errors"][name])
         assert result["errors"]["after_errors_exact"], rank
-    for result in four:
-        assert "not supported yet" in result["ulysses"]
+    sp_expected = {
+        "heads": "ValueError: ulysses=2 exceeds the 1 attention heads of WanPipeline",
+        "flux": "ValueError: pipefusion=2 with ulysses=2, ring=1 is not supported for FluxTransformer2DModel",
+        "sd3": "ValueError: pipefusion=2 splits a transformer's blocks, but StableDiffusion3Pipeline has no "
+        "transformer that hfpatch's PipeFusion supports",
+        "patches_over_tokens": "ValueError: pipefusion_patches=9 does not fit a sequence of 8 tokens",
+    }
+    for rank, result in enumerate(four):
+        for name, start in sp_expected.items():
+            assert result["sp_errors"][name].startswith(start), (rank, name, result["sp_errors"][name])
 
 
 def test_pipefusion_releases_other_stages_weights_and_remove_warns(two):
