@@ -176,7 +176,7 @@ def _sp_case(parallel: ParallelConfig, patches: int, warmup: int = STEPS) -> dic
         warnings.simplefilter("ignore")
         patch.remove()
     simulated = _simulated(patches, warmup) if warmup < STEPS else reference
-    calls = 2 * STEPS  # cond and uncond
+    calls = 2 * STEPS // parallel.cfg  # cond and uncond, or one of them per cfg rank
     sp = parallel.ring * parallel.ulysses
     hidden = calls * _sp_rows(patches, sp) * CHANNELS * 4
     return {
@@ -190,6 +190,7 @@ def _sp_case(parallel: ParallelConfig, patches: int, warmup: int = STEPS) -> dic
         "handoffs": counter.calls.get("pipefusion", 0),
         "ops": dict(counter.by_op),
         "stage": (state.stage, state.sp_index),
+        "streams": 2 // parallel.cfg,
     }
 
 
@@ -560,6 +561,16 @@ def _cases_four_ranks() -> dict[str, Any]:
     }
 
 
+def _cases_eight_ranks() -> dict[str, Any]:
+    """xDiT's three-way hybrid: cfg 2 x pipefusion 2 x ulysses 2 (ring 2 on a second run)."""
+    return {
+        "cfg_pf_ulysses_exact": _sp_case(ParallelConfig(cfg=2, pipefusion=2, ulysses=2, vae=1), patches=3),
+        "cfg_pf_ring_approx": _sp_case(
+            ParallelConfig(cfg=2, pipefusion=2, ring=2, vae=1), patches=4, warmup=1
+        ),
+    }
+
+
 @pytest.fixture(scope="module")
 def two(rank_pool):
     return rank_pool(2).run(_cases_two_ranks)
@@ -573,6 +584,11 @@ def three(rank_pool):
 @pytest.fixture(scope="module")
 def four(rank_pool):
     return rank_pool(4).run(_cases_four_ranks)
+
+
+@pytest.fixture(scope="module")
+def eight(rank_pool):
+    return rank_pool(8).run(_cases_eight_ranks)
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -722,8 +738,27 @@ def test_pipefusion_x_sequence_parallel_after_warmup_equals_pipefusion_alone(fou
         assert r["vs_pipefusion"] <= r["tol"], (rank, r)
         assert r["max_abs"] > 0.0, (rank, r)
         if r["stage"][0] == 0:  # one hand-off per patch per pipelined call, one per warm-up call; 2 streams
-            assert r["handoffs"] == 2 * (1 + (STEPS - 1) * patches), (rank, r)
+            assert r["handoffs"] == r["streams"] * (1 + (STEPS - 1) * patches), (rank, r)
         assert (r["handoff_bytes"], r["output_bytes"]) == r["analytic"], (rank, r)
+
+
+def test_pipefusion_x_cfg_x_sequence_parallel_world_eight(eight):
+    """cfg 2 x pipefusion 2 x ulysses 2 (warm-up every step: equals unpatched) and cfg 2 x pipefusion 2 x
+    ring 2 pipelined (equals PipeFusion alone at the same M and warm-up). Rank order: cfg, stage, sp."""
+    stages = [(s, i) for s in (0, 1) for i in (0, 1)] * 2
+    for case in ("cfg_pf_ulysses_exact", "cfg_pf_ring_approx"):
+        assert [r[case]["stage"] for r in eight] == stages, case
+        for rank, result in enumerate(eight):
+            r = result[case]
+            assert r["streams"] == 1
+            assert (r["handoff_bytes"], r["output_bytes"]) == r["analytic"], (case, rank, r)
+    for rank, result in enumerate(eight):
+        exact, approx = result["cfg_pf_ulysses_exact"], result["cfg_pf_ring_approx"]
+        assert exact["diff"] <= exact["tol"], (rank, exact)
+        assert approx["vs_pipefusion"] <= approx["tol"], (rank, approx)
+        assert approx["max_abs"] > 0.0, (rank, approx)
+        if approx["stage"][0] == 0:
+            assert approx["handoffs"] == 1 + (STEPS - 1) * 4, (rank, approx)
 
 
 def test_pipefusion_wan22_two_transformers_each_warm_up(two):
