@@ -54,9 +54,11 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
                 if isinstance(getattr(m, "processor", None), USPDispatchProcessor)
             ]
             state = stand_ins[0].state
-            x = kwargs[name]  # packed [B, S, C], or a latent [B, C, F, H, W] with 1x2x2 patches
+            # packed [B, S, C], or a latent [B, C, H, W] / [B, C, F, H, W] (CogVideoX: [B, F, C, H, W]), 2x2 patches
+            x = kwargs[name]
+            frames = 1 if x.dim() == 4 else x.shape[1 if family == "cogvideox" else 2]
             results[family] = {
-                "tokens": x.shape[1] if x.dim() == 3 else x.shape[2] * x.shape[3] * x.shape[4] // 4,
+                "tokens": x.shape[1] if x.dim() == 3 else frames * x.shape[-2] * x.shape[-1] // 4,
                 "valid_len": state.valid_len,
                 "local_len": state.local_len,
                 "calls": [p.calls for p in stand_ins],
@@ -64,34 +66,49 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
-def coexistence_case() -> dict[str, Any]:
-    """Two patched QwenImage models (Ulysses, Ring) and an unpatched one, interleaved; the last two compiled."""
+def coexistence_case(family: str) -> dict[str, Any]:
+    """Two patched models (Ulysses, Ring) and an unpatched one, interleaved; the last two compiled.
+
+    ``qwenimage_mask`` routes ``dispatch_attention_fn``; ``pixart`` routes ``F.scaled_dot_product_attention``
+    in its ``attn1`` only, while its ``attn2`` (and the unpatched model) run the same stock
+    ``AttnProcessor2_0`` code unrouted.
+    """
+    from diffusers.models import attention_processor
     from diffusers.models.transformers import transformer_qwenimage
 
+    def watched() -> tuple[Any, ...]:  # what a global patch of diffusers or torch would change
+        return (
+            transformer_qwenimage.dispatch_attention_fn,
+            attention_processor.F,
+            torch.nn.functional.scaled_dot_product_attention,
+        )
+
     world = dist.get_world_size()
-    dispatch = transformer_qwenimage.dispatch_attention_fn
-    models = [build("qwenimage_mask")[0] for _ in range(3)]
-    _, kwargs, _ = build("qwenimage_mask")
+    before = watched()
+    models = [build(family)[0] for _ in range(3)]
+    _, kwargs, _ = build(family)
     with torch.no_grad():
         refs = [m(**kwargs).sample for m in models]
         noise = rel_error(refs[0], to_fp64(models[0])(**to_fp64(kwargs)).sample)
-        unpatched_call = type(models[2].transformer_blocks[0].attn.processor).__call__
+        processor = next(m.processor for m in models[2].modules() if hasattr(m, "processor"))
+        unpatched_call = type(processor).__call__
         a = hfpatch.apply(models[0], parallel=ParallelConfig(ulysses=world))
         b = hfpatch.apply(models[1], parallel=ParallelConfig(ring=world))
         # Compiled, a patched model and the unpatched one run the same stock code object (and a copy of it).
         compiled, compiled_stock = (torch.compile(m, backend="eager") for m in models[1:])
         outs = [models[0](**kwargs).sample, compiled(**kwargs).sample, compiled_stock(**kwargs).sample]
         outs.append(models[0](**kwargs).sample)  # again, after the others ran
+        outs.append(compiled(**kwargs).sample)  # and the compiled patched one again (its cached frames)
         a.remove()
         b.remove()
         after = [m(**kwargs).sample for m in models]
     return {
-        "errors": [rel_error(o, r) for o, r in zip(outs, refs + refs[:1])],
+        "errors": [rel_error(o, r) for o, r in zip(outs, refs + refs[:2])],
         "noise": noise,
         "unpatched_bitwise": torch.equal(outs[2], refs[2]),
         "removed_bitwise": [torch.equal(o, r) for o, r in zip(after, refs)],
-        "globals_untouched": transformer_qwenimage.dispatch_attention_fn is dispatch
-        and type(models[2].transformer_blocks[0].attn.processor).__call__ is unpatched_call,
+        "globals_untouched": all(x is y for x, y in zip(watched(), before))
+        and type(processor).__call__ is unpatched_call,
     }
 
 
@@ -191,10 +208,14 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
-    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo"]
+    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuandit", "pixart"]
     results = rank_pool(2).run(lifecycle_cases, families)
-    # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
-    expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
+    # LTX, ChronoEdit, HunyuanDiT, PixArt: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2
+    # blocks + 2 VACE blocks.
+    expected_swaps = {
+        "qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2, "hunyuandit": 4,
+        "pixart": 2,
+    }  # fmt: skip
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -204,7 +225,10 @@ def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(ra
 
 
 def test_planned_usp_attends_from_each_rank_shard(rank_pool):
-    families = ["qwenimage", "flux2", "ltx_tokens", "chronoedit", "wan_vace", "hunyuanvideo"]
+    families = [
+        "qwenimage", "flux2", "ltx_tokens", "chronoedit", "wan_vace", "hunyuanvideo", "flux", "sd35", "cogvideox",
+        "hunyuandit", "pixart",
+    ]  # fmt: skip
     for world in (3,):
         for rank_result in rank_pool(world).run(shard_cases, families):
             for family, seen in rank_result.items():
@@ -225,8 +249,9 @@ def test_planned_usp_text_mask_changes_the_stock_output(family, mask):
         assert rel_error(model(**masked).sample, model(**unmasked).sample) > 1e-3
 
 
-def test_planned_usp_two_patched_and_one_unpatched_model_share_a_process(rank_pool):
-    for result in rank_pool(2).run(coexistence_case):
+@pytest.mark.parametrize("family", ["qwenimage_mask", "pixart"])
+def test_planned_usp_two_patched_and_one_unpatched_model_share_a_process(rank_pool, family):
+    for result in rank_pool(2).run(coexistence_case, family):
         assert result["globals_untouched"]
         assert result["unpatched_bitwise"]
         assert all(result["removed_bitwise"]), result["removed_bitwise"]
@@ -266,11 +291,15 @@ def test_planned_usp_support_table_names_plan_source_per_class():
     assert rows["QwenImageTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["LTXVideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["WanTransformer3DModel"] == "dit_usp (plan: hfpatch table)"
-    assert rows["FluxTransformer2DModel"] == "flux_usp (plan: hfpatch family module)"
+    assert rows["FluxTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
     for name in (
         "ChronoEditTransformer3DModel",
         "WanVACETransformer3DModel",
         "HunyuanVideoTransformer3DModel",
+        "SD3Transformer2DModel",
+        "CogVideoXTransformer3DModel",
+        "HunyuanDiT2DModel",
+        "PixArtTransformer2DModel",
     ):
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
     assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]

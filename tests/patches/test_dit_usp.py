@@ -1,4 +1,4 @@
-"""Sequence-parallel DiT transformers (``hfpatch.patches.*_dit``) vs the unpatched stock models, gloo, fp32.
+"""Sequence-parallel DiT transformers (``hfpatch.patches.dit``) vs the unpatched stock models, gloo, fp32.
 
 Every rank builds the same tiny model and inputs from fixed seeds, runs the unpatched model (the
 reference), applies ``hfpatch.apply(model, parallel=ParallelConfig(ulysses=u, ring=r))`` and runs again.
@@ -29,8 +29,10 @@ from hfpatch.distributed.runtime import get_mesh
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
-#: Classes parallelised by the plan-driven family (hfpatch.patches.dit): diffusers' _cp_plan, translated
-#: (QwenImage, Flux.2, LTX-Video), or hfpatch's table plan (ChronoEdit, Wan VACE, HunyuanVideo).
+#: More classes of the plan-driven family (hfpatch.patches.dit; FAMILIES are too): diffusers' _cp_plan,
+#: translated (QwenImage, Flux.2, LTX-Video), or hfpatch's table plan (ChronoEdit, Wan VACE, HunyuanVideo,
+#: HunyuanDiT and PixArt: their stock processors attend by F.scaled_dot_product_attention, like SD3's and
+#: CogVideoX's).
 PLANNED = (
     "qwenimage",
     "qwenimage_mask",
@@ -40,6 +42,8 @@ PLANNED = (
     "chronoedit",
     "wan_vace",
     "hunyuanvideo",
+    "hunyuandit",
+    "pixart",
 )
 
 
@@ -184,6 +188,30 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             encoder_hidden_states=_randn(2, 6, 16, seed=2),
             encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
             pooled_projections=_randn(2, 16, seed=3),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "hunyuandit":  # 5 x 5 = 25 image tokens, batch 2, 2D rotary, padded CLIP and T5 text
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+        model = testing.tiny_hunyuandit_transformer()
+        rotary = get_2d_rotary_pos_embed(8, ((0, 0), (5, 5)), (5, 5), output_type="pt")
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 10, 10, seed=1),
+            timestep=torch.tensor([500.0, 20.0]),
+            encoder_hidden_states=_randn(2, 4, 16, seed=2),
+            text_embedding_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+            encoder_hidden_states_t5=_randn(2, 6, 16, seed=3),
+            text_embedding_mask_t5=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            image_rotary_emb=tuple(t.float() for t in rotary),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "pixart":  # 5 x 5 = 25 image tokens, batch 2, cross-attention to a key-masked text
+        model = testing.tiny_pixart_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 10, 10, seed=1),
+            encoder_hidden_states=_randn(2, 6, 16, seed=2),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            timestep=torch.tensor([500, 20]),
         )
         return model, kwargs, "hidden_states"
     raise ValueError(family)
@@ -331,21 +359,18 @@ def error_cases() -> dict[str, str]:
     """Errors raised before any collective (the same message on every rank)."""
     from diffusers import UNet2DModel
 
-    from hfpatch.patches.cogvideox_dit import CogVideoXTransformerUSP
     from hfpatch.patches.dit import PlannedDiTUSP
-    from hfpatch.patches.flux_dit import FluxTransformerUSP
-    from hfpatch.patches.sd3_dit import SD3TransformerUSP
     from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
 
     world = dist.get_world_size()
     registry = Registry()
-    for key, family in [
-        ("diffusers.WanTransformer3DModel", PlannedDiTUSP),
-        ("diffusers.FluxTransformer2DModel", FluxTransformerUSP),
-        ("diffusers.SD3Transformer2DModel", SD3TransformerUSP),
-        ("diffusers.CogVideoXTransformer3DModel", CogVideoXTransformerUSP),
-    ]:
-        registry.register(key, family)
+    for key in (
+        "diffusers.WanTransformer3DModel",
+        "diffusers.FluxTransformer2DModel",
+        "diffusers.SD3Transformer2DModel",
+        "diffusers.CogVideoXTransformer3DModel",
+    ):
+        registry.register(key, PlannedDiTUSP)
     messages: dict[str, str] = {}
 
     def expect(name: str, error: type[Exception], fn: Callable[[], Any]) -> None:
