@@ -11,7 +11,7 @@ without ``_cp_plan`` get their plan from :data:`PLANS` instead: a table entry, n
 
 hfpatch shards only the image/video tokens. The text is short and the text stream is cheap, so it stays
 replicated on every rank and takes part in joint attention as the exact *joint* part of
-:func:`~hfpatch.attention.usp.usp_attention` (as the Flux family does). Where diffusers' plan also cuts the
+:func:`~hfpatch.attention.usp.usp_attention`. Where diffusers' plan also cuts the
 text (``encoder_hidden_states``, its mask, its ids, its rotary table), the table entry lists those entries as
 ``replicate``: they are dropped from the translated plan (and a stale entry that no longer names a plan entry
 is an error). A text key mask (QwenImage's ``encoder_hidden_states_mask``, padded prompts) is honoured exactly
@@ -35,6 +35,14 @@ groups and shard geometry to use. So:
   serves a frame compiled under the router's globals to the stock function (or the reverse);
 * exact: the stand-in counts its USP calls; a stock code path that attended without ``dispatch_attention_fn``
   (so within the local shard only) raises instead of returning a wrong result of the right shape.
+
+Older stock processors (SD3's ``JointAttnProcessor2_0``, CogVideoX's, HunyuanDiT's, PixArt's
+``AttnProcessor2_0``) call ``F.scaled_dot_product_attention`` (``[B, H, S, D]``) instead, which carries no
+``parallel_config``: :class:`USPSDPAProcessor` binds the router in the copy itself, one copy per stand-in whose
+``F`` is a module object with ``torch.nn.functional``'s attributes and the stand-in's ``sdpa``, with the same
+guarantees (:func:`_sdpa_call`). Which route a processor takes is read from its ``__call__`` code. Only the
+modules a table entry names are routed: a cross-attention with the same stock class (PixArt's ``attn2``) runs
+the untouched stock code.
 
 The USP attention reads the layout from the call: a self-attention's queries are this rank's shard
 (``local_len`` tokens); a joint attention's are ``local_len`` image tokens plus ``T`` replicated text
@@ -670,7 +678,7 @@ def usp_dispatch_processor(
 
 # ----------------------------------------------------------------------------------------------- family
 class PlannedDiTUSP(SequenceParallelFamily):
-    """USP for every class of :data:`PLANS`: the plan from ``_cp_plan`` or the table, attention by dispatch."""
+    """USP for every class of :data:`PLANS`: the plan from ``_cp_plan`` or the table, the stock attention routed."""
 
     name: ClassVar[str] = "dit_usp"
 
