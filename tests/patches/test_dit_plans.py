@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from test_dit_usp import (
+    CONTROLNET,
     PLANNED,
     _configs,
     _same,
@@ -176,7 +178,7 @@ class _Custom:
 # ----------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_planned_usp_forward_every_class_and_layout_matches_unpatched(rank_pool, world):
-    cases = [(family, u, r) for family in PLANNED for u, r in _configs(world)]
+    cases = [(family, u, r) for family in PLANNED + CONTROLNET for u, r in _configs(world)]
     results = rank_pool(world).run(forward_cases, cases)
     for case in cases:
         for error, noise, _ in (rank_result[case] for rank_result in results):
@@ -239,14 +241,52 @@ def test_planned_usp_attends_from_each_rank_shard(rank_pool):
 
 @pytest.mark.parametrize(
     ("family", "mask"),
-    [("qwenimage_mask", "encoder_hidden_states_mask"), ("hunyuanvideo", "encoder_attention_mask")],
+    [
+        ("qwenimage_mask", "encoder_hidden_states_mask"),
+        ("hunyuanvideo", "encoder_attention_mask"),
+        ("hunyuandit", "text_embedding_mask_t5"),
+        ("pixart", "encoder_attention_mask"),
+    ],
 )
 def test_planned_usp_text_mask_changes_the_stock_output(family, mask):
-    """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance."""
+    """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance (and so
+    do the ControlNet residuals)."""
     model, masked, _ = build(family)
     unmasked = {**masked, mask: torch.ones_like(masked[mask])}
     with torch.no_grad():
         assert rel_error(model(**masked).sample, model(**unmasked).sample) > 1e-3
+        for controlled in CONTROLNET:
+            model, kwargs, _ = build(controlled)
+            plain = build(controlled.removesuffix("_cn"))[1]
+            assert rel_error(model(**kwargs).sample, model(**plain).sample) > 1e-3, controlled
+
+
+class _Branchy:
+    """A stock-like processor with a path that attends without ``F.scaled_dot_product_attention``."""
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, use_sdpa: bool = False) -> torch.Tensor:
+        if use_sdpa:
+            return F.scaled_dot_product_attention(hidden_states, hidden_states, hidden_states)
+        return hidden_states.softmax(-1)  # e.g. a hand-written kernel: local to the shard under USP
+
+
+def test_planned_usp_sdpa_route_is_per_object_and_refuses_unrouted_attention():
+    from hfpatch.patches.dit import USPSDPAProcessor, usp_dispatch_processor
+
+    stock = _Branchy()
+    stand_in = usp_dispatch_processor(stock, state=None, joint=None, where="blocks.0.attn1")
+    assert isinstance(stand_in, USPSDPAProcessor) and stand_in.stock is stock
+    with pytest.raises(RuntimeError, match="attended without F.scaled_dot_product_attention"):
+        stand_in(None, torch.ones(1, 1, 2, 4))
+    # The routed copy has its own globals and code object; the stock function and this module are untouched.
+    assert stand_in._call.__code__ is not _Branchy.__call__.__code__
+    assert stand_in._call.__globals__ is not globals() and F is torch.nn.functional
+    other = usp_dispatch_processor(_Branchy(), state=None, joint=None, where="blocks.1.attn1")
+    assert other._call.__code__ is not stand_in._call.__code__  # per stand-in: no cache entry shared
+    x = torch.randn(1, 1, 3, 4)
+    assert torch.equal(stock(None, x, use_sdpa=True), F.scaled_dot_product_attention(x, x, x))
+    with pytest.raises(ValueError, match="attends through neither"):
+        usp_dispatch_processor(object(), state=None, joint=None, where="x")
 
 
 @pytest.mark.parametrize("family", ["qwenimage_mask", "pixart"])

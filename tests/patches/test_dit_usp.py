@@ -45,6 +45,8 @@ PLANNED = (
     "hunyuandit",
     "pixart",
 )
+#: ControlNet residuals cut with the tokens (and Flux.1's deprecated 3D ids): forward only.
+CONTROLNET = ("flux_cn", "sd35_cn", "hunyuandit_cn")
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -64,6 +66,26 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
     """
     from hfpatch import testing
 
+    if family.endswith("_cn"):  # ControlNet residuals (lists of [B, S, D], cut like the tokens)
+        model, kwargs, name = build(family.removesuffix("_cn"))
+        dim = model.config.num_attention_heads * model.config.attention_head_dim
+        batch, tokens = kwargs["hidden_states"].shape[0], 25
+
+        def residuals(n: int, seed: int) -> list[torch.Tensor]:
+            return [_randn(batch, tokens, dim, seed=seed + i) for i in range(n)]
+
+        if family == "flux_cn":  # and the deprecated 3D ids [B, S, 3]
+            kwargs.update(
+                img_ids=kwargs["img_ids"][None],
+                txt_ids=kwargs["txt_ids"][None],
+                controlnet_block_samples=residuals(1, 11),
+                controlnet_single_block_samples=residuals(1, 12),
+            )
+        elif family == "sd35_cn":  # qk-norm: tiny SD3 without it is too ill-conditioned for Ring at 10x noise
+            kwargs["block_controlnet_hidden_states"] = residuals(2, 11)
+        else:  # HunyuanDiT: one residual per long skip (block 3 of 4)
+            kwargs["controlnet_block_samples"] = residuals(1, 11)
+        return model, kwargs, name
     if family.endswith("_gc"):
         model, kwargs, name = build(family.removesuffix("_gc"))
         model.enable_gradient_checkpointing()
@@ -236,8 +258,9 @@ def forward_cases(
         model, kwargs, _ = build(family)
         with torch.no_grad():
             if family not in references:
-                model64, kwargs64 = _double(model, kwargs)
-                ref = model(**kwargs).sample
+                # Inputs of their own: HunyuanDiT's stock forward pops its ControlNet residuals off the list.
+                model64, kwargs64 = _double(model, build(family)[1])
+                ref = model(**build(family)[1]).sample
                 references[family] = (ref, rel_error(ref, model64(**kwargs64).sample))
             ref, noise = references[family]
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
