@@ -139,11 +139,15 @@ class SequenceShard:
         self.rank = dist.get_rank(group)
         self.valid_len: int | None = None
         self.local_len: int | None = None
+        #: Attention path -> replicated text tokens its joint attention took in this call (a stand-in that
+        #: splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
+        self.text_len: dict[str, int] = {}
 
     def begin(self) -> None:
         """Forget the previous call's geometry (a new forward may have another sequence length)."""
         self.valid_len = None
         self.local_len = None
+        self.text_len.clear()
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""

@@ -573,6 +573,16 @@ class USPDispatchProcessor:
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
             text = 0  # usp_attention_call says what is wrong with the length
+        elif self.joint is not None:
+            # The text length is inferred from this call's shard; model.forward(...) (no split hooks) after a
+            # call would mistake image tokens for text and return a wrong result of the right shape.
+            seen = self.state.text_len.setdefault(self.where, text)
+            if seen != text:
+                raise RuntimeError(
+                    f"sequence-parallel attention got {query.shape[1]} query tokens at {self.where}: with this "
+                    f"call's shard of {local} tokens that leaves {text} text tokens, where this forward had {seen}; "
+                    "the model ran without its sequence split. Call model(...), not model.forward(...)."
+                )
         mask = _key_mask(attn_mask, query.shape[0], key.shape[1], self.where)
         sizes = [text, local] if self.joint != "back" else [local, text]
         (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
