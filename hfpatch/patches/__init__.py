@@ -5,11 +5,13 @@ table, so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
-    # Sequence-parallel attention (USP) for DiT transformers.
-    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.flux_dit:FluxTransformerUSP"),
-    ("diffusers.SD3Transformer2DModel", "hfpatch.patches.sd3_dit:SD3TransformerUSP"),
-    ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.cogvideox_dit:CogVideoXTransformerUSP"),
-    # Plan-driven USP (hfpatch.patches.dit.PLANS: diffusers' _cp_plan or hfpatch's table entry).
+    # Sequence-parallel attention (USP) for DiT transformers, plan-driven (hfpatch.patches.dit.PLANS:
+    # diffusers' _cp_plan or hfpatch's table entry).
+    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.SD3Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.HunyuanDiT2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    ("diffusers.PixArtTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.QwenImageTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.Flux2Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),

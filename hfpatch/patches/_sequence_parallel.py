@@ -61,7 +61,6 @@ __all__ = [
     "SequenceParallelFamily",
     "SequencePlan",
     "SequenceShard",
-    "USPAttnProcessor",
     "SplitInput",
     "SplitOutput",
     "apply_sequence_plan",
@@ -150,11 +149,15 @@ class SequenceShard:
         self.rank = dist.get_rank(group)
         self.valid_len: int | None = None
         self.local_len: int | None = None
+        #: Attention path -> replicated text tokens its joint attention took in this call (a stand-in that
+        #: splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
+        self.text_len: dict[str, int] = {}
 
     def begin(self) -> None:
         """Forget the previous call's geometry (a new forward may have another sequence length)."""
         self.valid_len = None
         self.local_len = None
+        self.text_len.clear()
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
@@ -192,27 +195,6 @@ class SequenceShard:
 
     def __reduce__(self):
         self.__deepcopy__({})  # pickling (torch.save(model)) would lose the groups the same way
-
-
-class USPAttnProcessor:
-    """Base of the USP attention processors: they hold the model's :class:`SequenceShard`.
-
-    Subclasses implement the diffusers processor ``__call__`` of their family: the stock projections,
-    norms and rotary, then :func:`usp_attention_call`.
-    """
-
-    def __init__(self, state: SequenceShard) -> None:
-        self.state = state
-
-    def refuse_mask(self, attention_mask: torch.Tensor | None) -> None:
-        """Masks are not sharded with the sequence; the stock pipelines pass none."""
-        if attention_mask is not None:
-            raise ValueError(
-                f"{type(self).__name__} does not take an attention_mask (the stock pipelines pass none)"
-            )
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.state!r})"
 
 
 # ----------------------------------------------------------------------------------------------- interpreter
@@ -411,8 +393,9 @@ class SequenceParallelFamily(PatchFamily):
     """Base of the DiT USP families: a plan, the self-attention modules, and their USP processor.
 
     A subclass sets ``plan`` (or overrides :meth:`plan_for`) and implements :meth:`attention_modules` (with
-    the class name(s) of the stock processor each one must have) and :meth:`make_processor`. :meth:`apply` is a no-op
-    when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call), and when
+    the class name(s) of the stock processor each one must have) and :meth:`make_processors`
+    (:class:`hfpatch.patches.dit.PlannedDiTUSP`: stand-ins running the stock processor code). :meth:`apply` is a
+    no-op when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call), and when
     ``pipefusion > 1``: the PipeFusion family then runs Ulysses/Ring inside its stages.
     """
 
@@ -429,16 +412,9 @@ class SequenceParallelFamily(PatchFamily):
         """``(path, attention module, stock processor class name(s))`` of every attention to swap."""
         raise NotImplementedError
 
-    def make_processor(self, state: SequenceShard, path: str, attention: torch.nn.Module) -> Any:
-        """The USP processor replacing ``attention.processor``."""
-        raise NotImplementedError
-
     def make_processors(self, target: Any, state: SequenceShard) -> list[tuple[str, torch.nn.Module, Any]]:
         """``(path, attention module, USP processor)`` for every module of :meth:`attention_modules`."""
-        return [
-            (path, attention, self.make_processor(state, path, attention))
-            for path, attention, _ in self.attention_modules(target)
-        ]
+        raise NotImplementedError
 
     def facts(self, target: Any) -> ModelFacts:
         return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)

@@ -11,7 +11,7 @@ without ``_cp_plan`` get their plan from :data:`PLANS` instead: a table entry, n
 
 hfpatch shards only the image/video tokens. The text is short and the text stream is cheap, so it stays
 replicated on every rank and takes part in joint attention as the exact *joint* part of
-:func:`~hfpatch.attention.usp.usp_attention` (as the Flux family does). Where diffusers' plan also cuts the
+:func:`~hfpatch.attention.usp.usp_attention`. Where diffusers' plan also cuts the
 text (``encoder_hidden_states``, its mask, its ids, its rotary table), the table entry lists those entries as
 ``replicate``: they are dropped from the translated plan (and a stale entry that no longer names a plan entry
 is an error). A text key mask (QwenImage's ``encoder_hidden_states_mask``, padded prompts) is honoured exactly
@@ -35,6 +35,14 @@ groups and shard geometry to use. So:
   serves a frame compiled under the router's globals to the stock function (or the reverse);
 * exact: the stand-in counts its USP calls; a stock code path that attended without ``dispatch_attention_fn``
   (so within the local shard only) raises instead of returning a wrong result of the right shape.
+
+Older stock processors (SD3's ``JointAttnProcessor2_0``, CogVideoX's, HunyuanDiT's, PixArt's
+``AttnProcessor2_0``) call ``F.scaled_dot_product_attention`` (``[B, H, S, D]``) instead, which carries no
+``parallel_config``: :class:`USPSDPAProcessor` binds the router in the copy itself, one copy per stand-in whose
+``F`` is a module object with ``torch.nn.functional``'s attributes and the stand-in's ``sdpa``, with the same
+guarantees (:func:`_sdpa_call`). Which route a processor takes is read from its ``__call__`` code. Only the
+modules a table entry names are routed: a cross-attention with the same stock class (PixArt's ``attn2``) runs
+the untouched stock code.
 
 The USP attention reads the layout from the call: a self-attention's queries are this rank's shard
 (``local_len`` tokens); a joint attention's are ``local_len`` image tokens plus ``T`` replicated text
@@ -83,6 +91,7 @@ __all__ = [
     "DiTPlan",
     "PlannedDiTUSP",
     "USPDispatchProcessor",
+    "USPSDPAProcessor",
     "plan_from_cp",
     "plan_source",
 ]
@@ -103,11 +112,13 @@ class AttentionRoute:
             processor concatenates the replicated text tokens before/after the image tokens; ``"queries"``
             for a cross-attention whose queries are a replicated stream and whose keys/values are the sharded
             tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`).
+        optional: The path may match no module (SD3.5's ``attn2`` exists only in its dual-attention blocks).
     """
 
     path: str
     processors: tuple[str, ...]
     joint: str | None = None
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,69 @@ PLANS: dict[str, DiTPlan] = {
             **{k: v for k, v in _WAN_PLAN.items() if k != ""},  # VACE takes timesteps [B] only
             "vace_patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
         },
+    ),
+    # Flux.1 (dev, schnell, Kontext): diffusers' plan, text replicated. Single-stream blocks attend over
+    # [text, local image] in one sequence (text = len - local_len, in front).
+    "diffusers.FluxTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("FluxAttnProcessor",), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("FluxAttnProcessor",), joint="front"),
+        ),
+        replicate=(("", "encoder_hidden_states"), ("", "txt_ids")),
+        extra={
+            "": (
+                SplitInput("img_ids", dim=1, ndim=3),  # deprecated [B, S, 3] (the plan cuts [S, 3])
+                SplitInput("controlnet_block_samples", dim=1),  # lists of [B, S, D], added per token
+                SplitInput("controlnet_single_block_samples", dim=1),
+            )
+        },
+    ),
+    # SD3 / SD3.5: no _cp_plan. The patch embedding's output (learned positions added) and the ControlNet
+    # residuals are cut; the stock JointAttnProcessor2_0 (F.scaled_dot_product_attention) joins the text
+    # *behind* the image tokens; SD3.5's dual-attention attn2 is image-only self-attention.
+    "diffusers.SD3Transformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("JointAttnProcessor2_0",), joint="back"),
+            AttentionRoute("transformer_blocks.*.attn2", ("JointAttnProcessor2_0",), optional=True),
+        ),
+        plan={
+            "": (SplitInput("block_controlnet_hidden_states", dim=1),),  # list of [B, S, D]
+            "pos_embed": (SplitOutput(dim=1),),  # [B, S, D] patch tokens with positions added
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # CogVideoX (2B/5B/1.5): no _cp_plan. The video tokens entering block 0 (after the stock embedding, which
+    # splits them from the text) and the rotary table (cos, sin), each [S, D], are cut. The stock processor
+    # concatenates [text, local video] before projecting and rotates [text_len:]: with the local rotary shard,
+    # exactly this rank's video tokens (text = len - local_len, in front).
+    "diffusers.CogVideoXTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "": (SplitInput("image_rotary_emb", dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # HunyuanDiT: no _cp_plan. The patch embedding's output (no positions: rotary), the rotary table (cos, sin),
+    # each [S, D], and ControlNet residuals are cut; the long skips between blocks are per token. attn2 is the
+    # cross-attention to the replicated text (rotary on the local queries only): left alone, exact.
+    "diffusers.HunyuanDiT2DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("HunyuanAttnProcessor2_0",)),),
+        plan={
+            "": (SplitInput("image_rotary_emb", dim=0), SplitInput("controlnet_block_samples", dim=1)),
+            "pos_embed": (SplitOutput(dim=1),),  # [B, S, D]
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # PixArt-alpha/sigma: no _cp_plan. The patch embedding's output (sin-cos positions added) is cut; attn1
+    # (AttnProcessor2_0, shared with many models: only these modules are routed) is the self-attention, attn2
+    # the cross-attention to the replicated, key-masked text, left alone.
+    "diffusers.PixArtTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("AttnProcessor2_0",)),),
+        plan={"pos_embed": (SplitOutput(dim=1),), "proj_out": (GatherOutput(dim=1),)},
+        refuse={"attention_mask": "a mask over the image tokens, which are sharded over the ranks"},
     ),
     "diffusers.QwenImageTransformer2DModel": DiTPlan(
         attention=(
@@ -470,6 +544,44 @@ def _routed_call(stock_call: types.FunctionType) -> types.FunctionType:
     return routed
 
 
+#: The module global through which the SDPA-route stock processors attend (``F.scaled_dot_product_attention``).
+SDPA = "scaled_dot_product_attention"
+
+
+def _functional_names(call: types.FunctionType) -> list[str]:
+    """Global names of ``call`` bound to ``torch.nn.functional`` that it reads ``scaled_dot_product_attention`` from."""
+    if SDPA not in call.__code__.co_names:
+        return []
+    return [name for name in call.__code__.co_names if call.__globals__.get(name) is torch.nn.functional]
+
+
+def _sdpa_call(stock_call: types.FunctionType, stand_in: USPSDPAProcessor) -> types.FunctionType:
+    """A copy of a stock ``__call__`` whose ``F.scaled_dot_product_attention`` is ``stand_in.sdpa``.
+
+    SDPA has no argument to carry the stand-in (unlike ``parallel_config``), so the binding is in the copy
+    itself: one copy *per stand-in*, with its own globals dict, in which ``F`` is a module object with the
+    attributes of ``torch.nn.functional`` and ``scaled_dot_product_attention`` = the bound ``stand_in.sdpa``,
+    and its own code object. Compile-safety: ``torch.compile`` keys compiled frames by code object and runs
+    them with the globals they were compiled under (the compiled functions are installed there); a code
+    object per stand-in means no compiled frame is ever served to another stand-in, another model or the
+    stock function, and a traced call resolves ``F.scaled_dot_product_attention`` to this stand-in's bound
+    method (a plain Python attribute, no global flag or context variable a graph could bake in).
+    """
+    functional = types.ModuleType(f"{torch.nn.functional.__name__} (hfpatch USP)")
+    functional.__dict__.update({k: v for k, v in vars(torch.nn.functional).items() if not k.startswith("__")})
+    setattr(functional, SDPA, stand_in.sdpa)
+    scope = dict(stock_call.__globals__)
+    for name in _functional_names(stock_call):
+        scope[name] = functional
+    code = stock_call.__code__
+    code = code.replace(co_qualname=f"{code.co_qualname} (hfpatch USP {stand_in.where})")
+    routed = types.FunctionType(
+        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
+    )
+    routed.__kwdefaults__ = stock_call.__kwdefaults__
+    return routed
+
+
 class USPDispatchProcessor:
     """Per-object stand-in for a stock processor: the stock ``__call__`` code, attending through USP.
 
@@ -488,23 +600,30 @@ class USPDispatchProcessor:
     (diffusers' ``Attention`` filters keyword arguments by it).
     """
 
+    #: The function the routed stock code attends through (for messages).
+    routed: ClassVar[str] = DISPATCH
+
     def __init__(self, stock: Any, state: SequenceShard, joint: str | None, where: str) -> None:
         self.stock = stock
         self.state = state
         self.joint = joint
         self.where = where
         self.calls = 0
-        self._view = copy.copy(stock)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Set ``_view`` (the ``self`` of the routed call) and ``_call`` (the routed copy)."""
+        self._view = copy.copy(self.stock)
         self._view._parallel_config = self
-        self._call = _routed_call(type(stock).__call__)
+        self._call = _routed_call(type(self.stock).__call__)
 
     def _run(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
         self.calls = 0
         out = self._call(self._view, attn, *args, **kwargs)
         if self.calls == 0:
             raise RuntimeError(
-                f"{self.where}: the stock {type(self.stock).__name__} attended without {DISPATCH} on this call "
-                "(within this rank's shard only); hfpatch cannot parallelise that path"
+                f"{self.where}: the stock {type(self.stock).__name__} attended without {self.routed} on this "
+                "call (within this rank's shard only); hfpatch cannot parallelise that path"
             )
         return out
 
@@ -538,6 +657,16 @@ class USPDispatchProcessor:
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
             text = 0  # usp_attention_call says what is wrong with the length
+        elif self.joint is not None:
+            # The text length is inferred from this call's shard; model.forward(...) (no split hooks) after a
+            # call would mistake image tokens for text and return a wrong result of the right shape.
+            seen = self.state.text_len.setdefault(self.where, text)
+            if seen != text:
+                raise RuntimeError(
+                    f"sequence-parallel attention got {query.shape[1]} query tokens at {self.where}: with this "
+                    f"call's shard of {local} tokens that leaves {text} text tokens, where this forward had {seen}; "
+                    "the model ran without its sequence split. Call model(...), not model.forward(...)."
+                )
         mask, query_mask = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
         sizes = [text, local] if self.joint != "back" else [local, text]
         (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
@@ -586,39 +715,85 @@ class USPDispatchProcessor:
         return f"{type(self).__name__}({self.where}, joint={self.joint}, {self.state!r})"
 
 
+class USPSDPAProcessor(USPDispatchProcessor):
+    """Stand-in for a stock processor that attends by ``F.scaled_dot_product_attention`` (``[B, H, S, D]``).
+
+    The same guarantees as :class:`USPDispatchProcessor` (per object, reversible by identity, counted calls),
+    routed by a per-stand-in copy of the stock ``__call__`` (:func:`_sdpa_call`). The stock code runs with
+    ``self`` = the stock processor itself: it has no ``_parallel_config`` to redirect. SD3's
+    ``JointAttnProcessor2_0`` (``[image, text]``: ``joint="back"``), CogVideoX's (``[text, video]``, projected
+    together, rotary on the video part: ``joint="front"``), HunyuanDiT's and PixArt's self-attention.
+    """
+
+    routed: ClassVar[str] = f"F.{SDPA}"
+
+    def _bind(self) -> None:
+        self._view = self.stock
+        self._call = _sdpa_call(type(self.stock).__call__, self)
+
+    def sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``F.scaled_dot_product_attention`` over the whole sequence: ``[B, H, S, D]`` in and out."""
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = self.attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return out.transpose(1, 2)
+
+
 @functools.cache
-def _processor_class(stock_cls: type) -> type[USPDispatchProcessor]:
-    """A :class:`USPDispatchProcessor` subclass whose ``__call__`` has ``stock_cls.__call__``'s signature."""
+def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[USPDispatchProcessor]:
+    """A ``base`` subclass whose ``__call__`` has ``stock_cls.__call__``'s signature."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(*args, **kwargs)
 
     __call__.__signature__ = inspect.signature(stock_cls.__call__)  # type: ignore[attr-defined]
     name = f"USP{stock_cls.__name__}"
-    return type(
-        name, (USPDispatchProcessor,), {"__call__": __call__, "__module__": __name__, "__qualname__": name}
-    )
+    return type(name, (base,), {"__call__": __call__, "__module__": __name__, "__qualname__": name})
+
+
+def _route_kind(processor_cls: type) -> type[USPDispatchProcessor] | None:
+    """The stand-in class that can route ``processor_cls``'s attention, or ``None``.
+
+    ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it; otherwise
+    ``F.scaled_dot_product_attention`` read from ``torch.nn.functional`` as a module global.
+    """
+    call = processor_cls.__call__
+    if not isinstance(call, types.FunctionType):
+        return None
+    if DISPATCH in call.__code__.co_names and DISPATCH in call.__globals__:
+        return USPDispatchProcessor
+    if _functional_names(call):
+        return USPSDPAProcessor
+    return None
 
 
 def usp_dispatch_processor(
     stock: Any, state: SequenceShard, joint: str | None, where: str
 ) -> USPDispatchProcessor:
-    """The stand-in of ``stock`` (see :class:`USPDispatchProcessor`)."""
-    return _processor_class(type(stock))(stock, state, joint, where)
+    """The stand-in of ``stock`` (:class:`USPDispatchProcessor` or :class:`USPSDPAProcessor`, by its code).
 
-
-def _routes_through_dispatch(processor_cls: type) -> bool:
-    call = processor_cls.__call__
-    return (
-        isinstance(call, types.FunctionType)
-        and DISPATCH in call.__code__.co_names
-        and DISPATCH in call.__globals__
-    )
+    >>> from diffusers.models.attention_processor import AttnProcessor2_0
+    >>> _route_kind(AttnProcessor2_0).__name__
+    'USPSDPAProcessor'
+    """
+    base = _route_kind(type(stock))
+    if base is None:
+        raise ValueError(f"{where}: {type(stock).__name__} attends through neither {DISPATCH} nor F.{SDPA}")
+    return _processor_class(type(stock), base)(stock, state, joint, where)
 
 
 # ----------------------------------------------------------------------------------------------- family
 class PlannedDiTUSP(SequenceParallelFamily):
-    """USP for every class of :data:`PLANS`: the plan from ``_cp_plan`` or the table, attention by dispatch."""
+    """USP for every class of :data:`PLANS`: the plan from ``_cp_plan`` or the table, the stock attention routed."""
 
     name: ClassVar[str] = "dit_usp"
 
@@ -651,7 +826,13 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
         found = []
         for route in self._entry(target).attention:
-            for path in expand_plan(target, {route.path: ()}):
+            try:
+                paths = expand_plan(target, {route.path: ()})
+            except ValueError:
+                if route.optional:
+                    continue
+                raise
+            for path in paths:
                 found.append((path, target.get_submodule(path), route))
         return found
 
@@ -674,10 +855,10 @@ class PlannedDiTUSP(SequenceParallelFamily):
                 )
         super().validate(target, config, options)
         for path, module, _ in self._routes(target):
-            if not _routes_through_dispatch(type(module.processor)):
+            if _route_kind(type(module.processor)) is None:
                 raise ValueError(
-                    f"{type(target).__name__}.{path}: {type(module.processor).__name__} does not call {DISPATCH} "
-                    "with its _parallel_config from its __call__, so hfpatch cannot route its attention"
+                    f"{type(target).__name__}.{path}: {type(module.processor).__name__} calls neither {DISPATCH} "
+                    f"nor F.{SDPA} from its __call__, so hfpatch cannot route its attention"
                 )
 
     def make_processors(self, target: Any, state: SequenceShard) -> list[tuple[str, torch.nn.Module, Any]]:

@@ -12,7 +12,7 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
   :func:`tiny_wan_vace_transformer`, :func:`tiny_hunyuanvideo15_transformer`, :func:`tiny_ltx2_transformer`,
-  :func:`tiny_minimax_h3_transformer`.
+  :func:`tiny_minimax_h3_transformer`, :func:`tiny_hunyuandit_transformer`, :func:`tiny_pixart_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
   :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`; with text encoders and in-memory tokenizers:
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_hunyuandit_transformer,
         tiny_hunyuanvideo15_transformer,
         tiny_hunyuanvideo_pipe,
         tiny_hunyuanvideo_transformer,
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_ltx_pipe,
         tiny_ltx_transformer,
         tiny_minimax_h3_transformer,
+        tiny_pixart_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
         tiny_qwen3_vl,
@@ -103,6 +105,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuandit_transformer",
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
@@ -110,6 +113,7 @@ __all__ = [
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_minimax_h3_transformer",
+    "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",

@@ -27,6 +27,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuandit_transformer",
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
@@ -34,6 +35,7 @@ __all__ = [
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_minimax_h3_transformer",
+    "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
     "tiny_qwen3_vl",
@@ -902,6 +904,70 @@ def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: i
         rope_axes_dim=(2, 2, 4),
     )
     return _build(HunyuanVideoTransformer3DModel, config, overrides, seed)
+
+
+def tiny_hunyuandit_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 4, seed: int = 0, **overrides: Any
+):
+    """A stock ``HunyuanDiT2DModel`` (4 blocks: one long skip, block 0 to block 3), without style/size conditions.
+
+    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2), a float ``timestep`` ``[B]``, CLIP-like
+    ``encoder_hidden_states`` ``[B, 4, 16]`` with ``text_embedding_mask`` ``[B, 4]``, T5-like
+    ``encoder_hidden_states_t5`` ``[B, 6, 16]`` with ``text_embedding_mask_t5`` ``[B, 6]`` (masked tokens become
+    the learned padding) and ``image_rotary_emb`` (cos, sin), each ``[H/2 * W/2, head_dim]``, as the pipeline
+    builds it with ``diffusers.models.embeddings.get_2d_rotary_pos_embed``.
+
+    >>> tiny_hunyuandit_transformer().config.num_layers
+    4
+    """
+    from diffusers import HunyuanDiT2DModel
+
+    config = dict(
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        patch_size=2,
+        sample_size=8,
+        hidden_size=num_heads * head_dim,
+        num_layers=num_layers,
+        mlp_ratio=2.0,
+        learn_sigma=True,
+        cross_attention_dim=16,
+        cross_attention_dim_t5=16,
+        pooled_projection_dim=16,
+        text_len=4,
+        text_len_t5=6,
+        use_style_cond_and_image_meta_size=False,
+    )
+    return _build(HunyuanDiT2DModel, config, overrides, seed)
+
+
+def tiny_pixart_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``PixArtTransformer2DModel`` (PixArt-alpha/sigma layout: ``ada_norm_single``, learned-sigma output).
+
+    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2; the sin-cos positions follow the input size),
+    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` and ``timestep`` ``[B]``.
+
+    >>> tiny_pixart_transformer().config.out_channels
+    8
+    """
+    from diffusers import PixArtTransformer2DModel
+
+    config = dict(
+        num_attention_heads=num_heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=8,
+        num_layers=num_layers,
+        cross_attention_dim=num_heads * head_dim,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=16,
+        use_additional_conditions=False,
+    )
+    return _build(PixArtTransformer2DModel, config, overrides, seed)
 
 
 def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):

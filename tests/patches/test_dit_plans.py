@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from test_dit_usp import (
+    CONTROLNET,
     PLANNED,
     _configs,
     _same,
@@ -54,12 +56,13 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
                 if isinstance(getattr(m, "processor", None), USPDispatchProcessor)
             ]
             state = stand_ins[0].state
-            x = kwargs[
-                name
-            ]  # packed [B, S, C], or a latent [B, C, F, H, W] with 1x2x2 patches (1x1x1: HV 1.5)
+            # packed [B, S, C], or a latent [B, C, H, W] / [B, C, F, H, W] (CogVideoX: [B, F, C, H, W]), 2x2
+            # patches (HunyuanVideo 1.5: 1x1x1)
+            x = kwargs[name]
+            frames = 1 if x.dim() == 4 else x.shape[1 if family == "cogvideox" else 2]
             patch = 1 if family == "hunyuanvideo15" else 4
             results[family] = {
-                "tokens": x.shape[1] if x.dim() == 3 else x.shape[2] * x.shape[3] * x.shape[4] // patch,
+                "tokens": x.shape[1] if x.dim() == 3 else frames * x.shape[-2] * x.shape[-1] // patch,
                 "valid_len": state.valid_len,
                 "local_len": state.local_len,
                 "calls": [p.calls for p in stand_ins],
@@ -67,34 +70,49 @@ def shard_cases(families: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
-def coexistence_case() -> dict[str, Any]:
-    """Two patched QwenImage models (Ulysses, Ring) and an unpatched one, interleaved; the last two compiled."""
+def coexistence_case(family: str) -> dict[str, Any]:
+    """Two patched models (Ulysses, Ring) and an unpatched one, interleaved; the last two compiled.
+
+    ``qwenimage_mask`` routes ``dispatch_attention_fn``; ``pixart`` routes ``F.scaled_dot_product_attention``
+    in its ``attn1`` only, while its ``attn2`` (and the unpatched model) run the same stock
+    ``AttnProcessor2_0`` code unrouted.
+    """
+    from diffusers.models import attention_processor
     from diffusers.models.transformers import transformer_qwenimage
 
+    def watched() -> tuple[Any, ...]:  # what a global patch of diffusers or torch would change
+        return (
+            transformer_qwenimage.dispatch_attention_fn,
+            attention_processor.F,
+            torch.nn.functional.scaled_dot_product_attention,
+        )
+
     world = dist.get_world_size()
-    dispatch = transformer_qwenimage.dispatch_attention_fn
-    models = [build("qwenimage_mask")[0] for _ in range(3)]
-    _, kwargs, _ = build("qwenimage_mask")
+    before = watched()
+    models = [build(family)[0] for _ in range(3)]
+    _, kwargs, _ = build(family)
     with torch.no_grad():
         refs = [m(**kwargs).sample for m in models]
         noise = rel_error(refs[0], to_fp64(models[0])(**to_fp64(kwargs)).sample)
-        unpatched_call = type(models[2].transformer_blocks[0].attn.processor).__call__
+        processor = next(m.processor for m in models[2].modules() if hasattr(m, "processor"))
+        unpatched_call = type(processor).__call__
         a = hfpatch.apply(models[0], parallel=ParallelConfig(ulysses=world))
         b = hfpatch.apply(models[1], parallel=ParallelConfig(ring=world))
         # Compiled, a patched model and the unpatched one run the same stock code object (and a copy of it).
         compiled, compiled_stock = (torch.compile(m, backend="eager") for m in models[1:])
         outs = [models[0](**kwargs).sample, compiled(**kwargs).sample, compiled_stock(**kwargs).sample]
         outs.append(models[0](**kwargs).sample)  # again, after the others ran
+        outs.append(compiled(**kwargs).sample)  # and the compiled patched one again (its cached frames)
         a.remove()
         b.remove()
         after = [m(**kwargs).sample for m in models]
     return {
-        "errors": [rel_error(o, r) for o, r in zip(outs, refs + refs[:1])],
+        "errors": [rel_error(o, r) for o, r in zip(outs, refs + refs[:2])],
         "noise": noise,
         "unpatched_bitwise": torch.equal(outs[2], refs[2]),
         "removed_bitwise": [torch.equal(o, r) for o, r in zip(after, refs)],
-        "globals_untouched": transformer_qwenimage.dispatch_attention_fn is dispatch
-        and type(models[2].transformer_blocks[0].attn.processor).__call__ is unpatched_call,
+        "globals_untouched": all(x is y for x, y in zip(watched(), before))
+        and type(processor).__call__ is unpatched_call,
     }
 
 
@@ -167,7 +185,7 @@ class _Custom:
 # ----------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_planned_usp_forward_every_class_and_layout_matches_unpatched(rank_pool, world):
-    cases = [(family, u, r) for family in PLANNED for u, r in _configs(world)]
+    cases = [(family, u, r) for family in PLANNED + CONTROLNET for u, r in _configs(world)]
     results = rank_pool(world).run(forward_cases, cases)
     for case in cases:
         for error, noise, _ in (rank_result[case] for rank_result in results):
@@ -200,14 +218,15 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
 
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
-    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuanvideo15"]
-    families += ["ltx2", "minimax_h3"]
+    families = ["qwenimage", "flux2", "ltx", "chronoedit", "wan_vace", "hunyuanvideo", "hunyuandit", "pixart"]
+    families += ["hunyuanvideo15", "ltx2", "minimax_h3"]
     results = rank_pool(2).run(lifecycle_cases, families)
-    # LTX, ChronoEdit: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2 blocks + 2 VACE blocks.
-    expected_swaps = {"qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2}
-    expected_swaps.update(
-        hunyuanvideo15=2, ltx2=4, minimax_h3=2
-    )  # LTX-2: attn1 and video_to_audio_attn of 2 blocks
+    # LTX, ChronoEdit, HunyuanDiT, PixArt: attn1 only (attn2 attends to the text/image); Wan VACE: attn1 of 2
+    # blocks + 2 VACE blocks; LTX-2: attn1 and video_to_audio_attn of 2 blocks.
+    expected_swaps = {
+        "qwenimage": 2, "flux2": 2, "ltx": 2, "chronoedit": 2, "wan_vace": 4, "hunyuanvideo": 2, "hunyuandit": 4,
+        "pixart": 2, "hunyuanvideo15": 2, "ltx2": 4, "minimax_h3": 2,
+    }  # fmt: skip
     for rank_result in results:
         for family, result in rank_result.items():
             assert result["identity"], family
@@ -218,15 +237,9 @@ def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(ra
 
 def test_planned_usp_attends_from_each_rank_shard(rank_pool):
     families = [
-        "qwenimage",
-        "flux2",
-        "ltx_tokens",
-        "chronoedit",
-        "wan_vace",
-        "hunyuanvideo",
-        "hunyuanvideo15",
-        "ltx2",
-    ]
+        "qwenimage", "flux2", "ltx_tokens", "chronoedit", "wan_vace", "hunyuanvideo", "flux", "sd35", "cogvideox",
+        "hunyuandit", "pixart", "hunyuanvideo15", "ltx2",
+    ]  # fmt: skip
     for world in (3,):
         for rank_result in rank_pool(world).run(shard_cases, families):
             for family, seen in rank_result.items():
@@ -242,18 +255,54 @@ def test_planned_usp_attends_from_each_rank_shard(rank_pool):
         ("hunyuanvideo", "encoder_attention_mask"),
         ("hunyuanvideo15", "encoder_attention_mask"),
         ("hunyuanvideo15", "encoder_attention_mask_2"),
+        ("hunyuandit", "text_embedding_mask_t5"),
+        ("pixart", "encoder_attention_mask"),
     ],
 )
 def test_planned_usp_text_mask_changes_the_stock_output(family, mask):
-    """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance."""
+    """The masked cases can fail: the mask moves the unpatched output by far more than any tolerance (and so
+    do the ControlNet residuals)."""
     model, masked, _ = build(family)
     unmasked = {**masked, mask: torch.ones_like(masked[mask])}
     with torch.no_grad():
         assert rel_error(model(**masked).sample, model(**unmasked).sample) > 1e-3
+        for controlled in CONTROLNET:
+            model, kwargs, _ = build(controlled)
+            plain = build(controlled.removesuffix("_cn"))[1]
+            assert rel_error(model(**kwargs).sample, model(**plain).sample) > 1e-3, controlled
 
 
-def test_planned_usp_two_patched_and_one_unpatched_model_share_a_process(rank_pool):
-    for result in rank_pool(2).run(coexistence_case):
+class _Branchy:
+    """A stock-like processor with a path that attends without ``F.scaled_dot_product_attention``."""
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, use_sdpa: bool = False) -> torch.Tensor:
+        if use_sdpa:
+            return F.scaled_dot_product_attention(hidden_states, hidden_states, hidden_states)
+        return hidden_states.softmax(-1)  # e.g. a hand-written kernel: local to the shard under USP
+
+
+def test_planned_usp_sdpa_route_is_per_object_and_refuses_unrouted_attention():
+    from hfpatch.patches.dit import USPSDPAProcessor, usp_dispatch_processor
+
+    stock = _Branchy()
+    stand_in = usp_dispatch_processor(stock, state=None, joint=None, where="blocks.0.attn1")
+    assert isinstance(stand_in, USPSDPAProcessor) and stand_in.stock is stock
+    with pytest.raises(RuntimeError, match="attended without F.scaled_dot_product_attention"):
+        stand_in(None, torch.ones(1, 1, 2, 4))
+    # The routed copy has its own globals and code object; the stock function and this module are untouched.
+    assert stand_in._call.__code__ is not _Branchy.__call__.__code__
+    assert stand_in._call.__globals__ is not globals() and F is torch.nn.functional
+    other = usp_dispatch_processor(_Branchy(), state=None, joint=None, where="blocks.1.attn1")
+    assert other._call.__code__ is not stand_in._call.__code__  # per stand-in: no cache entry shared
+    x = torch.randn(1, 1, 3, 4)
+    assert torch.equal(stock(None, x, use_sdpa=True), F.scaled_dot_product_attention(x, x, x))
+    with pytest.raises(ValueError, match="attends through neither"):
+        usp_dispatch_processor(object(), state=None, joint=None, where="x")
+
+
+@pytest.mark.parametrize("family", ["qwenimage_mask", "pixart"])
+def test_planned_usp_two_patched_and_one_unpatched_model_share_a_process(rank_pool, family):
+    for result in rank_pool(2).run(coexistence_case, family):
         assert result["globals_untouched"]
         assert result["unpatched_bitwise"]
         assert all(result["removed_bitwise"]), result["removed_bitwise"]
@@ -297,12 +346,16 @@ def test_planned_usp_support_table_names_plan_source_per_class():
     assert rows["QwenImageTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["LTXVideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["WanTransformer3DModel"] == "dit_usp (plan: hfpatch table)"
-    assert rows["FluxTransformer2DModel"] == "flux_usp (plan: hfpatch family module)"
+    assert rows["FluxTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
     for name in (
         "ChronoEditTransformer3DModel",
         "WanVACETransformer3DModel",
         "HunyuanVideoTransformer3DModel",
         "HunyuanVideo15Transformer3DModel",
+        "SD3Transformer2DModel",
+        "CogVideoXTransformer3DModel",
+        "HunyuanDiT2DModel",
+        "PixArtTransformer2DModel",
     ):
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
     assert rows["LTX2VideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"

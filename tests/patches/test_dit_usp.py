@@ -1,4 +1,4 @@
-"""Sequence-parallel DiT transformers (``hfpatch.patches.*_dit``) vs the unpatched stock models, gloo, fp32.
+"""Sequence-parallel DiT transformers (``hfpatch.patches.dit``) vs the unpatched stock models, gloo, fp32.
 
 Every rank builds the same tiny model and inputs from fixed seeds, runs the unpatched model (the
 reference), applies ``hfpatch.apply(model, parallel=ParallelConfig(ulysses=u, ring=r))`` and runs again.
@@ -29,8 +29,10 @@ from hfpatch.distributed.runtime import get_mesh
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
-#: Classes parallelised by the plan-driven family (hfpatch.patches.dit): diffusers' _cp_plan, translated
-#: (QwenImage, Flux.2, LTX-Video), or hfpatch's table plan (ChronoEdit, Wan VACE, HunyuanVideo).
+#: More classes of the plan-driven family (hfpatch.patches.dit; FAMILIES are too): diffusers' _cp_plan,
+#: translated (QwenImage, Flux.2, LTX-Video), or hfpatch's table plan (ChronoEdit, Wan VACE, HunyuanVideo,
+#: HunyuanDiT and PixArt: their stock processors attend by F.scaled_dot_product_attention, like SD3's and
+#: CogVideoX's).
 PLANNED = (
     "qwenimage",
     "qwenimage_mask",
@@ -43,7 +45,11 @@ PLANNED = (
     "hunyuanvideo15",
     "ltx2",
     "minimax_h3",
+    "hunyuandit",
+    "pixart",
 )
+#: ControlNet residuals cut with the tokens (and Flux.1's deprecated 3D ids): forward only.
+CONTROLNET = ("flux_cn", "sd35_cn", "hunyuandit_cn")
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -63,6 +69,26 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
     """
     from hfpatch import testing
 
+    if family.endswith("_cn"):  # ControlNet residuals (lists of [B, S, D], cut like the tokens)
+        model, kwargs, name = build(family.removesuffix("_cn"))
+        dim = model.config.num_attention_heads * model.config.attention_head_dim
+        batch, tokens = kwargs["hidden_states"].shape[0], 25
+
+        def residuals(n: int, seed: int) -> list[torch.Tensor]:
+            return [_randn(batch, tokens, dim, seed=seed + i) for i in range(n)]
+
+        if family == "flux_cn":  # and the deprecated 3D ids [B, S, 3]
+            kwargs.update(
+                img_ids=kwargs["img_ids"][None],
+                txt_ids=kwargs["txt_ids"][None],
+                controlnet_block_samples=residuals(1, 11),
+                controlnet_single_block_samples=residuals(1, 12),
+            )
+        elif family == "sd35_cn":  # qk-norm: tiny SD3 without it is too ill-conditioned for Ring at 10x noise
+            kwargs["block_controlnet_hidden_states"] = residuals(2, 11)
+        else:  # HunyuanDiT: one residual per long skip (block 3 of 4)
+            kwargs["controlnet_block_samples"] = residuals(1, 11)
+        return model, kwargs, name
     if family.endswith("_gc"):
         model, kwargs, name = build(family.removesuffix("_gc"))
         model.enable_gradient_checkpointing()
@@ -246,6 +272,30 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             text_indices=text_indices,
         )
         return model, kwargs, "hidden_states"
+    if family == "hunyuandit":  # 5 x 5 = 25 image tokens, batch 2, 2D rotary, padded CLIP and T5 text
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+        model = testing.tiny_hunyuandit_transformer()
+        rotary = get_2d_rotary_pos_embed(8, ((0, 0), (5, 5)), (5, 5), output_type="pt")
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 10, 10, seed=1),
+            timestep=torch.tensor([500.0, 20.0]),
+            encoder_hidden_states=_randn(2, 4, 16, seed=2),
+            text_embedding_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+            encoder_hidden_states_t5=_randn(2, 6, 16, seed=3),
+            text_embedding_mask_t5=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            image_rotary_emb=tuple(t.float() for t in rotary),
+        )
+        return model, kwargs, "hidden_states"
+    if family == "pixart":  # 5 x 5 = 25 image tokens, batch 2, cross-attention to a key-masked text
+        model = testing.tiny_pixart_transformer()
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 10, 10, seed=1),
+            encoder_hidden_states=_randn(2, 6, 16, seed=2),
+            encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+            timestep=torch.tensor([500, 20]),
+        )
+        return model, kwargs, "hidden_states"
     raise ValueError(family)
 
 
@@ -276,8 +326,9 @@ def forward_cases(
         model, kwargs, _ = build(family)
         with torch.no_grad():
             if family not in references:
-                model64, kwargs64 = _double(model, kwargs)
-                ref = _sample(model(**kwargs))
+                # Inputs of their own: HunyuanDiT's stock forward pops its ControlNet residuals off the list.
+                model64, kwargs64 = _double(model, build(family)[1])
+                ref = _sample(model(**build(family)[1]))
                 references[family] = (ref, rel_error(ref, _sample(model64(**kwargs64))))
             ref, noise = references[family]
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
@@ -399,21 +450,18 @@ def error_cases() -> dict[str, str]:
     """Errors raised before any collective (the same message on every rank)."""
     from diffusers import UNet2DModel
 
-    from hfpatch.patches.cogvideox_dit import CogVideoXTransformerUSP
     from hfpatch.patches.dit import PlannedDiTUSP
-    from hfpatch.patches.flux_dit import FluxTransformerUSP
-    from hfpatch.patches.sd3_dit import SD3TransformerUSP
     from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
 
     world = dist.get_world_size()
     registry = Registry()
-    for key, family in [
-        ("diffusers.WanTransformer3DModel", PlannedDiTUSP),
-        ("diffusers.FluxTransformer2DModel", FluxTransformerUSP),
-        ("diffusers.SD3Transformer2DModel", SD3TransformerUSP),
-        ("diffusers.CogVideoXTransformer3DModel", CogVideoXTransformerUSP),
-    ]:
-        registry.register(key, family)
+    for key in (
+        "diffusers.WanTransformer3DModel",
+        "diffusers.FluxTransformer2DModel",
+        "diffusers.SD3Transformer2DModel",
+        "diffusers.CogVideoXTransformer3DModel",
+    ):
+        registry.register(key, PlannedDiTUSP)
     messages: dict[str, str] = {}
 
     def expect(name: str, error: type[Exception], fn: Callable[[], Any]) -> None:
