@@ -442,16 +442,14 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
         per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
         shard = call.shard
-        rows = call.patches
+        rows, sliced = stage_rows(call)
         source, all_temb, all_rotary = hidden_states, temb, rotary_emb
         if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
-            rows = [(0, shard.rows)] if call.synchronous else shard.local_rows
             index_ = shard.local_index
             source = hidden_states.index_select(1, index_) if state.is_first else hidden_states
             all_temb = temb.index_select(1, index_) if per_token else temb
             if rotary_emb is not None:
                 all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
-        sliced = shard is not None or not call.synchronous  # a warm-up call alone runs the stock tensors
 
         def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
             start, end = rows[index]
@@ -482,12 +480,28 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         state.wait(sending, "PipeFusion send")
         if not state.is_last:
             return hidden_states  # placeholder: the model output comes from the last stage
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if shard is not None:  # the last stage's sp ranks gather the whole sequence for the output layers
-            out = all_gather(out, 1, state.sp_group).index_select(1, shard.global_rows)
-        return out
+        return gather_stage_output(state, call, outputs)
 
     return run_stage
+
+
+def stage_rows(call: _Call) -> tuple[list[tuple[int, int]], bool]:
+    """The row ranges a stage runs one after the other in ``call`` (the patches' tokens; with sequence
+    parallel, this rank's local rows: its shard of every patch, all at once when synchronous), and whether
+    they are slices (``False``: a synchronous call without sequence parallel runs the stock tensors)."""
+    shard = call.shard
+    if shard is None:
+        return call.patches, not call.synchronous
+    return ([(0, shard.rows)] if call.synchronous else shard.local_rows), True
+
+
+def gather_stage_output(state: PipeFusionState, call: _Call, outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The last stage's outputs of every row range, as the whole ``[B, tokens, C]`` sequence in token order:
+    concatenated, and with sequence parallel all-gathered over the stage's sp ranks (padding dropped)."""
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    if call.shard is not None:
+        out = all_gather(out, 1, state.sp_group).index_select(1, call.shard.global_rows)
+    return out
 
 
 def _passthrough(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
