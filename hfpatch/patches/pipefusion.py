@@ -679,15 +679,17 @@ class WanPipeFusion(PatchFamily):
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
         if mesh.config.pipefusion == 1:
             return
-        sp_groups = (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
-        apply_pipefusion(
-            target,
-            patch,
-            mesh.group("pipefusion"),
-            options,
-            sp_groups=sp_groups,
-            guard=mesh.group("pipefusion_sp"),
-        )
+        apply_pipefusion(target, patch, options=options, **stage_groups(mesh))
+
+
+def stage_groups(mesh: Any) -> dict[str, Any]:
+    """The process groups a PipeFusion install takes from the mesh: ``group`` (the stages), ``sp_groups``
+    (sequence parallel inside each stage) and ``guard`` (every rank of the pipeline: same call arguments)."""
+    return {
+        "group": mesh.group("pipefusion"),
+        "sp_groups": (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring")),
+        "guard": mesh.group("pipefusion_sp"),
+    }
 
 
 def apply_pipefusion(

@@ -74,6 +74,7 @@ from .pipefusion import (
     install_model_hooks,
     release_other_blocks,
     sequence_parallel_attention,
+    stage_groups,
     stage_rows,
     wrap_stage_blocks,
 )
@@ -369,15 +370,7 @@ class FluxPipeFusion(PatchFamily):
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
         if mesh.config.pipefusion == 1:
             return
-        sp_groups = (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
-        apply_flux_pipefusion(
-            target,
-            patch,
-            mesh.group("pipefusion"),
-            options,
-            sp_groups=sp_groups,
-            guard=mesh.group("pipefusion_sp"),
-        )
+        apply_flux_pipefusion(target, patch, options=options, **stage_groups(mesh))
 
 
 def apply_flux_pipefusion(
