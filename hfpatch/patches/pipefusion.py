@@ -43,7 +43,8 @@ rank runs its shard of every patch and hands it to the same sp rank of the next 
 its ring block of every patch, Ring passes of that buffer, the inverse all-to-all (xDiT: its long-context
 attention with a per-patch K/V cache). Sequence parallel is exact: the output equals PipeFusion alone. The
 last stage's sp ranks all-gather the sequence for the output layers. (The sequence-parallel families stand
-aside when ``pipefusion > 1``: this one runs the sequence parallelism.)
+aside when ``pipefusion > 1``: this one runs the sequence parallelism.) Flux shards its joint ``[text, image]``
+patches the same way (:mod:`hfpatch.patches.pipefusion_flux`).
 
 Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
 the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
@@ -623,7 +624,8 @@ def check_pipefusion_options(
     if config.sequence_parallel > 1 and not sequence_parallel:
         raise ValueError(
             f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported for {name} "
-            "yet (it is for WanTransformer3DModel); combine PipeFusion with cfg=2 or data=N, or use "
+            "yet (it is for WanTransformer3DModel and FluxTransformer2DModel); combine PipeFusion with cfg=2 or "
+            "data=N, or use "
             "ulysses/ring without PipeFusion"
         )
     if target.training:

@@ -41,6 +41,19 @@ and hand-off bytes per call equal the synchronous ones (``[B, T + S, C]`` per st
 pipeline refuses its asynchronous PipeFusion loop, "Async pipeline not supported in flux", and runs Flux with
 the stages synchronous only.)
 
+**With Ulysses/Ring** (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, as for Wan: each stage is the ``U x R``
+ranks of an sp group, each rank runs its shard of every patch and hands it to the same sp rank of the next
+stage). Each patch of the joint sequence is padded at its end to a multiple of ``U x R`` and cut into equal
+shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout` over the ``T + S`` tokens). A shard is
+a contiguous run of the joint sequence (padding repeats the patch's last token), so it is its text rows then
+its image rows: the stage runner splits it at its text count into the dual-stream blocks' two inputs (either
+part may be empty), the rotary table is cut by the same rows, and the joint attention goes through the shared
+:func:`~hfpatch.patches.pipefusion.sequence_parallel_attention` (the K/V buffer sharded by ring block and
+head, padding keys masked out). Sequence parallel is exact: the output equals Flux PipeFusion alone up to
+reassociation. The last stage's sp ranks all-gather the joint sequence and return its text and image parts.
+(Alternatives weighed: sharding a patch's text and image parts separately, each padded, gives the same
+exactness with more padding; replicating the text over the sp ranks costs the text compute ``U x R`` times.)
+
 Refused before any communication: ControlNet residuals (added between blocks, possibly on another stage), an
 ``attention_mask`` in ``joint_attention_kwargs``, and non-stock attention processors (IP-Adapter) at apply.
 
