@@ -43,7 +43,8 @@ rank runs its shard of every patch and hands it to the same sp rank of the next 
 its ring block of every patch, Ring passes of that buffer, the inverse all-to-all (xDiT: its long-context
 attention with a per-patch K/V cache). Sequence parallel is exact: the output equals PipeFusion alone. The
 last stage's sp ranks all-gather the sequence for the output layers. (The sequence-parallel families stand
-aside when ``pipefusion > 1``: this one runs the sequence parallelism.)
+aside when ``pipefusion > 1``: this one runs the sequence parallelism.) Flux shards its joint ``[text, image]``
+patches the same way (:mod:`hfpatch.patches.pipefusion_flux`).
 
 Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
 the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
@@ -442,16 +443,14 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
         per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
         shard = call.shard
-        rows = call.patches
+        rows, sliced = stage_rows(call)
         source, all_temb, all_rotary = hidden_states, temb, rotary_emb
         if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
-            rows = [(0, shard.rows)] if call.synchronous else shard.local_rows
             index_ = shard.local_index
             source = hidden_states.index_select(1, index_) if state.is_first else hidden_states
             all_temb = temb.index_select(1, index_) if per_token else temb
             if rotary_emb is not None:
                 all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
-        sliced = shard is not None or not call.synchronous  # a warm-up call alone runs the stock tensors
 
         def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
             start, end = rows[index]
@@ -482,12 +481,28 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
         state.wait(sending, "PipeFusion send")
         if not state.is_last:
             return hidden_states  # placeholder: the model output comes from the last stage
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if shard is not None:  # the last stage's sp ranks gather the whole sequence for the output layers
-            out = all_gather(out, 1, state.sp_group).index_select(1, shard.global_rows)
-        return out
+        return gather_stage_output(state, call, outputs)
 
     return run_stage
+
+
+def stage_rows(call: _Call) -> tuple[list[tuple[int, int]], bool]:
+    """The row ranges a stage runs one after the other in ``call`` (the patches' tokens; with sequence
+    parallel, this rank's local rows: its shard of every patch, all at once when synchronous), and whether
+    they are slices (``False``: a synchronous call without sequence parallel runs the stock tensors)."""
+    shard = call.shard
+    if shard is None:
+        return call.patches, not call.synchronous
+    return ([(0, shard.rows)] if call.synchronous else shard.local_rows), True
+
+
+def gather_stage_output(state: PipeFusionState, call: _Call, outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The last stage's outputs of every row range, as the whole ``[B, tokens, C]`` sequence in token order:
+    concatenated, and with sequence parallel all-gathered over the stage's sp ranks (padding dropped)."""
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    if call.shard is not None:
+        out = all_gather(out, 1, state.sp_group).index_select(1, call.shard.global_rows)
+    return out
 
 
 def _passthrough(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -609,7 +624,8 @@ def check_pipefusion_options(
     if config.sequence_parallel > 1 and not sequence_parallel:
         raise ValueError(
             f"pipefusion={stages} with ulysses={config.ulysses}, ring={config.ring} is not supported for {name} "
-            "yet (it is for WanTransformer3DModel); combine PipeFusion with cfg=2 or data=N, or use "
+            "yet (it is for WanTransformer3DModel and FluxTransformer2DModel); combine PipeFusion with cfg=2 or "
+            "data=N, or use "
             "ulysses/ring without PipeFusion"
         )
     if target.training:
@@ -665,15 +681,17 @@ class WanPipeFusion(PatchFamily):
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
         if mesh.config.pipefusion == 1:
             return
-        sp_groups = (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
-        apply_pipefusion(
-            target,
-            patch,
-            mesh.group("pipefusion"),
-            options,
-            sp_groups=sp_groups,
-            guard=mesh.group("pipefusion_sp"),
-        )
+        apply_pipefusion(target, patch, options=options, **stage_groups(mesh))
+
+
+def stage_groups(mesh: Any) -> dict[str, Any]:
+    """The process groups a PipeFusion install takes from the mesh: ``group`` (the stages), ``sp_groups``
+    (sequence parallel inside each stage) and ``guard`` (every rank of the pipeline: same call arguments)."""
+    return {
+        "group": mesh.group("pipefusion"),
+        "sp_groups": (mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring")),
+        "guard": mesh.group("pipefusion_sp"),
+    }
 
 
 def apply_pipefusion(

@@ -41,6 +41,19 @@ and hand-off bytes per call equal the synchronous ones (``[B, T + S, C]`` per st
 pipeline refuses its asynchronous PipeFusion loop, "Async pipeline not supported in flux", and runs Flux with
 the stages synchronous only.)
 
+**With Ulysses/Ring** (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, as for Wan: each stage is the ``U x R``
+ranks of an sp group, each rank runs its shard of every patch and hands it to the same sp rank of the next
+stage). Each patch of the joint sequence is padded at its end to a multiple of ``U x R`` and cut into equal
+shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout` over the ``T + S`` tokens). A shard is
+a contiguous run of the joint sequence (padding repeats the patch's last token), so it is its text rows then
+its image rows: the stage runner splits it at its text count into the dual-stream blocks' two inputs (either
+part may be empty), the rotary table is cut by the same rows, and the joint attention goes through the shared
+:func:`~hfpatch.patches.pipefusion.sequence_parallel_attention` (the K/V buffer sharded by ring block and
+head, padding keys masked out). Sequence parallel is exact: the output equals Flux PipeFusion alone up to
+reassociation. The last stage's sp ranks all-gather the joint sequence and return its text and image parts.
+(Alternatives weighed: sharding a patch's text and image parts separately, each padded, gives the same
+exactness with more padding; replicating the text over the sp ranks costs the text compute ``U x R`` times.)
+
 Refused before any communication: ControlNet residuals (added between blocks, possibly on another stage), an
 ``attention_mask`` in ``joint_attention_kwargs``, and non-stock attention processors (IP-Adapter) at apply.
 
@@ -52,7 +65,8 @@ Refused before any communication: ControlNet residuals (added between blocks, po
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -69,8 +83,12 @@ from .pipefusion import (
     PipeFusionState,
     _spans,
     check_pipefusion_options,
+    gather_stage_output,
     install_model_hooks,
     release_other_blocks,
+    sequence_parallel_attention,
+    stage_groups,
+    stage_rows,
     wrap_stage_blocks,
 )
 
@@ -168,22 +186,24 @@ class PipeFusionFluxAttnProcessor:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
 
-        if call.synchronous:
-            call.stream.kv[self.layer] = [key, value]
+        if call.shard is not None:  # sequence parallel in the stage: this rank's joint rows, text first
+            hidden = sequence_parallel_attention(self.state, call, self.layer, query, key, value)
         else:
-            buffer = call.stream.kv.get(self.layer)
-            start, end = call.current
-            if buffer is None or buffer[0].shape[1] < end or key.shape[1] != end - start:
-                raise RuntimeError(
-                    f"PipeFusion: no K/V buffer for Flux block {self.layer} (warm-up skipped?)"
-                )
-            buffer[0][:, start:end] = key
-            buffer[1][:, start:end] = value
-            key, value = buffer
-
-        hidden = dispatch_attention_fn(
-            query, key, value, attn_mask=None, backend=self._attention_backend, parallel_config=None
-        )
+            if call.synchronous:
+                call.stream.kv[self.layer] = [key, value]
+            else:
+                buffer = call.stream.kv.get(self.layer)
+                start, end = call.current
+                if buffer is None or buffer[0].shape[1] < end or key.shape[1] != end - start:
+                    raise RuntimeError(
+                        f"PipeFusion: no K/V buffer for Flux block {self.layer} (warm-up skipped?)"
+                    )
+                buffer[0][:, start:end] = key
+                buffer[1][:, start:end] = value
+                key, value = buffer
+            hidden = dispatch_attention_fn(
+                query, key, value, attn_mask=None, backend=self._attention_backend, parallel_config=None
+            )
         hidden = hidden.flatten(2, 3)
         hidden = hidden.to(query.dtype)
         if encoder_hidden_states is not None:
@@ -208,6 +228,15 @@ def _slice_rotary(rotary: Any, start: int, end: int) -> Any:
     return rotary[start:end]
 
 
+def _select_rotary(rotary: Any, index: torch.Tensor) -> Any:
+    """The rotary table's rows of the joint tokens ``index`` (this rank's local rows)."""
+    if rotary is None:
+        return None
+    if isinstance(rotary, (tuple, list)):
+        return type(rotary)(r.index_select(0, index) for r in rotary)
+    return rotary.index_select(0, index)
+
+
 def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]]) -> Callable[..., Any]:
     """Replacement ``forward`` of the first block (``transformer_blocks[0]``): runs this rank's stage
     (``blocks``: the stock forwards of its blocks, of either type) for the whole call, patch by patch over the
@@ -226,29 +255,43 @@ def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]])
             raise RuntimeError(f"{state.name} blocks ran outside a PipeFusion call of the model")
         text = encoder_hidden_states.shape[1]
         batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
+        rows, sliced = stage_rows(call)
+        shard = call.shard
+        # the joint token of every row (sorted: a run of rows is its text rows, then its image rows)
+        joint: Sequence[int] = range(text + hidden_states.shape[1])
+        all_rotary, source = image_rotary_emb, None
+        if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
+            joint = shard.layout.local_index
+            all_rotary = _select_rotary(image_rotary_emb, shard.local_index)
+            if state.is_first:
+                source = torch.cat([encoder_hidden_states, hidden_states], dim=1).index_select(
+                    1, shard.local_index
+                )
         texts: list[torch.Tensor] = []
         images: list[torch.Tensor] = []
         sending: list[dist.Work] = []
 
         def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
-            start, end = call.patches[index]
+            start, end = rows[index]
             buffer = hidden_states.new_empty((batch, end - start, channels))
             return buffer, state.recv(buffer, state.stage - 1)
 
         pending = post_recv(0) if not state.is_first else None
-        for index, (start, end) in enumerate(call.patches):
-            own_text = max(0, min(end, text) - start)  # text tokens of this patch: the joint sequence's head
-            if state.is_first:
+        for index, (start, end) in enumerate(rows):
+            own_text = bisect_left(joint, text, start, end) - start  # text rows of this run: its head
+            if source is not None:
+                txt, img = source[:, start : start + own_text], source[:, start + own_text : end]
+            elif state.is_first:
                 txt = encoder_hidden_states[:, start : start + own_text]
                 img = hidden_states[:, max(start, text) - text : max(end, text) - text]
             else:
                 received, works = pending
-                if index + 1 < len(call.patches):  # the next patch arrives while this one computes
+                if index + 1 < len(rows):  # the next patch arrives while this one computes
                     pending = post_recv(index + 1)
                 state.wait(works, "PipeFusion receive")
                 txt, img = received[:, :own_text], received[:, own_text:]
-            rotary = image_rotary_emb if call.synchronous else _slice_rotary(image_rotary_emb, start, end)
-            call.current = (start, end)
+            rotary = _slice_rotary(all_rotary, start, end) if sliced else all_rotary
+            call.current, call.index = (start, end), index
             for block in blocks:
                 txt, img = block(
                     hidden_states=img,
@@ -266,6 +309,9 @@ def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]])
         state.wait(sending, "PipeFusion send")
         if not state.is_last:
             return encoder_hidden_states, hidden_states  # placeholders: the output comes from the last stage
+        if shard is not None:  # the last stage's sp ranks gather the joint sequence for the output layers
+            out = gather_stage_output(state, call, [torch.cat(pair, dim=1) for pair in zip(texts, images)])
+            return out[:, :text], out[:, text:]
         if len(images) == 1:
             return texts[0], images[0]
         return torch.cat(texts, dim=1), torch.cat(images, dim=1)
@@ -315,7 +361,9 @@ class FluxPipeFusion(PatchFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         name = type(target).__name__
-        if not check_pipefusion_options(target, config, options, len(flux_blocks(target)), name):
+        if not check_pipefusion_options(
+            target, config, options, len(flux_blocks(target)), name, sequence_parallel=True
+        ):
             return
         dual = len(target.transformer_blocks)
         for index, block in enumerate(flux_blocks(target)):
@@ -335,7 +383,7 @@ class FluxPipeFusion(PatchFamily):
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
         if mesh.config.pipefusion == 1:
             return
-        apply_flux_pipefusion(target, patch, mesh.group("pipefusion"), options)
+        apply_flux_pipefusion(target, patch, options=options, **stage_groups(mesh))
 
 
 def apply_flux_pipefusion(
@@ -344,9 +392,12 @@ def apply_flux_pipefusion(
     group: Any,
     options: dict[str, Any],
     stages: list[tuple[int, int]] | None = None,
+    sp_groups: tuple[Any, Any, Any] = (None, None, None),
+    guard: Any = None,
 ) -> PipeFusionState:
     """Install PipeFusion on a ``FluxTransformer2DModel`` through ``patch`` (what :class:`FluxPipeFusion` does);
-    ``group=None`` is the one-process simulation, as in :func:`hfpatch.patches.pipefusion.apply_pipefusion`.
+    ``group=None`` is the one-process simulation; ``sp_groups`` and ``guard`` as in
+    :func:`hfpatch.patches.pipefusion.apply_pipefusion`.
 
     >>> import torch
     >>> from hfpatch.core.patch import Patch
@@ -371,10 +422,11 @@ def apply_flux_pipefusion(
         counts = options["pipefusion_blocks"] if world > 1 else None
         stages = stage_ranges(len(blocks), world, counts, weights=[block_bytes(b) for b in blocks])
     state = PipeFusionState(
-        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name
+        group, stages, options["pipefusion_patches"] or world, options["pipefusion_warmup"], name, sp_groups
     )
-    if options["check_inputs"] and group is not None:
-        install_call_guard(patch, target, group, f"{name}.forward (PipeFusion stages)")
+    guard = group if guard is None else guard
+    if options["check_inputs"] and guard is not None:
+        install_call_guard(patch, target, guard, f"{name}.forward (PipeFusion stages)")
     own = range(state.first, state.end)
     stage_blocks: list[Callable[..., Any]] = []  # the stock forwards of this stage's blocks
     wrap_stage_blocks(patch, blocks, own, _flux_stage_runner(state, stage_blocks), _passthrough, stage_blocks)

@@ -157,28 +157,40 @@ def _approx_case(parallel: ParallelConfig, patches: int = 4, warmup: int = 1) ->
     }
 
 
-def _sp_rows(patches: int, sp: int) -> int:
+def _sp_rows(patches: int, sp: int, tokens: int = TOKENS) -> int:
     """Tokens a rank of a stage's ``sp`` ranks holds: its (padded) shard of every patch."""
-    return sum(-(-(end - start) // sp) for start, end in patch_ranges(TOKENS, patches))
+    return sum(-(-(end - start) // sp) for start, end in patch_ranges(tokens, patches))
 
 
-def _sp_case(parallel: ParallelConfig, patches: int, warmup: int = STEPS) -> dict[str, Any]:
-    """PipeFusion x sequence parallel: against the unpatched output (warm-up = every step: exact) and
-    against PipeFusion alone, the one-process simulation at the same ``M`` and warm-up (sequence parallel is
-    exact, so the two must agree up to reassociation). Hand-off bytes: each sp rank's shard of each patch."""
-    pipe = _pipe()
-    reference, noise = _reference(pipe)
+def _sp_case(
+    parallel: ParallelConfig, patches: int, warmup: int | None = None, flux: bool = False
+) -> dict[str, Any]:
+    """PipeFusion x sequence parallel (Wan, or Flux with ``flux``): against the unpatched output (warm-up =
+    every step: exact) and against PipeFusion alone, the one-process simulation at the same ``M`` and warm-up
+    (sequence parallel is exact, so the two must agree up to reassociation). Hand-off bytes: each sp rank's
+    (padded) shard of each patch (Flux: of the joint ``[text, image]`` sequence)."""
+    steps = FLUX_STEPS if flux else STEPS
+    warmup = steps if warmup is None else warmup
+    pipe, run = (_flux_pipe(), _flux_run) if flux else (_pipe(), _run)
+    if flux:
+        reference = run(pipe)
+        noise = rounding_noise(reference, run(to_fp64(pipe)))
+    else:
+        reference, noise = _reference(pipe)
     patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
     with count_comm() as counter:
-        out = _run(pipe)
+        out = run(pipe)
     state = pipe.transformer._hfpatch_pipefusion
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patch.remove()
-    simulated = _simulated(patches, warmup) if warmup < STEPS else reference
-    calls = 2 * STEPS // parallel.cfg  # cond and uncond, or one of them per cfg rank
-    sp = parallel.ring * parallel.ulysses
-    hidden = calls * _sp_rows(patches, sp) * CHANNELS * 4
+    simulated = (_flux_simulated if flux else _simulated)(patches, warmup) if warmup < steps else reference
+    streams = 1 if flux else 2 // parallel.cfg  # Wan: cond and uncond, or one of them per cfg rank
+    tokens, width, output = (
+        (FLUX_TEXT + FLUX_IMAGE, FLUX_WIDTH, FLUX_IMAGE * FLUX_OUT) if flux else (TOKENS, CHANNELS, OUT_NUMEL)
+    )
+    hidden = streams * steps * _sp_rows(patches, parallel.ring * parallel.ulysses, tokens) * width * 4
+    output = (state.world - 1) * streams * steps * output * 4
     return {
         "diff": rel_error(out, reference),
         "vs_pipefusion": rel_error(out, simulated),
@@ -186,11 +198,11 @@ def _sp_case(parallel: ParallelConfig, patches: int, warmup: int = STEPS) -> dic
         "tol": reassociation_tol(noise),
         "handoff_bytes": counter.by_op.get("pipefusion", 0),
         "output_bytes": counter.by_op.get("pipefusion_output", 0),
-        "analytic": (0, (state.world - 1) * calls * OUT_NUMEL * 4) if state.is_last else (hidden, 0),
+        "analytic": (0, output) if state.is_last else (hidden, 0),
         "handoffs": counter.calls.get("pipefusion", 0),
         "ops": dict(counter.by_op),
         "stage": (state.stage, state.sp_index),
-        "streams": 2 // parallel.cfg,
+        "streams": streams,
     }
 
 
@@ -201,7 +213,6 @@ def _sp_error_cases() -> dict[str, str]:
     one_head.transformer = tiny_wan_transformer(num_heads=1, head_dim=32, num_layers=LAYERS)
     results = {
         "heads": _errors(lambda: hfpatch.apply(one_head, pf_u2)),
-        "flux": _errors(lambda: hfpatch.apply(_flux_pipe(), pf_u2)),
         "sd3": _errors(lambda: hfpatch.apply(tiny_sd3_pipe(), pf_u2)),
     }
     pipe = _pipe()
@@ -544,20 +555,27 @@ def _cases_three_ranks() -> dict[str, Any]:
 
 def _cases_four_ranks() -> dict[str, Any]:
     cfg_pf = ParallelConfig(cfg=2, pipefusion=2, vae=1)
+    pf_u2, pf_r2 = ParallelConfig(pipefusion=2, ulysses=2, vae=1), ParallelConfig(pipefusion=2, ring=2, vae=1)
     return {
         "exact_p4": _exact_case(ParallelConfig(pipefusion=4, vae=1)),
         "exact_cfg_pf": _exact_case(cfg_pf),
         "exact_data_pf": _exact_case(ParallelConfig(data=2, pipefusion=2, vae=1), per_prompt=2),
         "approx_cfg_pf": _approx_case(cfg_pf),
-        "pf_ulysses_exact": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=2),
-        "pf_ulysses_exact_uneven": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=3),
-        "pf_ring_exact_uneven": _sp_case(ParallelConfig(pipefusion=2, ring=2, vae=1), patches=3),
-        "pf_ulysses_approx": _sp_case(ParallelConfig(pipefusion=2, ulysses=2, vae=1), patches=4, warmup=1),
-        "pf_ring_approx": _sp_case(ParallelConfig(pipefusion=2, ring=2, vae=1), patches=3, warmup=1),
+        "pf_ulysses_exact": _sp_case(pf_u2, patches=2),
+        "pf_ulysses_exact_uneven": _sp_case(pf_u2, patches=3),
+        "pf_ring_exact_uneven": _sp_case(pf_r2, patches=3),
+        "pf_ulysses_approx": _sp_case(pf_u2, patches=4, warmup=1),
+        "pf_ring_approx": _sp_case(pf_r2, patches=3, warmup=1),
         "sp_errors": _sp_error_cases(),
         "flux_exact_p4": _flux_exact_case(ParallelConfig(pipefusion=4, vae=1)),
         "flux_exact_cfg_pf": _flux_exact_case(cfg_pf, guide=True),
         "flux_approx_cfg_pf": _flux_approx_case(cfg_pf, patches=4, warmup=1, guide=True),
+        # joint sequence of 24 tokens (8 text): M=5 -> 5, 5, 5, 5, 4 (odd patches padded per sp shard), M=4 ->
+        # 6 each (patch 1 = 2 text + 4 image: sp shard 0 holds text and image rows)
+        "flux_pf_ulysses_exact": _sp_case(pf_u2, patches=5, flux=True),
+        "flux_pf_ring_exact": _sp_case(pf_r2, patches=4, flux=True),
+        "flux_pf_ulysses_approx": _sp_case(pf_u2, patches=4, warmup=1, flux=True),
+        "flux_pf_ring_approx": _sp_case(pf_r2, patches=5, warmup=1, flux=True),
     }
 
 
@@ -788,7 +806,6 @@ def test_pipefusion_bad_configurations_raise_on_every_rank(two, four):
         assert result["errors"]["after_errors_exact"], rank
     sp_expected = {
         "heads": "ValueError: ulysses=2 exceeds the 1 attention heads of WanPipeline",
-        "flux": "ValueError: pipefusion=2 with ulysses=2, ring=1 is not supported for FluxTransformer2DModel",
         "sd3": "ValueError: pipefusion=2 splits a transformer's blocks, but StableDiffusion3Pipeline has no "
         "transformer that hfpatch's PipeFusion supports",
         "patches_over_tokens": "ValueError: pipefusion_patches=9 does not fit a sequence of 8 tokens",
@@ -810,6 +827,32 @@ def test_pipefusion_releases_other_stages_weights_and_remove_warns(two):
 
 
 # ----------------------------------------------------------------------------------------------- Flux
+@pytest.mark.parametrize(
+    ("case", "patches", "warmup"),
+    [
+        ("flux_pf_ulysses_exact", 5, FLUX_STEPS),
+        ("flux_pf_ring_exact", 4, FLUX_STEPS),
+        ("flux_pf_ulysses_approx", 4, 1),
+        ("flux_pf_ring_approx", 5, 1),
+    ],
+)
+def test_flux_pipefusion_x_sequence_parallel(four, case, patches, warmup):
+    """Flux pipefusion=2 x ulysses=2 / ring=2 (world 4): every patch of the joint [text, image] sequence is cut
+    into sp shards, each its text rows then its image rows (M=5: patches of 5 tokens, padded to 6; M=4: a
+    shard of text and image rows). Warm-up every step equals unpatched; pipelined (warm-up 1) equals Flux
+    PipeFusion alone at the same M and warm-up. Hand-off: each sp rank's padded shard of every patch."""
+    assert [r[case]["stage"] for r in four] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, result in enumerate(four):
+        r = result[case]
+        if warmup == FLUX_STEPS:
+            assert r["diff"] <= r["tol"], (rank, r)
+        else:
+            assert r["vs_pipefusion"] <= r["tol"] and r["max_abs"] > 0.0, (rank, r)
+        if r["stage"][0] == 0:  # one hand-off per patch per pipelined call, one per warm-up call
+            assert r["handoffs"] == warmup + (FLUX_STEPS - warmup) * patches, (rank, r)
+        assert (r["handoff_bytes"], r["output_bytes"]) == r["analytic"], (rank, r)
+
+
 def test_flux_simulation_warmup_every_step_equals_unpatched():
     assert torch.equal(_flux_simulated(patches=4, warmup=FLUX_STEPS), _flux_run(_flux_pipe()))
 
