@@ -158,16 +158,16 @@ def _transformers(pipe: Any) -> list[torch.nn.Module]:
 
 
 def _batches_cfg(pipe: Any) -> bool:
-    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it defines
-    ``do_classifier_free_guidance`` and its ``__call__`` builds ``torch.cat([latents] * 2)`` and makes no
-    ``cache_context("uncond")`` call (a read of its source: 75 stock diffusers pipelines match)."""
-    if not hasattr(type(pipe), "do_classifier_free_guidance"):
-        return False
+    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it has
+    ``do_classifier_free_guidance`` (a property, or a local of ``__call__`` as in PixArt) and its ``__call__``
+    builds ``torch.cat([latents] * 2)`` and makes no ``cache_context("uncond")`` call (a read of its source).
+    Only the plan depends on it: the calls themselves are checked when they come (``mode="generic"``)."""
     try:
         source = inspect.getsource(type(pipe).__call__)
     except (OSError, TypeError):  # no source (compiled, interactive): not recognised
         return False
-    return "[latents] * 2" in source and 'cache_context("uncond")' not in source
+    guides = hasattr(type(pipe), "do_classifier_free_guidance") or "do_classifier_free_guidance" in source
+    return guides and "[latents] * 2" in source and 'cache_context("uncond")' not in source
 
 
 def _cfg_mode(pipe: Any) -> str:

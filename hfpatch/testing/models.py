@@ -35,6 +35,7 @@ __all__ = [
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_minimax_h3_transformer",
+    "tiny_pixart_pipe",
     "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
@@ -814,6 +815,40 @@ def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
         text_encoder=None,
         tokenizer=None,
         transformer=tiny_ltx_transformer(seed=seed, **transformer_overrides),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_pixart_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``PixArtAlphaPipeline`` (batched CFG) from tiny parts, without text encoder: call it with
+    ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, their negatives and
+    ``negative_prompt=None``; ``height``/``width`` multiples of 8 (the VAE's spatial factor is 4: 40 x 40 gives
+    5 x 5 tokens of 2 x 2 latent patches) and ``use_resolution_binning=False``.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_pixart_pipe
+    >>> out = tiny_pixart_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4),
+    ...     negative_prompt=None, negative_prompt_embeds=torch.zeros(1, 4, 16),
+    ...     negative_prompt_attention_mask=torch.ones(1, 4), height=40, width=40, num_inference_steps=2,
+    ...     use_resolution_binning=False, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (1, 3, 40, 40)
+    """
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline
+
+    vae = tiny_autoencoder_kl(
+        seed=seed,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 8, 16),
+    )
+    pipe = PixArtAlphaPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        transformer=tiny_pixart_transformer(seed=seed, **transformer_overrides),
+        scheduler=DPMSolverMultistepScheduler(),
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

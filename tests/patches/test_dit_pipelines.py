@@ -16,6 +16,9 @@ same shards and run the same scheduler steps).
   (each cfg rank computes one half of the ``[uncond, cond]`` batch); ``ParallelConfig(cfg=2, ring=2)`` at world
   4 for Ring inside CFG. Latents compared (the tiny random VAE saturates most pixels, which would hide
   differences).
+* ``PixArtAlphaPipeline`` (batched CFG found from its ``__call__`` source, no table entry; SDPA-routed
+  self-attention, cross-attention to a key-masked text): ``parallel=N`` plans CFG 2 x Ulysses N/2,
+  ``ParallelConfig(cfg=2, ring=2)`` at world 4. Latents compared.
 * ``HunyuanVideoPipeline`` (true CFG with a negative prompt, two calls per step; text joined behind the video
   tokens, padded prompts masked): as QwenImage, ``parallel=N`` (Ulysses N) and ``cfg=2`` x Ulysses N/2. Latents
   compared.
@@ -34,7 +37,7 @@ import torch.distributed as dist
 import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.attention.layout import shard_len
-from hfpatch.testing import tiny_hunyuanvideo_pipe, tiny_ltx_pipe, tiny_qwenimage_pipe
+from hfpatch.testing import tiny_hunyuanvideo_pipe, tiny_ltx_pipe, tiny_pixart_pipe, tiny_qwenimage_pipe
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 
@@ -100,14 +103,39 @@ def _hunyuan(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     ).frames  # fmt: skip
 
 
+def _pixart_inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return {
+        "prompt_embeds": torch.randn(1, 6, 16, generator=gen),
+        "prompt_attention_mask": torch.tensor(
+            [[1, 1, 1, 1, 0, 0]]
+        ),  # padded prompt: cross-attention key mask
+        "negative_prompt_embeds": torch.randn(1, 6, 16, generator=gen),
+        "negative_prompt_attention_mask": torch.tensor([[1, 1, 0, 0, 0, 0]]),
+        "latents": torch.randn(1, 4, 10, 10, generator=gen),  # 40 x 40 pixels: 5 x 5 tokens of 2 x 2 patches
+    }
+
+
+def _pixart(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if pipe.transformer.dtype == torch.float64:
+        inputs = to_fp64(inputs)
+    return pipe(
+        **inputs, negative_prompt=None, guidance_scale=4.5, height=40, width=40, num_inference_steps=3,
+        use_resolution_binning=False, output_type="latent",
+    ).images  # fmt: skip
+
+
 #: name -> (pipeline builder, inputs, run)
 PIPES = {
     "qwenimage": (tiny_qwenimage_pipe, _qwen_inputs, _qwen),
     "ltx": (tiny_ltx_pipe, _ltx_inputs, _ltx),
     "hunyuanvideo": (tiny_hunyuanvideo_pipe, _hunyuan_inputs, _hunyuan),
+    "pixart": (tiny_pixart_pipe, _pixart_inputs, _pixart),
 }
 #: Pipelines with two transformer calls per step (true CFG): cfg=2 puts them on different ranks, bit-exact.
 TWO_CALL = ("qwenimage", "hunyuanvideo")
+#: Pipelines that batch [uncond, cond] in one call: cfg=2 splits the batch (PixArt: no table entry, its source).
+BATCHED = ("ltx", "pixart")
 
 
 def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
@@ -121,6 +149,7 @@ def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
             ParallelConfig(cfg=2, ulysses=half, vae=world),
         ),
         f"ltx parallel={world}": ("ltx", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
+        f"pixart parallel={world}": ("pixart", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
         f"hunyuanvideo parallel={world}": ("hunyuanvideo", world, ParallelConfig(ulysses=world, vae=world)),
         f"hunyuanvideo cfg=2 ulysses={half}": (
             "hunyuanvideo",
@@ -131,6 +160,11 @@ def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
     if world == 4:
         cases["ltx cfg=2 ring=2"] = (
             "ltx",
+            ParallelConfig(cfg=2, ring=2),
+            ParallelConfig(cfg=2, ring=2, vae=4),
+        )
+        cases["pixart cfg=2 ring=2"] = (
+            "pixart",
             ParallelConfig(cfg=2, ring=2),
             ParallelConfig(cfg=2, ring=2, vae=4),
         )
@@ -200,7 +234,7 @@ def test_dit_pipelines_every_rank_equals_unpatched(rank_pool, world):
             # USP really ran where the plan has a sequence degree (2 attention modules per tiny transformer).
             assert result["usp_swapped"] == (2 if plan.ulysses * plan.ring > 1 else 0), (rank, case)
             # Each rank computed its shard of the tokens, and LTX's batched [uncond, cond] was split by cfg.
-            batch = 2 // plan.cfg if name == "ltx" else 1
+            batch = 2 // plan.cfg if name in BATCHED else 1
             assert result["seen"] == {(batch, shard_len(25, plan.ulysses * plan.ring))}, (rank, case, result)
             if name in TWO_CALL and plan.cfg == 2:
                 assert result["phase"] == "parallel", (rank, case)  # cond/uncond on different cfg ranks
