@@ -42,9 +42,15 @@ def merge_attention(
     acc = accum_dtype(block_out.dtype)
     if out is None or lse is None:
         return block_out.to(acc), block_lse.to(acc)
+    block_lse = block_lse.to(acc)
+    # The weights come from the lse *difference*: sigmoid(-d) and sigmoid(d) sum to 1 within a few eps. The
+    # textbook exp(lse_i - new_lse) carries new_lse's rounding (half an ulp of |lse|: 3e-5 at |lse| ~ 650,
+    # logits of a model without qk-norm) into both weights alike, scaling the whole output by 1 + eps * |lse|.
+    # Equal lse (both -inf: no keys on either side) weigh 1/2 each instead of giving nan.
+    diff = torch.where(block_lse == lse, 0.0, block_lse - lse)
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out.mul_((lse - new_lse).exp_().unsqueeze(-1))
-    block = block_out.to(acc).mul_((block_lse - new_lse).exp_().unsqueeze(-1))
+    out = out.mul_(torch.sigmoid(-diff).unsqueeze(-1))
+    block = block_out.to(acc).mul_(diff.sigmoid_().unsqueeze(-1))
     return out.add_(block), new_lse
 
 

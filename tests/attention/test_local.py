@@ -24,7 +24,14 @@ from hfpatch.attention.local import (
     register_backend,
     resolve_backend,
 )
-from hfpatch.testing.tolerance import attention_tol, eps, reassociation_tol, rel_error, rounding_noise
+from hfpatch.testing.tolerance import (
+    FLOOR_ULPS,
+    attention_tol,
+    eps,
+    reassociation_tol,
+    rel_error,
+    rounding_noise,
+)
 
 CPU_BACKENDS = ["math", "flash_cpu"]
 
@@ -153,6 +160,42 @@ def test_merge_blocks_any_split_equals_one_block():
         blocks = [local_attention(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
         out, lse = merge_blocks(blocks[::-1])  # order only changes rounding
         assert (out - ref).abs().max() <= out_tol and (lse - ref_lse).abs().max() <= lse_tol
+
+
+def test_merge_two_blocks_error_does_not_grow_with_lse():
+    """One merge of two fp32 blocks errs by a few eps of the values, whatever the size of the log-sum-exps.
+
+    Logits of a model without qk-norm reach |lse| ~ 650 (tiny SD3), where one ulp of the lse is 6e-5: weights
+    ``exp(lse_i - new_lse)`` carried the merged lse's rounding into both blocks alike (the output scaled by
+    ``1 + eps * |lse|``: ~250 eps here, 2000 eps at |lse| = 5000); weights from the lse difference do not.
+    (A third block meets the *rounded* running lse: a relative weight error of ``eps * |lse|`` that scales
+    only ``w (1 - w) |o_i - o_j|``, inherent to an fp32 ``(out, lse)`` state, like the kernels' own lse.)
+    The reference is the fp64 merge of the same fp32 blocks: only the merge rounds.
+    """
+    g = torch.Generator().manual_seed(0)
+    for offset in (0.0, 650.0, -650.0, 5000.0):
+        blocks = [
+            (torch.rand(2, 3, 64, 8, generator=g) * 2 - 1, offset + 3 * torch.randn(2, 3, 64, generator=g))
+            for _ in range(2)
+        ]
+        ref, ref_lse = merge_blocks([(o.double(), lse.double()) for o, lse in blocks])
+        out, lse = merge_blocks([(o.clone(), lse) for o, lse in blocks])
+        assert out.dtype == lse.dtype == torch.float32
+        assert rel_error(out, ref, scale=1.0) <= FLOOR_ULPS * eps()  # max|v| = 1; no |lse| term
+        assert rel_error(lse, ref_lse) <= FLOOR_ULPS * eps()
+
+
+def test_merge_blocks_without_keys_on_either_side():
+    """A block with no keys (zeros, lse -inf) merged with another such block stays empty (no nan), and a
+    real block merged after them gives that block."""
+    out0, lse0 = torch.zeros(1, 2, 3, 4), torch.full((1, 2, 3), float("-inf"))
+    block = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3)
+    out, lse = merge_blocks([(out0.clone(), lse0.clone()), (out0.clone(), lse0.clone())])
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    out, lse = merge_blocks(
+        [(out0.clone(), lse0.clone()), (out0.clone(), lse0.clone()), (block[0].clone(), block[1])]
+    )
+    assert torch.equal(out, block[0]) and torch.equal(lse, block[1])
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
