@@ -87,6 +87,7 @@ from ._sequence_parallel import (
 
 __all__ = [
     "PLANS",
+    "UNSUPPORTED",
     "AttentionRoute",
     "DiTPlan",
     "PlannedDiTUSP",
@@ -353,6 +354,15 @@ PLANS: dict[str, DiTPlan] = {
     # tables and per-row AdaLN indices, and both heads gather the full sequence before selecting their rows.
     "diffusers.MiniMaxH3Transformer3DModel": DiTPlan(
         attention=(AttentionRoute("transformer_blocks.*.attn", ("MiniMaxH3AttnProcessor",)),),
+    ),
+}
+
+
+#: Classes hfpatch looked at and does not shard, with the reason ``hfpatch info`` prints (README: "Not supported").
+UNSUPPORTED: dict[str, str] = {
+    "HeliosTransformer3DModel": (
+        "one forward attends over sequences of different lengths (history + current chunk, current chunk only) "
+        "split at a positional boundary; an exact plan needs several sharded sequences per forward"
     ),
 }
 
@@ -915,7 +925,7 @@ def support_table() -> list[tuple[str, str]]:
         elif usp is not None:
             rows.append((name, f"{usp} (plan: hfpatch family module)"))
         else:
-            why = (
+            why = UNSUPPORTED.get(name) or (
                 "declares _cp_plan, no hfpatch table entry yet"
                 if getattr(cls, "_cp_plan", None)
                 else "no plan"

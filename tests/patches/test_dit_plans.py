@@ -360,7 +360,9 @@ def test_planned_usp_support_table_names_plan_source_per_class():
         assert rows[name] == "dit_usp (plan: hfpatch table)", (name, rows[name])
     assert rows["LTX2VideoTransformer3DModel"] == "dit_usp (plan: _cp_plan)"
     assert rows["MiniMaxH3Transformer3DModel"] == "dit_usp (plan: _cp_plan)"
-    assert rows["HeliosTransformer3DModel"].startswith("not supported"), rows["HeliosTransformer3DModel"]
+    assert rows["HeliosTransformer3DModel"].startswith(
+        "not supported (one forward attends over sequences of"
+    ), rows["HeliosTransformer3DModel"]
     assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
 
