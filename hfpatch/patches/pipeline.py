@@ -117,6 +117,20 @@ PER_SAMPLE_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
         ("return_dict", "joint_attention_kwargs", "txt_ids", "img_ids", "controlnet_blocks_repeat"),
     ),
+    # image_rotary_emb is the (cos, sin) table of the image tokens, shared by the batch.
+    "HunyuanDiT2DModel": (
+        (
+            "hidden_states",
+            "timestep",
+            "encoder_hidden_states",
+            "text_embedding_mask",
+            "encoder_hidden_states_t5",
+            "text_embedding_mask_t5",
+            "image_meta_size",
+            "style",
+        ),
+        ("return_dict", "image_rotary_emb"),
+    ),
 }
 
 #: Pipeline component names of denoisers whose class is not in :data:`PER_SAMPLE_ARGS` (split by

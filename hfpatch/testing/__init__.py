@@ -15,7 +15,7 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_minimax_h3_transformer`, :func:`tiny_hunyuandit_transformer`, :func:`tiny_pixart_transformer`.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
-  :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`, :func:`tiny_pixart_pipe`; with text encoders and in-memory tokenizers:
+  :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`, :func:`tiny_pixart_pipe`, :func:`tiny_hunyuandit_pipe`; with text encoders and in-memory tokenizers:
   :func:`tiny_flux_pipe_with_text_encoders`.
 * Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
   processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_flux_pipe,
         tiny_flux_pipe_with_text_encoders,
         tiny_flux_transformer,
+        tiny_hunyuandit_pipe,
         tiny_hunyuandit_transformer,
         tiny_hunyuanvideo15_transformer,
         tiny_hunyuanvideo_pipe,
@@ -106,6 +107,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuandit_pipe",
     "tiny_hunyuandit_transformer",
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",

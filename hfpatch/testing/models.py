@@ -27,6 +27,7 @@ __all__ = [
     "tiny_flux_pipe",
     "tiny_flux_pipe_with_text_encoders",
     "tiny_flux_transformer",
+    "tiny_hunyuandit_pipe",
     "tiny_hunyuandit_transformer",
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
@@ -849,6 +850,50 @@ def tiny_pixart_pipe(seed: int = 0, **transformer_overrides: Any):
         vae=vae,
         transformer=tiny_pixart_transformer(seed=seed, **transformer_overrides),
         scheduler=DPMSolverMultistepScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_hunyuandit_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``HunyuanDiTPipeline`` (batched CFG) from tiny parts, without text encoders: call it with
+    ``prompt_embeds`` ``[B, 4, 16]`` / ``prompt_embeds_2`` ``[B, 6, 16]``, their attention masks and negatives,
+    ``use_resolution_binning=False`` and ``height``/``width`` multiples of 16 (the pipeline sizes its rotary grid
+    for an 8x VAE, which this one is: 80 x 80 gives 5 x 5 tokens of 2 x 2 latent patches). Its scheduler is DDIM
+    (deterministic: the pipeline's default DDPM draws noise every step, so every rank would need the same
+    ``generator``).
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_hunyuandit_pipe
+    >>> mask = torch.ones(1, 4, dtype=torch.long)
+    >>> out = tiny_hunyuandit_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=mask,
+    ...     negative_prompt_embeds=torch.zeros(1, 4, 16), negative_prompt_attention_mask=mask,
+    ...     prompt_embeds_2=torch.ones(1, 6, 16), prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long),
+    ...     negative_prompt_embeds_2=torch.zeros(1, 6, 16),
+    ...     negative_prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long), height=80, width=80,
+    ...     num_inference_steps=2, use_resolution_binning=False, output_type="latent").images
+    >>> tuple(out.shape)
+    (1, 4, 10, 10)
+    """
+    from diffusers import DDIMScheduler, HunyuanDiTPipeline
+
+    vae = tiny_autoencoder_kl(
+        seed=seed,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 16),
+    )
+    pipe = HunyuanDiTPipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tiny_hunyuandit_transformer(seed=seed, **transformer_overrides),
+        scheduler=DDIMScheduler(clip_sample=False),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+        text_encoder_2=None,
+        tokenizer_2=None,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -19,6 +19,8 @@ same shards and run the same scheduler steps).
 * ``PixArtAlphaPipeline`` (batched CFG found from its ``__call__`` source, no table entry; SDPA-routed
   self-attention, cross-attention to a key-masked text): ``parallel=N`` plans CFG 2 x Ulysses N/2,
   ``ParallelConfig(cfg=2, ring=2)`` at world 4. Latents compared.
+* ``HunyuanDiTPipeline`` (batched CFG from its source; SDPA-routed self-attention with 2D rotary, CLIP and T5
+  cross-attention to padded text, a long skip): ``parallel=N`` plans CFG 2 x Ulysses N/2. Latents compared.
 * ``HunyuanVideoPipeline`` (true CFG with a negative prompt, two calls per step; text joined behind the video
   tokens, padded prompts masked): as QwenImage, ``parallel=N`` (Ulysses N) and ``cfg=2`` x Ulysses N/2. Latents
   compared.
@@ -37,7 +39,13 @@ import torch.distributed as dist
 import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.attention.layout import shard_len
-from hfpatch.testing import tiny_hunyuanvideo_pipe, tiny_ltx_pipe, tiny_pixart_pipe, tiny_qwenimage_pipe
+from hfpatch.testing import (
+    tiny_hunyuandit_pipe,
+    tiny_hunyuanvideo_pipe,
+    tiny_ltx_pipe,
+    tiny_pixart_pipe,
+    tiny_qwenimage_pipe,
+)
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 
@@ -125,17 +133,44 @@ def _pixart(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     ).images  # fmt: skip
 
 
+def _hunyuandit_inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {
+        "prompt_embeds": torch.randn(1, 4, 16, generator=gen),  # CLIP-like, padded
+        "prompt_attention_mask": torch.tensor([[1, 1, 1, 0]]),
+        "negative_prompt_embeds": torch.randn(1, 4, 16, generator=gen),
+        "negative_prompt_attention_mask": torch.tensor([[1, 1, 0, 0]]),
+        "prompt_embeds_2": torch.randn(1, 6, 16, generator=gen),  # T5-like, padded
+        "prompt_attention_mask_2": torch.tensor([[1, 1, 1, 1, 0, 0]]),
+        "negative_prompt_embeds_2": torch.randn(1, 6, 16, generator=gen),
+        "negative_prompt_attention_mask_2": torch.tensor([[1, 1, 1, 0, 0, 0]]),
+        "latents": torch.randn(1, 4, 10, 10, generator=gen),  # 80 x 80 pixels: 5 x 5 tokens of 2 x 2 patches
+    }
+
+
+def _hunyuandit(pipe: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if pipe.transformer.dtype == torch.float64:
+        inputs = to_fp64(inputs)
+    return pipe(
+        **inputs, guidance_scale=5.0, height=80, width=80, num_inference_steps=3, use_resolution_binning=False,
+        output_type="latent",
+    ).images  # fmt: skip
+
+
 #: name -> (pipeline builder, inputs, run)
 PIPES = {
     "qwenimage": (tiny_qwenimage_pipe, _qwen_inputs, _qwen),
     "ltx": (tiny_ltx_pipe, _ltx_inputs, _ltx),
     "hunyuanvideo": (tiny_hunyuanvideo_pipe, _hunyuan_inputs, _hunyuan),
     "pixart": (tiny_pixart_pipe, _pixart_inputs, _pixart),
+    "hunyuandit": (tiny_hunyuandit_pipe, _hunyuandit_inputs, _hunyuandit),
 }
 #: Pipelines with two transformer calls per step (true CFG): cfg=2 puts them on different ranks, bit-exact.
 TWO_CALL = ("qwenimage", "hunyuanvideo")
 #: Pipelines that batch [uncond, cond] in one call: cfg=2 splits the batch (PixArt: no table entry, its source).
-BATCHED = ("ltx", "pixart")
+BATCHED = ("ltx", "pixart", "hunyuandit")
+#: Routed attention modules per tiny transformer (HunyuanDiT: 4 blocks, for its long skip).
+ROUTED = {"hunyuandit": 4}
 
 
 def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
@@ -150,6 +185,7 @@ def _configs(world: int) -> dict[str, tuple[str, Any, ParallelConfig]]:
         ),
         f"ltx parallel={world}": ("ltx", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
         f"pixart parallel={world}": ("pixart", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
+        f"hunyuandit parallel={world}": ("hunyuandit", world, ParallelConfig(cfg=2, ulysses=half, vae=world)),
         f"hunyuanvideo parallel={world}": ("hunyuanvideo", world, ParallelConfig(ulysses=world, vae=world)),
         f"hunyuanvideo cfg=2 ulysses={half}": (
             "hunyuanvideo",
@@ -231,8 +267,9 @@ def test_dit_pipelines_every_rank_equals_unpatched(rank_pool, world):
             # Two-call CFG alone: every transformer call runs as in the unpatched pipeline.
             if name in TWO_CALL and plan.ulysses * plan.ring == 1:
                 assert result["error"] == 0.0, (rank, case, result["error"])
-            # USP really ran where the plan has a sequence degree (2 attention modules per tiny transformer).
-            assert result["usp_swapped"] == (2 if plan.ulysses * plan.ring > 1 else 0), (rank, case)
+            # USP really ran where the plan has a sequence degree (every routed attention module swapped).
+            routed = ROUTED.get(name, 2)
+            assert result["usp_swapped"] == (routed if plan.ulysses * plan.ring > 1 else 0), (rank, case)
             # Each rank computed its shard of the tokens, and LTX's batched [uncond, cond] was split by cfg.
             batch = 2 // plan.cfg if name in BATCHED else 1
             assert result["seen"] == {(batch, shard_len(25, plan.ulysses * plan.ring))}, (rank, case, result)
