@@ -163,6 +163,9 @@ def _fault_hook(fault: str, rank: int):
             os._exit(17)
         if fault == "sleep":
             time.sleep(SLEEP_S)
+            # Woken after the test's window (the peers reported long ago; a busy machine can take longer than
+            # SLEEP_S to run every scenario): a hung rank has nothing to report, so it leaves without a word.
+            os._exit(18)
 
     return hook
 
