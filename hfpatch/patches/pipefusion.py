@@ -82,6 +82,7 @@ from ._pipefusion_layout import SequenceShardLayout, check_stage_counts, patch_r
 __all__ = [
     "PIPEFUSION_OPTIONS",
     "PipeFusionState",
+    "PipeFusionAttnProcessor",
     "PipeFusionWanAttnProcessor",
     "WanPipeFusion",
     "check_pipefusion_options",
@@ -289,15 +290,15 @@ class PipeFusionState:
 
 
 # ----------------------------------------------------------------------------------------------- attention
-class PipeFusionWanAttnProcessor:
-    """Wan self-attention (``attn1``) of a block of this stage, attending to the stage's K/V buffer.
+class PipeFusionAttnProcessor:
+    """Base of the PipeFusion processors: the current call of the stage, and attention over its K/V buffer.
 
-    Warm-up: the stock computation on the whole sequence (bit for bit), storing K/V. Pipelined: the
-    patch's fresh K/V overwrite its rows of the buffer, and the patch's queries attend to the whole buffer.
+    Subclasses compute their family's projections, norms and rotary (op for op as the stock processor, so
+    warm-up calls equal it bit for bit), then call :meth:`attend`.
 
     Args:
         state: The model's :class:`PipeFusionState`.
-        layer: Index of the block in ``model.blocks``.
+        layer: Index of the block among the blocks PipeFusion splits.
         backend: The replaced processor's ``_attention_backend`` (kept).
     """
 
@@ -305,6 +306,53 @@ class PipeFusionWanAttnProcessor:
         self.state = state
         self.layer = layer
         self._attention_backend = backend
+
+    def current_call(self, where: str) -> _Call:
+        """The model call this block runs in; ``where`` names the attention for the error outside one."""
+        call = self.state.call
+        if call is None:
+            raise RuntimeError(
+                f"{where} ran outside a PipeFusion call of the model (a block called on its own?): call the "
+                "model, whose blocks are split over the PipeFusion ranks"
+            )
+        return call
+
+    def attend(
+        self, call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, s, H, D]`` attention of this patch's queries (this rank's rows of it under sequence parallel).
+
+        Warm-up stores the whole sequence's K/V; a pipelined call overwrites the patch's rows of the buffer
+        with its fresh K/V and attends to the whole buffer (current rows of the patches seen this step, the
+        previous step's for the others). Under sequence parallel: :func:`sequence_parallel_attention`.
+        """
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        if call.shard is not None:
+            return sequence_parallel_attention(self.state, call, self.layer, query, key, value)
+        if call.synchronous:
+            call.stream.kv[self.layer] = [key, value]
+        else:
+            buffer = call.stream.kv.get(self.layer)
+            start, end = call.current
+            if buffer is None or buffer[0].shape[1] < end or key.shape[1] != end - start:
+                raise RuntimeError(
+                    f"PipeFusion: no K/V buffer for block {self.layer} of {self.state.name} (warm-up skipped?)"
+                )
+            buffer[0][:, start:end] = key
+            buffer[1][:, start:end] = value
+            key, value = buffer
+        return dispatch_attention_fn(
+            query, key, value, attn_mask=None, backend=self._attention_backend, parallel_config=None
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer={self.layer}, {self.state!r})"
+
+
+class PipeFusionWanAttnProcessor(PipeFusionAttnProcessor):
+    """Wan self-attention (``attn1``) of a block of this stage, attending to the stage's K/V buffer
+    (:meth:`PipeFusionAttnProcessor.attend`); ``layer`` is the index of the block in ``model.blocks``."""
 
     def __call__(
         self,
@@ -314,51 +362,17 @@ class PipeFusionWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         from ._wan_common import wan_self_attention_qkv
 
-        call = self.state.call
-        if call is None:
-            raise RuntimeError(
-                f"{self.state.name}.blocks.{self.layer}.attn1 ran outside a PipeFusion call of the model (a block "
-                "called on its own?): call the model, whose blocks are split over the PipeFusion ranks"
-            )
+        call = self.current_call(f"{self.state.name}.blocks.{self.layer}.attn1")
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("PipeFusionWanAttnProcessor serves self-attention (attn1) without a mask")
         query, key, value = wan_self_attention_qkv(
             attn, hidden_states, rotary_emb
         )  # [B, s, H, D], this patch
-        if call.shard is not None:  # sequence parallel in the stage
-            out = sequence_parallel_attention(self.state, call, self.layer, query, key, value)
-            out = attn.to_out[0](out.flatten(2, 3).type_as(query))
-            return attn.to_out[1](out)
-        if call.synchronous:
-            call.stream.kv[self.layer] = [key, value]
-        else:
-            buffer = call.stream.kv.get(self.layer)
-            start, end = call.current
-            if buffer is None or buffer[0].shape[1] < end:
-                raise RuntimeError(f"PipeFusion: no K/V buffer for block {self.layer} (warm-up skipped?)")
-            buffer[0][:, start:end] = key
-            buffer[1][:, start:end] = value
-            key, value = buffer
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=None,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=None,
-        )
-        out = out.flatten(2, 3).type_as(query)
+        out = self.attend(call, query, key, value).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
-
-    def __repr__(self) -> str:
-        return f"PipeFusionWanAttnProcessor(layer={self.layer}, {self.state!r})"
 
 
 def sequence_parallel_attention(

@@ -80,13 +80,13 @@ from ._pipefusion_layout import stage_ranges
 from .pipefusion import (
     HANDOFF,
     PIPEFUSION_OPTIONS,
+    PipeFusionAttnProcessor,
     PipeFusionState,
     _spans,
     check_pipefusion_options,
     gather_stage_output,
     install_model_hooks,
     release_other_blocks,
-    sequence_parallel_attention,
     stage_groups,
     stage_rows,
     wrap_stage_blocks,
@@ -123,26 +123,18 @@ def _describe(model: Any, indices: list[int]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- attention
-class PipeFusionFluxAttnProcessor:
+class PipeFusionFluxAttnProcessor(PipeFusionAttnProcessor):
     """Flux joint attention of a block of this stage (dual- or single-stream), over the stage's K/V buffer.
 
     The patch's queries are the joint-sequence tokens ``call.current`` (its text part then its image part,
     as the stock processor concatenates them); its fresh keys and values (after the norms and rotary)
-    overwrite those rows of the buffer of ``T + S`` rows, and the queries attend to the whole buffer.
-    Warm-up: the stock computation on the whole sequence, op for op, storing K/V.
-
-    Args:
-        state: The model's :class:`~hfpatch.patches.pipefusion.PipeFusionState`.
-        layer: Global index of the block (``transformer_blocks`` then ``single_transformer_blocks``).
-        backend: The replaced processor's ``_attention_backend`` (kept).
+    overwrite those rows of the buffer of ``T + S`` rows, and the queries attend to the whole buffer
+    (:meth:`~hfpatch.patches.pipefusion.PipeFusionAttnProcessor.attend`; under sequence parallel this rank's
+    joint rows, text first). Warm-up: the stock computation on the whole sequence, op for op, storing K/V.
+    ``layer`` is the global index of the block (``transformer_blocks`` then ``single_transformer_blocks``).
     """
 
     _parallel_config = None
-
-    def __init__(self, state: PipeFusionState, layer: int, backend: Any = None) -> None:
-        self.state = state
-        self.layer = layer
-        self._attention_backend = backend
 
     def __call__(
         self,
@@ -152,16 +144,10 @@ class PipeFusionFluxAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-        call = self.state.call
-        if call is None:
-            raise RuntimeError(
-                f"{self.state.name} block {self.layer} attention ran outside a PipeFusion call of the model (a "
-                "block called on its own?): call the model, whose blocks are split over the PipeFusion ranks"
-            )
+        call = self.current_call(f"{self.state.name} block {self.layer} attention")
         if attention_mask is not None:
             raise ValueError("PipeFusion on Flux does not support an attention_mask (joint_attention_kwargs)")
         # The stock FluxAttnProcessor, op for op (warm-up calls must equal it bit for bit).
@@ -186,24 +172,7 @@ class PipeFusionFluxAttnProcessor:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
 
-        if call.shard is not None:  # sequence parallel in the stage: this rank's joint rows, text first
-            hidden = sequence_parallel_attention(self.state, call, self.layer, query, key, value)
-        else:
-            if call.synchronous:
-                call.stream.kv[self.layer] = [key, value]
-            else:
-                buffer = call.stream.kv.get(self.layer)
-                start, end = call.current
-                if buffer is None or buffer[0].shape[1] < end or key.shape[1] != end - start:
-                    raise RuntimeError(
-                        f"PipeFusion: no K/V buffer for Flux block {self.layer} (warm-up skipped?)"
-                    )
-                buffer[0][:, start:end] = key
-                buffer[1][:, start:end] = value
-                key, value = buffer
-            hidden = dispatch_attention_fn(
-                query, key, value, attn_mask=None, backend=self._attention_backend, parallel_config=None
-            )
+        hidden = self.attend(call, query, key, value)
         hidden = hidden.flatten(2, 3)
         hidden = hidden.to(query.dtype)
         if encoder_hidden_states is not None:
@@ -214,9 +183,6 @@ class PipeFusionFluxAttnProcessor:
             encoder_out = attn.to_add_out(encoder_out.contiguous())
             return hidden, encoder_out
         return hidden
-
-    def __repr__(self) -> str:
-        return f"PipeFusionFluxAttnProcessor(layer={self.layer}, {self.state!r})"
 
 
 # ----------------------------------------------------------------------------------------------- stage runner
