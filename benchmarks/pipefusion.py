@@ -144,8 +144,32 @@ def _split_rank(stages: int) -> dict[str, Any]:
     tokens = 3 * 4 * 4
     hidden_bytes, output_bytes = tokens * HIDDEN * 4, 4 * 3 * 8 * 8 * 4
     analytic_step = 2 * stage_bytes_per_call(state.stage, state.world, hidden_bytes, output_bytes)
+    result = _split_result(
+        state,
+        (kept, total, blocks, stages),
+        (unpatched, pipelined, kv_bytes),
+        counter,
+        SPLIT_STEPS,
+        analytic_step,
+    )
+    patch.remove()  # warns: the released weights do not come back (the pipe is dropped here)
+    return result
+
+
+def _split_result(
+    state: Any,
+    weights: tuple[int, int, int, int],
+    memory: tuple[Any, Any, int],
+    counter: Any,
+    steps: int,
+    analytic_step: int,
+) -> dict[str, Any]:
+    """One rank's row of a weight-split run (Wan or Flux): ``weights`` = (kept, total, block bytes, stages),
+    ``memory`` = (unpatched tracker, pipelined tracker, K/V buffer bytes), traffic per step of ``steps``."""
+    kept, total, blocks, stages = weights
+    unpatched, pipelined, kv_bytes = memory
     sent = counter.by_op.get("pipefusion", 0) + counter.by_op.get("pipefusion_output", 0)
-    result = {
+    return {
         "stage": state.stage,
         "blocks": [state.first, state.end],
         "weight_bytes": kept,
@@ -157,12 +181,10 @@ def _split_rank(stages: int) -> dict[str, Any]:
         "activation_peak": pipelined.peak_bytes,
         "activation_peak_unpatched": unpatched.peak_bytes,
         "kv_buffer_bytes": kv_bytes,
-        "sent_per_step": sent / SPLIT_STEPS,
+        "sent_per_step": sent / steps,
         "analytic_per_step": analytic_step,
-        "p2p_sends_per_step": counter.calls.get("pipefusion", 0) / SPLIT_STEPS,
+        "p2p_sends_per_step": counter.calls.get("pipefusion", 0) / steps,
     }
-    patch.remove()  # warns: the released weights do not come back (the pipe is dropped here)
-    return result
 
 
 def _sp_split_rank(ulysses: int, ring: int) -> dict[str, Any]:
@@ -296,23 +318,14 @@ def _flux_split_rank(stages: int) -> dict[str, Any]:
     analytic_step = stage_bytes_per_call(
         state.stage, state.world, joint * hidden * 4, cfg["tokens"] * FLUX_IN * 4
     )
-    sent = counter.by_op.get("pipefusion", 0) + counter.by_op.get("pipefusion_output", 0)
-    result = {
-        "stage": state.stage,
-        "blocks": [state.first, state.end],
-        "weight_bytes": kept,
-        "weight_bytes_unpatched": total,
-        "block_bytes_unpatched": blocks,
-        "unsplit_bytes": total - blocks,
-        "target_bytes": 1.1 / stages * blocks + (total - blocks),
-        "released_bytes": state.released_bytes,
-        "activation_peak": pipelined.peak_bytes,
-        "activation_peak_unpatched": unpatched.peak_bytes,
-        "kv_buffer_bytes": kv_bytes,
-        "sent_per_step": sent / cfg["steps"],
-        "analytic_per_step": analytic_step,
-        "p2p_sends_per_step": counter.calls.get("pipefusion", 0) / cfg["steps"],
-    }
+    result = _split_result(
+        state,
+        (kept, total, blocks, stages),
+        (unpatched, pipelined, kv_bytes),
+        counter,
+        cfg["steps"],
+        analytic_step,
+    )
     patch.remove()
     return result
 
