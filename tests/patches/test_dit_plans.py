@@ -29,6 +29,8 @@ from test_dit_usp import (
     _snapshot,
     backward_cases,
     build,
+    check_backward,
+    check_forward,
     forward_cases,
     lifecycle_cases,
 )
@@ -186,14 +188,7 @@ class _Custom:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_planned_usp_forward_every_class_and_layout_matches_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in PLANNED + CONTROLNET for u, r in _configs(world)]
-    results = rank_pool(world).run(forward_cases, cases)
-    for case in cases:
-        for error, noise, _ in (rank_result[case] for rank_result in results):
-            assert error <= reassociation_tol(noise), (case, error, noise)
-        outputs = [rank_result[case][2] for rank_result in results]
-        assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
-            f"{case}: ranks returned different outputs"
-        )
+    check_forward(rank_pool(world).run(forward_cases, cases), cases)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -208,13 +203,7 @@ def test_planned_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched
             ("hunyuanvideo_gc", 2, 1),
             ("ltx2_tokens_gc", 1, 2),  # split rope, gated attention, per-token timesteps
         ]
-    results = rank_pool(world).run(backward_cases, cases)
-    for rank, rank_result in enumerate(results):
-        for case in cases:
-            result = rank_result[case]
-            assert result["keys_match"] and result["n_params"] > 10, (rank, case)
-            for name, error in result["errors"].items():
-                assert error <= reassociation_tol(result["noise"]), (rank, case, name, error, result["noise"])
+    check_backward(rank_pool(world).run(backward_cases, cases), cases)
 
 
 def test_planned_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):

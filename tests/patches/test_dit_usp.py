@@ -503,6 +503,28 @@ class _CustomProcessor:
 
 
 # ----------------------------------------------------------------------------------------------- tests
+def check_forward(results: list[dict], cases: list[tuple[str, int, int]]) -> None:
+    """Every rank's output of every case within ``reassociation_tol`` of the unpatched model, and the ranks'
+    outputs bit-identical (they gather the same shards)."""
+    for case in cases:
+        for error, noise, _ in (rank_result[case] for rank_result in results):
+            assert error <= reassociation_tol(noise), (case, error, noise)
+        outputs = [rank_result[case][2] for rank_result in results]
+        assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
+            f"{case}: ranks returned different outputs"
+        )
+
+
+def check_backward(results: list[dict], cases: list[tuple[str, int, int]]) -> None:
+    """Every rank's parameter and input gradients of every case (after the sp sum) within ``reassociation_tol``."""
+    for rank, rank_result in enumerate(results):
+        for case in cases:
+            result = rank_result[case]
+            assert result["keys_match"] and result["n_params"] > 10, (rank, case)
+            for name, error in result["errors"].items():
+                assert error <= reassociation_tol(result["noise"]), (rank, case, name, error, result["noise"])
+
+
 def _configs(world: int) -> list[tuple[int, int]]:
     configs = [(world, 1), (1, world)]  # Ulysses only, Ring only
     if world == 4:
@@ -513,14 +535,7 @@ def _configs(world: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
-    results = rank_pool(world).run(forward_cases, cases)
-    for case in cases:
-        for error, noise, _ in (rank_result[case] for rank_result in results):
-            assert error <= reassociation_tol(noise), (case, error, noise)
-        outputs = [rank_result[case][2] for rank_result in results]
-        assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
-            f"{case}: ranks returned different outputs"
-        )
+    check_forward(rank_pool(world).run(forward_cases, cases), cases)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -530,19 +545,7 @@ def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_po
         cases += [("wan22_gc", 1, 2), ("flux_gc", 2, 1), ("cogvideox_gc", 1, 2)]
     if world == 4:
         cases = [(family, u, r) for family in FAMILIES for u, r in [(2, 2), (1, 4)]]
-    results = rank_pool(world).run(backward_cases, cases)
-    for rank, rank_result in enumerate(results):
-        for case in cases:
-            result = rank_result[case]
-            assert result["keys_match"] and result["n_params"] > 10, (rank, case)
-            for name, error in result["errors"].items():
-                assert error <= reassociation_tol(result["noise"]), (
-                    rank,
-                    case,
-                    name,
-                    error,
-                    result["noise"],
-                )
+    check_backward(rank_pool(world).run(backward_cases, cases), cases)
 
 
 def test_usp_lifecycle_remove_restores_identity_double_apply_conflict(rank_pool):
