@@ -47,11 +47,12 @@ def merge_attention(
     # textbook exp(lse_i - new_lse) carries new_lse's rounding (half an ulp of |lse|: 3e-5 at |lse| ~ 650,
     # logits of a model without qk-norm) into both weights alike, scaling the whole output by 1 + eps * |lse|.
     # Equal lse (both -inf: no keys on either side) weigh 1/2 each instead of giving nan.
-    diff = torch.where(block_lse == lse, 0.0, block_lse - lse)
-    new_lse = torch.logaddexp(lse, block_lse)
-    out = out.mul_(torch.sigmoid(-diff).unsqueeze(-1))
+    # Ordered so that at most two lse-sized temporaries are alive at once, as with the textbook weights.
+    diff = (block_lse - lse).masked_fill_(block_lse == lse, 0.0)
+    out = out.mul_(diff.neg().sigmoid_().unsqueeze(-1))
     block = block_out.to(acc).mul_(diff.sigmoid_().unsqueeze(-1))
-    return out.add_(block), new_lse
+    del diff
+    return out.add_(block), torch.logaddexp(lse, block_lse)
 
 
 def merge_blocks(blocks: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
