@@ -20,6 +20,10 @@ rank's shard is its slice of the loss gradient). Then:
 - hence parameter gradients (and gradients of any replicated input) must be all-reduced with SUM over the
   ``"sp"`` group (ring x ulysses) to equal the single-process gradients.
 
+The models patched by :func:`hfpatch.apply` wrap this function in boundaries that scale the output gradient
+by the group size, so that a MEAN over the group (DDP's, FSDP2's, :func:`hfpatch.all_reduce_gradients`) is
+right instead (:mod:`hfpatch.distributed.gradients`); calling it directly, the SUM above applies.
+
 A loss term on a replicated output (say the text tokens) is seen in full by every rank: count it on one
 rank only, or scale it by ``1 / sp_size``.
 """
@@ -148,7 +152,7 @@ def usp_attention(
     Returns:
         ``(out [B, S_local, H, D], joint_out [B, S_txt, H, D] or None)``; ``joint_out`` is identical on
         every rank of the sp group. Gradients follow the sum-of-losses convention of this module: all-reduce
-        parameter grads with SUM over the sp group.
+        parameter grads with SUM over the sp group (patched models: a mean, see the module docstring).
 
     Raises:
         ValueError: Inconsistent shapes, dtypes, ``joint_position`` or ``valid_len`` (before any collective).

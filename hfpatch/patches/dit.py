@@ -327,7 +327,7 @@ PLANS: dict[str, DiTPlan] = {
     # self-attention and text cross-attention local. Video self-attention (attn1) is routed; the audio-to-video
     # attention (video queries, audio keys) is local and exact; the video-to-audio attention (audio queries,
     # video keys) is routed as joint="queries" (exact merge over the video shards). The audio output is
-    # replicated: rank 0 takes its gradient (ReplicatedOutput), so the SUM over ranks counts it once.
+    # replicated: rank 0 takes its (N-scaled) gradient (ReplicatedOutput), so the group's mean counts it once.
     "diffusers.LTX2VideoTransformer3DModel": DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn1", ("LTX2AudioVideoAttnProcessor",)),
