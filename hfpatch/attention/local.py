@@ -108,7 +108,9 @@ class AttentionBackend:
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
-            raise ValueError(f"AttentionBackend {self.name!r}: layout must be one of {LAYOUTS}, got {self.layout!r}")
+            raise ValueError(
+                f"AttentionBackend {self.name!r}: layout must be one of {LAYOUTS}, got {self.layout!r}"
+            )
 
     def fits(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
         """Whether this kernel runs on ``device`` with ``dtype`` (and ``head_dim``, when given)."""
@@ -137,7 +139,12 @@ def available_backends(
 
 # ------------------------------------------------------------------------------------------------ auto
 #: torch's SDPA backends -> the hfpatch kernel computing the same attention with the log-sum-exp.
-_FROM_SDPA = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient_cuda"}
+_FROM_SDPA = {
+    "CUDNN_ATTENTION": "cudnn",
+    "FLASH_ATTENTION": "flash",
+    "EFFICIENT_ATTENTION": "efficient_cuda",
+    "MATH": "math",
+}
 #: Where SDPA's choice has no lse form here (or cannot take this head dim): the next ones, fastest first.
 _FALLBACK = {"cuda": ("cudnn", "flash", "efficient_cuda", "math"), "cpu": ("flash_cpu", "math")}
 
@@ -150,12 +157,17 @@ def _sdpa_state() -> tuple:
     return (*flags, cuda.math_sdp_enabled(), tuple(order))
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int, state: tuple) -> str:
+def _probe_sdpa(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """Ask torch's SDPA selector (``torch._fused_sdp_choice``, what ``F.scaled_dot_product_attention`` runs)."""
     # The layout a DiT hands SDPA (a [B, S, H, D] tensor transposed); requires_grad: a kernel that can also
     # run the block backward. 64 tokens: no selector rule depends on the length for dense, unmasked calls.
     q = torch.empty(1, 64, 1, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
     return torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, q)).name
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int, state: tuple) -> str:
+    return _probe_sdpa(device, dtype, head_dim)
 
 
 def _sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -169,7 +181,7 @@ def _auto(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str
     if device.type == "cpu":
         preferred = "flash_cpu"  # SDPA's CPU selector: flash for every floating dtype
     elif device.type == "cuda" and head_dim is not None:
-        preferred = _FROM_SDPA.get(_sdpa_choice(device, dtype, head_dim), "math")
+        preferred = _FROM_SDPA.get(_sdpa_choice(device, dtype, head_dim), order[0])
     else:
         preferred = order[0]
     for name in (preferred, *order):
@@ -266,7 +278,9 @@ def _check_backward(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, where: st
         if not isinstance(t, Tensor) or tuple(t.shape) != tuple(q.shape) or t.device != q.device:
             raise ValueError(f"{where}: {name} must be shaped like q {tuple(q.shape)}, got {_describe(t)}")
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]) or not lse.is_floating_point():
-        raise ValueError(f"{where}: lse must be a floating [B, H, S_q] = {tuple(q.shape[:3])} tensor, got {_describe(lse)}")
+        raise ValueError(
+            f"{where}: lse must be a floating [B, H, S_q] = {tuple(q.shape[:3])} tensor, got {_describe(lse)}"
+        )
 
 
 def local_attention(
@@ -434,7 +448,16 @@ def _flash3_backward(dout, q, k, v, out, lse, scale):
     q_, k_, v_ = _bshd(q, k, v)
     dq, dk, dv = (torch.empty_like(t) for t in (q_, k_, v_))
     flash_attn_interface._flash_attn_backward(
-        *_bshd(dout), q_, k_, v_, *_bshd(out), lse.float().contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale
+        *_bshd(dout),
+        q_,
+        k_,
+        v_,
+        *_bshd(out),
+        lse.float().contiguous(),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        softmax_scale=scale,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -485,8 +508,12 @@ register_backend(
         lambda device, dtype: device.type == "cpu" and dtype in (torch.float32, torch.float64, *HALF),
     )
 )
-register_backend(AttentionBackend("cudnn", _cudnn_forward, _cudnn_backward, _cuda(HALF), "bshd", _flash_head_dims))
-register_backend(AttentionBackend("flash", _flash_forward, _flash_backward, _cuda(HALF), "bshd", _flash_head_dims))
+register_backend(
+    AttentionBackend("cudnn", _cudnn_forward, _cudnn_backward, _cuda(HALF), "bshd", _flash_head_dims)
+)
+register_backend(
+    AttentionBackend("flash", _flash_forward, _flash_backward, _cuda(HALF), "bshd", _flash_head_dims)
+)
 register_backend(
     AttentionBackend(
         "efficient_cuda",
@@ -499,7 +526,12 @@ register_backend(
 )
 register_backend(
     AttentionBackend(
-        "flash3", _flash3_forward, _flash3_backward, _cuda_installed("flash_attn_interface"), "bshd", _flash_head_dims
+        "flash3",
+        _flash3_forward,
+        _flash3_backward,
+        _cuda_installed("flash_attn_interface"),
+        "bshd",
+        _flash_head_dims,
     )
 )
 register_backend(
