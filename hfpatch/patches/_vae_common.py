@@ -398,8 +398,15 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
-def session_forward(original: Callable, state: VAEShardState, kind: str) -> Callable:
-    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple)."""
+def session_forward(
+    original: Callable, state: VAEShardState, kind: str, cleanup: Callable[[], Any] | None = None
+) -> Callable:
+    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple).
+
+    ``cleanup`` runs when the call raises (an out-of-memory error, say): the Wan VAE keeps its per-conv frame
+    cache on the module (``clear_cache``), which would otherwise hold the failed call's activations (and
+    their graph) until the next call.
+    """
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
@@ -418,9 +425,14 @@ def session_forward(original: Callable, state: VAEShardState, kind: str) -> Call
                 return original(x, *args, **kwargs)
         if state.mode is None and x.requires_grad:
             x = _SumGradOverRanks.apply(x, state.group)
-        with state.session():
-            out = original(x, *args, **kwargs)
-            rows = state.latent_rows
+        try:
+            with state.session():
+                out = original(x, *args, **kwargs)
+                rows = state.latent_rows
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
         if rows is None or state.output == "shard":
             return out  # tiled (already full) or the caller wants the local rows
         if kind == "encode":
