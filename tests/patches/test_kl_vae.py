@@ -183,7 +183,9 @@ def test_kl_vae_bf16_training_step_saves_memory_and_matches_stock_bf16(rank_pool
     """
     reason = _stock_bf16_step_fails()  # the comparison needs the stock bf16 step; the split runs the same ops
     if reason is not None:
-        pytest.skip(f"the stock bf16 AutoencoderKL decode + backward fails inside torch on this CPU: {reason}")
+        pytest.skip(
+            f"the stock bf16 AutoencoderKL decode + backward fails inside torch on this CPU: {reason}"
+        )
     for res in rank_pool(2).run(_bf16_training_step):
         assert res["ratio"] < 0.7, res
         assert res["split_err"] <= 1.25 * res["stock_err"], res
