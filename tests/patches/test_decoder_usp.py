@@ -23,6 +23,8 @@ from decoder_cases import CASES, build, objective, outputs
 
 import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
+from hfpatch.distributed.agreement import InputMismatchError
+from hfpatch.patches.decoder import shard_tokens
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 ALL = list(CASES)
@@ -62,12 +64,7 @@ def forward_cases(
         found = {}
         for name, value in got.items():
             expected = ref[name]
-            if output == "shard" and name in (
-                "logits",
-                "last_hidden_state",
-            ):  # this rank's shard of the sequence
-                from hfpatch.patches.decoder import shard_tokens
-
+            if output == "shard" and name != "loss":  # this rank's shard of the sequence, end padding dropped
                 expected = shard_tokens(expected, 1, world, rank)
                 valid = min(expected.shape[1], max(0, ref[name].shape[1] - rank * expected.shape[1]))
                 value, expected = value[:, :valid], expected[:, :valid]
@@ -149,3 +146,172 @@ def test_decoder_backward_every_parameter_gradient_matches_unpatched(rank_pool, 
     cases = [(case, u, r, "full") for case in names for u, r in configs]
     cases += [(case, 1, world, "shard") for case in ("qwen3_packed", "qwen3_vl_left")]
     _check_backward(rank_pool(world).run(backward_cases, cases), cases)
+
+
+# ----------------------------------------------------------------------------------------------- lifecycle
+def _snapshot(model: torch.nn.Module) -> list[tuple[Any, dict[str, Any], dict[str, tuple]]]:
+    """vars() of every submodule, plus the contents of every hook dict (same objects)."""
+    return [
+        (m, dict(vars(m)), {k: tuple(v.items()) for k, v in vars(m).items() if k.startswith("_forward")})
+        for m in model.modules()
+    ]
+
+
+def _same(before: list, after: list) -> bool:
+    return len(before) == len(after) and all(
+        b[0] is a[0] and b[1].keys() == a[1].keys() and all(b[1][k] is a[1][k] for k in b[1]) and b[2] == a[2]
+        for b, a in zip(before, after)
+    )
+
+
+def lifecycle_cases() -> dict[str, Any]:
+    """remove() restores identity; a twin built from the SAME config object runs unpatched meanwhile; double
+    apply returns the live patch; a different plan raises; the interface names are gone after remove()."""
+    from transformers import Qwen3ForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from hfpatch.testing import tiny_qwen3_causal_lm
+
+    world = dist.get_world_size()
+    model = tiny_qwen3_causal_lm()
+    twin = Qwen3ForCausalLM(model.config)  # shares model.config (and its decoder's config object)
+    twin.load_state_dict(model.state_dict())
+    shared = twin.model.config is model.model.config
+    kwargs = build("qwen3_left")[1]
+    with torch.no_grad():
+        twin_before = twin(**kwargs).logits
+    names_before = set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)
+    before = _snapshot(model)
+    config = ParallelConfig(ulysses=world)
+    patch = hfpatch.apply(model, parallel=config)
+    again = hfpatch.apply(model, parallel=config)
+    try:
+        hfpatch.apply(model, parallel=ParallelConfig(ring=world))
+        conflict = None
+    except ValueError as exc:
+        conflict = str(exc)
+    with torch.no_grad():
+        model(**kwargs)
+        twin_during = twin(**kwargs).logits  # same class, same config object: not routed
+    registered = set(AttentionInterface._global_mapping) - names_before[0]
+    text = repr(patch)
+    patch.remove()
+    with torch.no_grad():
+        restored = model(**kwargs).logits
+    return {
+        "shared_config": shared,
+        "twin_untouched": torch.equal(twin_before, twin_during),
+        "twin_implementation": twin.model.config._attn_implementation,
+        "registered": sorted(registered),
+        "identity": _same(before, _snapshot(model)),
+        "unregistered": (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping))
+        == names_before,
+        "restored_equals_twin": torch.equal(restored, twin_before),
+        "again_is_patch": again is patch,
+        "conflict": conflict,
+        "repr": text,
+    }
+
+
+def error_cases() -> dict[str, str]:
+    """Bad calls and inputs: the same clear error on every rank, before any collective."""
+    from transformers import BertModel, BertConfig, DynamicCache
+
+    from hfpatch.testing import tiny_qwen3_causal_lm
+
+    world = dist.get_world_size()
+    config = ParallelConfig(ulysses=world)
+    messages: dict[str, str] = {}
+
+    def expect(name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            messages[name] = "no error"
+
+    bert = BertModel(
+        BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    )
+    expect("unsupported", lambda: hfpatch.apply(bert, parallel=config))
+    expect("bad_output", lambda: hfpatch.apply(tiny_qwen3_causal_lm(), parallel=config, sp_output="gathered"))
+    expect("sliding", lambda: hfpatch.apply(tiny_qwen3_causal_lm(layer_types=["sliding_attention"] * 2,
+                                                                 use_sliding_window=True, sliding_window=4),
+                                            parallel=config))  # fmt: skip
+    one_head = tiny_qwen3_causal_lm(num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+    expect("heads", lambda: hfpatch.apply(one_head, parallel=config))
+    model = tiny_qwen3_causal_lm()
+    ids = build("qwen3_left")[1]["input_ids"]
+    with hfpatch.apply(model, parallel=config):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            with hfpatch.get_patch(model).disabled():
+                model(input_ids=ids[:, :4], cache=cache, use_cache=True)
+            expect("decode_with_cache", lambda: model(input_ids=ids[:, 4:5], cache=cache, use_cache=True))
+            expect("output_attentions", lambda: model(input_ids=ids, output_attentions=True))
+            mask4d = torch.ones(2, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+            expect("mask_4d", lambda: model(input_ids=ids, attention_mask=mask4d))
+            # A different sample on the last rank: the same InputMismatchError everywhere, then a good call works.
+            odd = ids.clone()
+            if dist.get_rank() == world - 1:
+                odd[0, -1] += 1
+            try:
+                model(input_ids=odd)
+                messages["mismatch"] = "no error"
+            except InputMismatchError as exc:
+                messages["mismatch"] = f"InputMismatchError: {exc}"
+            messages["after_mismatch"] = str(tuple(model(input_ids=ids).logits.shape))
+        model.set_attn_implementation("eager")
+        expect("implementation_changed", lambda: model(input_ids=ids))
+    model = tiny_qwen3_causal_lm(attention_dropout=0.1).train()
+    with hfpatch.apply(model, parallel=config):
+        expect("dropout", lambda: model(input_ids=ids))
+    return messages
+
+
+def packing_matters() -> dict[str, float]:
+    """The packed cases test something: the unpatched model's packed logits differ from attending across
+    the packed samples (an all-ones attention mask turns transformers' packing detection off)."""
+    found = {}
+    for case in ("qwen3_packed", "qwen3_vl_packed"):
+        model, kwargs = build(case)
+        with torch.no_grad():
+            packed = model(**kwargs).logits
+            mixed = model(**kwargs, attention_mask=torch.ones_like(kwargs["input_ids"])).logits
+        found[case] = rel_error(mixed, packed)
+    return found
+
+
+def test_decoder_lifecycle_remove_restores_identity_and_twin_stays_unpatched(rank_pool):
+    for result in rank_pool(2).run(lifecycle_cases):
+        assert result["shared_config"]  # the twin really shares the config object the patch must not touch
+        assert result["twin_untouched"] and result["twin_implementation"] == "sdpa"
+        assert len(result["registered"]) == 1 and result["registered"][0].startswith("hfpatch_sp_")
+        assert result["identity"] and result["unregistered"] and result["restored_equals_twin"]
+        assert result["again_is_patch"]
+        assert result["conflict"] is not None and "already patched" in result["conflict"]
+        assert "Qwen3Model.config" in result["repr"] or "config" in result["repr"], result["repr"]
+
+
+def test_decoder_errors_are_clear_and_identical_on_every_rank(rank_pool):
+    results = rank_pool(2).run(error_cases)
+    assert results[0] == results[1]
+    m = results[0]
+    assert m["unsupported"].startswith("TypeError") and "BertModel" in m["unsupported"]
+    assert "sp_output must be one of" in m["bad_output"]
+    assert "sliding windows are not supported" in m["sliding"]
+    assert "ulysses=2 exceeds the 1 attention heads" in m["heads"]
+    assert "KV cache holding 4 tokens" in m["decode_with_cache"]
+    assert "output_attentions=True" in m["output_attentions"]
+    assert "not a prepared 4D mask" in m["mask_4d"]
+    assert m["mismatch"].startswith("InputMismatchError") and "input_ids" in m["mismatch"]
+    assert m["after_mismatch"] == "(2, 11, 128)"
+    assert "changed after hfpatch.apply" in m["implementation_changed"]
+    assert "attention dropout (0.1)" in m["dropout"]
+
+
+def test_decoder_packed_cases_depend_on_the_packing_mask():
+    for case, difference in packing_matters().items():
+        assert difference > 1e-2, (case, difference)
