@@ -216,7 +216,7 @@ def lifecycle_cases() -> dict[str, Any]:
 
 def error_cases() -> dict[str, str]:
     """Bad calls and inputs: the same clear error on every rank, before any collective."""
-    from transformers import BertModel, BertConfig, DynamicCache
+    from transformers import BertConfig, BertModel, DynamicCache
 
     from hfpatch.testing import tiny_qwen3_causal_lm
 
