@@ -100,12 +100,18 @@ CASES: dict[str, tuple[str, str]] = {
     "qwen3_vl_base": ("qwen3_vl_base", "left"),
     "qwen2_5_vl_left": ("qwen2_5_vl", "left"),
     "qwen2_vl_right": ("qwen2_vl", "right"),
+    "qwen3_vl_checkpointing": ("qwen3_vl", "left"),  # gradient checkpointing: layers recomputed in backward
+    "qwen3_checkpointing": ("qwen3", "packed"),
 }
 
 
 def build(case: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(tiny stock model, forward kwargs) for ``case`` (fresh objects each call, identical on every rank)."""
     kind, layout = CASES[case]
+    if case.endswith("_checkpointing"):
+        model, kwargs = build(f"{kind}_{layout}")
+        model.gradient_checkpointing_enable()
+        return model, kwargs
     if kind in ("qwen3", "llama"):
         factory = testing.tiny_qwen3_causal_lm if kind == "qwen3" else testing.tiny_llama_causal_lm
         return factory(), _text(kind, layout)
