@@ -54,7 +54,7 @@ from ..distributed.agreement import check_same_inputs, named_arguments
 from ..distributed.collectives import all_gather
 from ..distributed.gradients import average_input_gradients, grad_scaled_by_group
 
-__all__ = ["DECODERS", "DecoderUSP", "ModelMask", "decoder_of", "shard_tokens"]
+__all__ = ["DECODERS", "DecoderUSP", "ModelMask", "decoder_of", "frame_split", "shard_tokens", "vision_of"]
 
 #: Class key -> path of its decoder (the module with ``layers``, ``norm`` and ``rotary_emb``), ``""`` for itself.
 DECODERS: dict[str, str] = {
@@ -73,6 +73,75 @@ DECODERS: dict[str, str] = {
 #: patched model reproduces; rows with no key (left padding) are zeros as with SDPA.
 _IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 _OUTPUTS = ("full", "shard")
+_VISION_MODES = ("split", "replicate")
+
+
+#: Class key -> path of its vision tower (Qwen-VL: it encodes images and videos frame by frame).
+VISION: dict[str, str] = {
+    "transformers.Qwen3VLForConditionalGeneration": "model.visual",
+    "transformers.Qwen3VLModel": "visual",
+    "transformers.Qwen2_5_VLForConditionalGeneration": "model.visual",
+    "transformers.Qwen2_5_VLModel": "visual",
+    "transformers.Qwen2VLForConditionalGeneration": "model.visual",
+    "transformers.Qwen2VLModel": "visual",
+}
+#: Vision-tower kwargs that carry tensors precomputed for a whole ``grid_thw`` (they cannot follow a split).
+_PRECOMPUTED = (
+    "cu_seqlens",
+    "max_seqlen",
+    "position_ids",
+    "interp_indices",
+    "interp_weights",
+    "window_index",
+    "cu_window_seqlens",
+    "max_window_seqlen",
+)
+
+
+def vision_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The Qwen-VL vision tower of ``model`` (:data:`VISION`), or ``None`` for a text-only decoder."""
+    for cls in type(model).__mro__:
+        path = VISION.get(class_key(cls))
+        if path is not None:
+            return model.get_submodule(path)
+    return None
+
+
+def frame_split(grid_thw: list[list[int]], world: int) -> list[list[tuple[int, int, int]]] | None:
+    """Split the frames of a Qwen-VL vision call into ``world`` contiguous runs of about equal patch counts.
+
+    Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers attend within each frame (temporal patch): cumulative lengths,
+    rotary positions, learned position embeddings and Qwen2.5-VL's windows are all per frame, so an item of
+    grid ``(t, h, w)`` is ``t`` independent items of grid ``(1, h, w)`` and may be cut between frames. Returns,
+    per rank, ``(item, first frame, frames)`` pieces in order (the ranks' outputs concatenated in rank order
+    are the whole call's), or ``None`` when there are fewer frames than ranks (the call then runs replicated).
+
+    >>> frame_split([[1, 4, 4], [4, 2, 2], [1, 2, 4]], 2)   # 16 + 4 x 4 + 8 patches: 20 per rank
+    [[(0, 0, 1), (1, 0, 1)], [(1, 1, 3), (2, 0, 1)]]
+    >>> frame_split([[1, 4, 4]], 2) is None
+    True
+    """
+    frames = [(item, f, h * w) for item, (t, h, w) in enumerate(grid_thw) for f in range(t)]
+    if len(frames) < world:
+        return None
+    total = sum(n for _, _, n in frames)
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    done, rank = 0, 0
+    for index, (item, frame, n) in enumerate(frames):
+        # Move on once this rank has its share, keeping at least one frame for every later rank.
+        while (
+            rank < world - 1
+            and (done >= total * (rank + 1) / world or len(frames) - index <= world - 1 - rank)
+            and pieces[rank]
+        ):
+            rank += 1
+        run = pieces[rank]
+        if run and run[-1][0] == item and run[-1][1] + run[-1][2] == frame:
+            run[-1] = (item, run[-1][1], run[-1][2] + 1)
+        else:
+            run.append((item, frame, 1))
+        done += n
+    return pieces
 
 
 def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
@@ -289,6 +358,50 @@ def _attention_function(split: _Split) -> Callable:
     return sequence_parallel_attention
 
 
+def _split_vision(split: _Split, merge: int) -> Callable:
+    """A vision tower ``forward`` that encodes this rank's run of frames (:func:`frame_split`) and all-gathers
+    the merged features (and DeepStack's), whose backward sums the ranks' gradients back to each frame's owner."""
+
+    def wrap(original: Callable) -> Callable:
+        def split_vision_forward(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
+            given = sorted(k for k in _PRECOMPUTED if kwargs.get(k) is not None)
+            if given:
+                raise ValueError(
+                    f"sp_vision='split' cuts the vision call by frames, but it was given {given} precomputed for "
+                    "the whole call; drop them, or apply with sp_vision='replicate'"
+                )
+            grids = grid_thw.tolist()
+            pieces = frame_split(grids, split.world)
+            if pieces is None:  # fewer frames than ranks: every rank encodes everything (same on every rank)
+                return original(hidden_states, grid_thw=grid_thw, **kwargs)
+            starts = [0]
+            for t, h, w in grids:
+                starts.append(starts[-1] + t * h * w)
+            rows, grid = [], []
+            for item, frame, frames in pieces[split.rank]:
+                t, h, w = grids[item]
+                first = starts[item] + frame * h * w
+                rows.append(hidden_states[first : first + frames * h * w])
+                grid.append([frames, h, w])
+            out = original(torch.cat(rows), grid_thw=grid_thw.new_tensor(grid), **kwargs)
+            merged = [sum(n * grids[i][1] * grids[i][2] for i, _, n in run) // merge**2 for run in pieces]
+
+            def gather(x: torch.Tensor) -> torch.Tensor:
+                return all_gather(x, 0, split.group, merged, backward="reduce_scatter")
+
+            out.pooler_output = gather(out.pooler_output)
+            if getattr(out, "deepstack_features", None) is not None:
+                out.deepstack_features = [gather(x) for x in out.deepstack_features]
+            out.last_hidden_state = None  # per-patch states stay with their rank (see the family docstring)
+            if getattr(out, "hidden_states", None) is not None:
+                out.hidden_states = None
+            return out
+
+        return split_vision_forward
+
+    return wrap
+
+
 def _sharded_loss(original: Callable, split: _Split) -> Callable:
     """``model.loss_function`` for ``sp_output="shard"``: each rank scores its shard of the shifted labels,
     normalised by the GLOBAL count of real labels, and the ranks' sums are added (no mean of means)."""
@@ -341,6 +454,11 @@ class DecoderUSP(PatchFamily):
             ``"shard"`` (hidden states and logits stay this rank's shard of the sequence, in the layout of
             :mod:`hfpatch.attention.layout`; with ``labels`` the loss is the exact mean over every real
             token of every rank, identical on all ranks, without ever holding ``[B, S, vocab]`` logits).
+        sp_vision: Qwen-VL vision tower: ``"split"`` (each rank encodes a contiguous run of about ``1/N`` of
+            the frames, :func:`frame_split`, and the merged and DeepStack features are all-gathered; the
+            tower's ``last_hidden_state`` and ``hidden_states`` in ``image_outputs``/``video_outputs`` are then
+            ``None``, as they stay per rank) or ``"replicate"`` (every rank encodes everything, the stock
+            outputs). A call with fewer frames than ranks runs replicated.
         sp_tile: Tile edge of the attention (tokens), see :func:`hfpatch.attention.masked.masked_usp_attention`.
         check_inputs: Same-input guard over the ``sp`` group on every call.
     """
@@ -348,7 +466,12 @@ class DecoderUSP(PatchFamily):
     name: ClassVar[str] = "decoder_usp"
     role: ClassVar[str] = "model"
     split_axis: ClassVar[str | None] = "sp"
-    options: ClassVar[dict[str, Any]] = {"sp_output": "full", "sp_tile": DEFAULT_TILE, "check_inputs": True}
+    options: ClassVar[dict[str, Any]] = {
+        "sp_output": "full",
+        "sp_vision": "split",
+        "sp_tile": DEFAULT_TILE,
+        "check_inputs": True,
+    }
 
     def facts(self, target: Any) -> ModelFacts:
         _, decoder = decoder_of(target)
@@ -358,6 +481,10 @@ class DecoderUSP(PatchFamily):
         name = type(target).__name__
         if options["sp_output"] not in _OUTPUTS:
             raise ValueError(f"sp_output must be one of {_OUTPUTS} for {name}, got {options['sp_output']!r}")
+        if options["sp_vision"] not in _VISION_MODES:
+            raise ValueError(
+                f"sp_vision must be one of {_VISION_MODES} for {name}, got {options['sp_vision']!r}"
+            )
         tile = options["sp_tile"]
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
             raise ValueError(f"sp_tile must be a positive int (tokens) for {name}, got {tile!r}")
@@ -481,6 +608,10 @@ class DecoderUSP(PatchFamily):
             return output
 
         patch.add_forward_hook(decoder, decoder_output)
+
+        vision = vision_of(target)
+        if vision is not None and options["sp_vision"] == "split":
+            patch.wrap_method(vision, "forward", _split_vision(split, vision.spatial_merge_size))
 
         # 4. sp_output="shard" with labels: the loss over every real token, from sharded logits.
         if split.output == "shard" and hasattr(target, "lm_head"):

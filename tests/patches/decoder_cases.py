@@ -16,6 +16,12 @@ from hfpatch import testing
 PACKED = (5, 4, 4)
 #: Qwen-VL batch: two images of different sizes in one sample, a video, a text-only row.
 VL_MEDIA = [[("image", (1, 4, 4)), ("image", (1, 2, 4))], [("video", (2, 2, 2))], []]
+#: More frames than ranks in both vision calls, so ``sp_vision="split"`` cuts them at every world size: a
+#: 6-frame video (cut between frames) and four images of different sizes.
+VL_FRAMES = [
+    [("video", (6, 2, 2)), ("image", (1, 2, 2))],
+    [("image", (1, 4, 4)), ("image", (1, 2, 2)), ("image", (1, 2, 4))],
+]
 
 
 def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -49,12 +55,13 @@ def _text(kind: str, layout: str) -> dict[str, Any]:
     return dict(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask))
 
 
-def _vl_batch(kind: str, padding: str) -> dict[str, Any]:
+def _vl_batch(kind: str, layout: str) -> dict[str, Any]:
+    media, padding = (VL_FRAMES, "left") if layout == "frames" else (VL_MEDIA, layout)
     if kind == "qwen3_vl":
-        batch = testing.qwen3_vl_inputs(VL_MEDIA, padding=padding, seed=5)
+        batch = testing.qwen3_vl_inputs(media, padding=padding, seed=5)
     else:
         seconds = [0.5] if kind == "qwen2_5_vl" else None
-        batch = testing.qwen2_vl_inputs(VL_MEDIA, padding=padding, seed=5, second_per_grid_ts=seconds)
+        batch = testing.qwen2_vl_inputs(media, padding=padding, seed=5, second_per_grid_ts=seconds)
     batch["labels"] = _labels(batch["input_ids"], batch["attention_mask"])
     return batch
 
@@ -100,6 +107,8 @@ CASES: dict[str, tuple[str, str]] = {
     "qwen3_vl_base": ("qwen3_vl_base", "left"),
     "qwen2_5_vl_left": ("qwen2_5_vl", "left"),
     "qwen2_vl_right": ("qwen2_vl", "right"),
+    "qwen3_vl_frames": ("qwen3_vl", "frames"),
+    "qwen2_5_vl_frames": ("qwen2_5_vl", "frames"),  # windowed tower, video cut between frames
     "qwen3_vl_checkpointing": ("qwen3_vl", "left"),  # gradient checkpointing: layers recomputed in backward
     "qwen3_checkpointing": ("qwen3", "packed"),
 }

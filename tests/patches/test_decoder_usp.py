@@ -30,6 +30,8 @@ from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 ALL = [case for case in CASES if not case.endswith("_checkpointing")]
 #: Backward at worlds 3 and 4: one text and the three VL families (all of them run at world 2).
 BACKWARD_SUBSET = [
+    "qwen3_vl_frames",
+    "qwen2_5_vl_frames",
     "qwen3_left",
     "llama_packed",
     "qwen3_vl_left",
@@ -59,12 +61,18 @@ def forward_cases(
                 ref64 = outputs(to_fp64(model)(**to_fp64(build(case)[1])))
                 refs[case] = (ref, {k: rel_error(ref[k], ref64[k]) for k in ref})
             ref, noise = refs[case]
-            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), sp_output=output):
+            vision = output.endswith("+replicate")
+            options = dict(sp_output=output.removesuffix("+replicate"))
+            if vision:
+                options["sp_vision"] = "replicate"
+            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), **options):
                 got = outputs(model(**kwargs))
         found = {}
         for name, value in got.items():
             expected = ref[name]
-            if output == "shard" and name != "loss":  # this rank's shard of the sequence, end padding dropped
+            if (
+                output.startswith("shard") and name != "loss"
+            ):  # this rank's shard of the sequence, end padding dropped
                 expected = shard_tokens(expected, 1, world, rank)
                 valid = min(expected.shape[1], max(0, ref[name].shape[1] - rank * expected.shape[1]))
                 value, expected = value[:, :valid], expected[:, :valid]
@@ -100,7 +108,10 @@ def backward_cases(cases: list[tuple[str, int, int, str]]) -> dict[tuple, dict[s
             noise = max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
             refs[case] = (ref, scales, noise)
         ref, scales, noise = refs[case]
-        with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), sp_output=output):
+        options = dict(sp_output=output.removesuffix("+replicate"))
+        if output.endswith("+replicate"):
+            options["sp_vision"] = "replicate"
+        with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), **options):
             got = _grads(model, kwargs, patched=True)
         results[(case, ulysses, ring, output)] = {
             "keys_match": set(got) == set(ref),
@@ -117,7 +128,7 @@ def _check_forward(results: list[dict], cases: list[tuple]) -> None:
         for rank, rank_result in enumerate(results):
             for name, (error, noise, _) in rank_result[case].items():
                 assert error <= reassociation_tol(noise), (rank, case, name, error, noise)
-        if case[3] == "full":  # every rank gathers the same shards: identical outputs
+        if case[3].startswith("full"):  # every rank gathers the same shards: identical outputs
             for name in results[0][case]:
                 values = [r[case][name][2] for r in results]
                 assert all(torch.equal(values[0], v) for v in values[1:]), (case, name)
@@ -136,6 +147,10 @@ def _check_backward(results: list[dict], cases: list[tuple]) -> None:
 def test_decoder_forward_every_case_and_layout_matches_unpatched(rank_pool, world):
     cases = [(case, u, r, "full") for case in ALL for u, r in _configs(world)]
     cases += [(case, world, 1, "shard") for case in ("qwen3_left", "qwen3_vl_right", "qwen3_vl_base")]
+    cases += [
+        ("qwen3_vl_frames", 1, world, "full+replicate"),
+        ("qwen2_5_vl_frames", world, 1, "full+replicate"),
+    ]
     _check_forward(rank_pool(world).run(forward_cases, cases), cases)
 
 
@@ -354,3 +369,33 @@ def test_decoder_under_fsdp2_reduce_scatter_gives_unpatched_gradients(rank_pool)
         assert result["keys_match"], rank
         for name, error in result["errors"].items():
             assert error <= reassociation_tol(result["noise"]), (rank, name, error, result["noise"])
+
+
+def vision_split_rows(case: str) -> dict[str, Any]:
+    """Patch rows each rank's vision tower encodes, with ``sp_vision="split"`` (default) and ``"replicate"``."""
+    from hfpatch.patches.decoder import vision_of
+
+    rows: dict[str, int] = {}
+    for mode in ("split", "replicate"):
+        model, kwargs = build(case)
+        seen = []
+        vision = vision_of(model)
+        handle = vision.patch_embed.register_forward_hook(
+            lambda m, a, o, seen=seen: seen.append(a[0].shape[0])
+        )
+        with torch.no_grad(), hfpatch.apply(model, parallel=dist.get_world_size(), sp_vision=mode):
+            out = model(**kwargs)
+        handle.remove()
+        rows[mode] = sum(seen)
+        rows[f"{mode}_image_states"] = out.image_outputs.last_hidden_state is None
+    rows["total"] = int(kwargs["pixel_values"].shape[0] + kwargs["pixel_values_videos"].shape[0])
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decoder_vision_split_encodes_a_share_of_the_frames_on_each_rank(rank_pool, world):
+    results = rank_pool(world).run(vision_split_rows, "qwen3_vl_frames")
+    assert sum(r["split"] for r in results) == results[0]["total"]  # every patch encoded once, somewhere
+    assert max(r["split"] for r in results) <= 2 * results[0]["total"] / world  # each rank a share
+    assert all(r["replicate"] == r["total"] for r in results)
+    assert all(r["split_image_states"] and not r["replicate_image_states"] for r in results)
