@@ -19,9 +19,11 @@ transformers' packed mask, read tile by tile). Every rank reports:
   states ``(N - 1) * L * C`` (``sp_output="full"``) or of the per-rank loss sums ``(N - 1)`` values
   (``"shard"``); the same-input check one fixed table per step.
 
-A Qwen3-VL row measures what the replicated vision tower costs: ``Qwen3VLForConditionalGeneration`` (the same
-text model, a 2-layer vision tower of width 64) on one sample with a 32-frame video (8192 patches, 2048
-merged tokens) and an image; the vision tower's peak is reported on its own.
+Qwen3-VL rows: ``Qwen3VLForConditionalGeneration`` (the same text model, a 2-layer vision tower of width 64)
+on one sample with a 32-frame video (8192 patches, 2048 merged tokens) and an image, with the vision tower
+split by frames over the ranks (``sp_vision="split"``, the default: the merged and DeepStack features are
+all-gathered, their gradients reduce-scattered) and replicated (``"replicate"``); the vision tower's peak is
+reported on its own.
 
 Writes ``benchmarks/results/decoder_sp.json`` and ``.png``; a few minutes on two CPU cores.
 
@@ -123,10 +125,13 @@ def step(model: torch.nn.Module, kwargs: dict[str, Any], patched: bool) -> dict[
     }
 
 
-def measure(kind: str, ulysses: int, ring: int, output: str, reference: dict[str, Any]) -> dict[str, Any]:
+def measure(
+    kind: str, ulysses: int, ring: int, output: str, vision: str, reference: dict[str, Any]
+) -> dict[str, Any]:
     """On every rank: the patched step against the unpatched ``reference`` (loss, gradients)."""
     model, kwargs = build(kind)
-    with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), sp_output=output):
+    parallel = ParallelConfig(ulysses=ulysses, ring=ring)
+    with hfpatch.apply(model, parallel=parallel, sp_output=output, sp_vision=vision):
         step(model, kwargs, patched=True)  # warm-up (first-call allocations, lazy imports)
         result = step(model, kwargs, patched=True)
     grads = result.pop("grads")
@@ -142,7 +147,24 @@ def tokens(kind: str) -> int:
     return build(kind)[1]["input_ids"].shape[1] if kind == "vl" else SEQ
 
 
-def analytic_bytes(kind: str, ulysses: int, ring: int, output: str) -> dict[str, int]:
+def vision_rows(world: int) -> list[list[int]]:
+    """Per vision call that ``sp_vision="split"`` cuts (a call with fewer frames than ranks runs replicated and
+    sends nothing): the merged tokens each rank encodes."""
+    from hfpatch.patches.decoder import frame_split
+
+    batch = build("vl")[1]
+    calls = []
+    for key in ("image_grid_thw", "video_grid_thw"):
+        grids = batch[key].tolist()
+        pieces = frame_split(grids, world)
+        if pieces is not None:
+            calls.append([sum(n * grids[i][1] * grids[i][2] for i, _, n in run) // 4 for run in pieces])
+    return calls
+
+
+def analytic_bytes(
+    kind: str, ulysses: int, ring: int, output: str, vision: str = "replicate"
+) -> dict[str, int]:
     """Minimum bytes one rank sends in a training step, per collective kind (fp32)."""
     world, layers, d = ulysses * ring, TEXT["num_hidden_layers"], TEXT["head_dim"]
     heads, kv = TEXT["num_attention_heads"], TEXT["num_key_value_heads"]
@@ -156,6 +178,19 @@ def analytic_bytes(kind: str, ulysses: int, ring: int, output: str) -> dict[str,
         "all_gather": (world - 1) * (local * TEXT["hidden_size"] if output == "full" else 1) * 4,
         "guard": bytes_per_check(world),
     }
+    if kind == "vl" and vision == "split":
+        # The merged features and DeepStack's (one merger per deepstack index) all-gathered in forward, their
+        # gradients reduce-scattered in backward: each rank sends every other rank's rows once each way.
+        row_bytes = (
+            TEXT["hidden_size"] * 4 * 2
+        )  # the merger's output and the tiny tower's one DeepStack feature
+        calls = vision_rows(world)
+        sent["all_gather"] += (
+            max(sum((world - 1) * rows[r] for rows in calls) for r in range(world)) * row_bytes
+        )
+        sent["reduce_scatter"] = (
+            max(sum(sum(rows) - rows[r] for rows in calls) for r in range(world)) * row_bytes
+        )
     return sent
 
 
@@ -217,12 +252,17 @@ def main() -> dict[str, Any]:
         }
     for world, configs in CONFIGS.items():
         with RankPool(world, timeout_s=900) as pool:
-            for kind in ("causal", "packed", "vl"):
-                outputs = ("full", "shard") if kind == "causal" else ("shard",)
-                for output in outputs:
+            for kind, output, vision in [
+                ("causal", "full", "split"),
+                ("causal", "shard", "split"),
+                ("packed", "shard", "split"),
+                ("vl", "shard", "split"),
+                ("vl", "shard", "replicate"),
+            ]:
+                if True:
                     for name, ulysses, ring in configs:
-                        per_rank = pool.run(measure, kind, ulysses, ring, output, references[kind])
-                        analytic = analytic_bytes(kind, ulysses, ring, output)
+                        per_rank = pool.run(measure, kind, ulysses, ring, output, vision, references[kind])
+                        analytic = analytic_bytes(kind, ulysses, ring, output, vision)
                         ops = sorted({op for r in per_rank for op in r["sent"]} | set(analytic))
                         sent = max(sum(r["sent"].values()) for r in per_rank)
                         peak = max(r["peak"] for r in per_rank)
@@ -230,6 +270,7 @@ def main() -> dict[str, Any]:
                             {
                                 "kind": kind,
                                 "output": output,
+                                "sp_vision": vision if kind == "vl" else None,
                                 "name": name,
                                 "N": world,
                                 "ulysses": ulysses,
@@ -280,7 +321,7 @@ if __name__ == "__main__":
               + (f" (vision tower {ref['vision_peak'] / MB:.2f} MiB)" if ref["vision_peak"] else ""))  # fmt: skip
     for run in res["runs"]:
         print(
-            f"{run['kind']:6s} {run['output']:5s} {run['name']:7s} N={run['N']}: peak "
+            f"{run['kind']:6s} {run['output']:5s} {str(run['sp_vision']):9s} {run['name']:7s} N={run['N']}: peak "
             f"{run['peak_over_unpatched']:.3f} x unpatched; loss err {run['loss_rel_error']:.1e}, grad err "
             f"{run['grad_rel_error']:.1e}; sent {run['sent_max'] / MB:6.2f} MiB = {run['sent_over_analytic']:.3f} x "
             f"analytic {run['sent_by_op_max']}"

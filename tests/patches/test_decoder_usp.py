@@ -399,3 +399,54 @@ def test_decoder_vision_split_encodes_a_share_of_the_frames_on_each_rank(rank_po
     assert max(r["split"] for r in results) <= 2 * results[0]["total"] / world  # each rank a share
     assert all(r["replicate"] == r["total"] for r in results)
     assert all(r["split_image_states"] and not r["replicate_image_states"] for r in results)
+
+
+def lora_cases(case: str) -> dict[str, Any]:
+    """peft LoRA on the language model's attention, added before or after ``apply``: the LoRA gradients (after
+    the mean over the group) equal the unpatched model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model(order: str | None, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
+        model, kwargs = build(case)
+        model = model.to(dtype)
+        if order == "before":
+            hfpatch.apply(model, parallel=dist.get_world_size())
+        torch.manual_seed(0)  # LoRA A is drawn from the global RNG
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
+        )
+        peft_model = get_peft_model(model, config)
+        if order == "after":
+            hfpatch.apply(model, parallel=dist.get_world_size())
+        with torch.no_grad():  # LoRA B starts at zero: make the adapters matter
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        return peft_model.train(), to_fp64(kwargs) if dtype == torch.float64 else kwargs
+
+    def lora_grads(order: str | None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        model, kwargs = lora_model(order, dtype)
+        objective(model(**kwargs)).backward()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if order is not None:
+            all_reduce_gradients(trained, dist.group.WORLD)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref, ref64 = lora_grads(None), lora_grads(None, torch.float64)
+    floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+    scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
+    noise = max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
+    results = {"noise": noise, "n_lora": len(ref)}
+    for order in ("before", "after"):
+        got = lora_grads(order)
+        results[order] = (
+            max(rel_error(got[n], ref[n], scales[n]) for n in ref) if got.keys() == ref.keys() else 1.0
+        )
+    return results
+
+
+def test_decoder_with_peft_lora_added_before_or_after_apply(rank_pool):
+    for rank, result in enumerate(rank_pool(2).run(lora_cases, "qwen3_vl_left")):
+        assert result["n_lora"] == 16, result
+        for order in ("before", "after"):
+            assert result[order] <= reassociation_tol(result["noise"]), (rank, order, result)
