@@ -200,34 +200,44 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
     ns = [1, 2, 4]
     ax = axes[0]
     ax.plot(ns, [1 / n for n in ns], "k:", label="ideal 1/N")
-    for (kind, output), color in zip(
-        [("causal", "full"), ("causal", "shard"), ("packed", "shard"), ("vl", "shard")],
-        ("C0", "C1", "C2", "C3"),
-    ):
+    series = [("causal", "full", None), ("causal", "shard", None), ("packed", "shard", None)]
+    series += [("vl", "shard", "split"), ("vl", "shard", "replicate")]
+    for (kind, output, vision), color in zip(series, ("C0", "C1", "C2", "C3", "C4")):
         for name, marker in (("ulysses", "o-"), ("ring", "s--"), ("2x2", "^")):
-            rows = [r for r in results["runs"] if (r["kind"], r["output"], r["name"]) == (kind, output, name)]
+            key = (kind, output, vision, name)
+            rows = [r for r in results["runs"] if (r["kind"], r["output"], r["sp_vision"], r["name"]) == key]
             if rows:
-                ax.plot([1] + [r["N"] for r in rows], [1.0] + [r["peak_over_unpatched"] for r in rows], marker,
-                        color=color, label=f"{kind} {output} {name}")  # fmt: skip
+                label = f"{kind} {output}" + (f" vision {vision}" if vision else "") + f" {name}"
+                ns_run = [1] + [r["N"] for r in rows]
+                peaks = [1.0] + [r["peak_over_unpatched"] for r in rows]
+                ax.plot(ns_run, peaks, marker, color=color, label=label)
     ax.set(xlabel="ranks N", ylabel="per-rank peak / unpatched (training step)", xticks=ns, yscale="log")
-    ax.set_title(f"stock Qwen3ForCausalLM / Qwen3-VL, S={SEQ}, C=128, 2 layers, fp32", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"stock Qwen3ForCausalLM (S={SEQ}) / Qwen3-VL (video), C=128, 2 layers, fp32", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
     ax = axes[1]
-    runs = [r for r in results["runs"] if r["kind"] == "causal"]
+    runs = [r for r in results["runs"] if r["kind"] in ("causal", "vl") and r["sp_vision"] != "replicate"]
     x = list(range(len(runs)))
     bottom = [0.0] * len(runs)
-    for op, color in (("all_to_all", "C0"), ("ring", "C1"), ("all_gather", "C2"), ("guard", "C3")):
+    ops = (
+        ("all_to_all", "C0"),
+        ("ring", "C1"),
+        ("all_gather", "C2"),
+        ("reduce_scatter", "C4"),
+        ("guard", "C3"),
+    )
+    for op, color in ops:
         heights = [r["sent_by_op_max"].get(op, 0) / MB for r in runs]
         ax.bar([i - 0.2 for i in x], heights, 0.4, bottom=bottom, color=color, label=f"measured {op}")
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.bar([i + 0.2 for i in x], [r["analytic"] / MB for r in runs], 0.4, color="0.6", label="analytic")
-    ax.set_xticks(x, [f"{r['name']} {r['output']}\nN={r['N']}" for r in runs], fontsize=7)
+    labels = [f"{r['kind']}\n{r['output']}\n{r['name']}\nN={r['N']}" for r in runs]
+    ax.set_xticks(x, labels, fontsize=6)
     ax.set(ylabel="bytes sent per rank, one training step (MiB)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
