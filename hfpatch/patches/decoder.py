@@ -54,7 +54,16 @@ from ..distributed.agreement import check_same_inputs, named_arguments
 from ..distributed.collectives import all_gather
 from ..distributed.gradients import average_input_gradients, grad_scaled_by_group
 
-__all__ = ["DECODERS", "DecoderUSP", "ModelMask", "decoder_of", "frame_split", "shard_tokens", "vision_of"]
+__all__ = [
+    "DECODERS",
+    "DecoderUSP",
+    "ModelMask",
+    "decoder_of",
+    "frame_split",
+    "sequence_sum",
+    "shard_tokens",
+    "vision_of",
+]
 
 #: Class key -> path of its decoder (the module with ``layers``, ``norm`` and ``rotary_emb``), ``""`` for itself.
 DECODERS: dict[str, str] = {
@@ -179,6 +188,26 @@ def shard_tokens(x: torch.Tensor, dim: int, world: int, rank: int, fill: Any = 0
     shape = list(x.shape)
     shape[dim] = local - n
     return torch.cat([piece, x.new_full(shape, fill)], dim=dim)
+
+
+def sequence_sum(part: torch.Tensor, patch: Any) -> torch.Tensor:
+    """The sum over the ``sp`` group of each rank's ``part`` (a scalar), for a loss of your own on the sharded
+    outputs of ``sp_output="shard"``: identical on every rank, with hfpatch's gradient convention.
+
+    Compute ``part`` from this rank's shard only, normalised by a GLOBAL count (e.g. the real tokens of the whole
+    sequence: ``part = (nll * mask).sum() / total_real``), then ``loss = sequence_sum(part, patch)``; its
+    gradient is scaled by the group size like every hfpatch output, so DDP's (or ``all_reduce_gradients``')
+    mean is the unpatched gradient. One rank (no patch, or a degree-1 plan): ``part`` itself.
+
+    >>> import torch
+    >>> sequence_sum(torch.tensor(2.5), None)
+    tensor(2.5000)
+    """
+    group = getattr(patch, "reduce_group", None)
+    if group is None:
+        return part
+    parts = all_gather(part.reshape(1), 0, group, backward="slice")
+    return grad_scaled_by_group(parts, group).sum()
 
 
 # ----------------------------------------------------------------------------------------------- mask

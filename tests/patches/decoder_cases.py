@@ -51,8 +51,11 @@ def _text(kind: str, layout: str) -> dict[str, Any]:
         starts = torch.tensor(PACKED).cumsum(0)[:-1]
         labels[0, starts] = -100  # a sample's first token is no target of the previous one
         return dict(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
-    ids, mask = _padded(_ids(2, 11, seed=4), [3, 0], layout)
-    return dict(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask))
+    ids, mask = _padded(_ids(2, 11, seed=4), [3, 0], "left" if layout == "extras" else layout)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask))
+    if layout == "extras":  # every hidden state, and the Trainer's token count for the loss
+        batch.update(output_hidden_states=True, num_items_in_batch=torch.tensor(29))
+    return batch
 
 
 def _vl_batch(kind: str, layout: str) -> dict[str, Any]:
@@ -99,6 +102,7 @@ CASES: dict[str, tuple[str, str]] = {
     "qwen3_left": ("qwen3", "left"),
     "qwen3_right": ("qwen3", "right"),
     "qwen3_packed": ("qwen3", "packed"),
+    "qwen3_extras": ("qwen3", "extras"),  # output_hidden_states=True, num_items_in_batch
     "llama_left": ("llama", "left"),
     "llama_packed": ("llama", "packed"),
     "qwen3_vl_left": ("qwen3_vl", "left"),
@@ -146,8 +150,11 @@ def outputs(out: Any) -> dict[str, torch.Tensor]:
         found = {"logits": out.logits}
         if out.loss is not None:
             found["loss"] = out.loss
-        return found
-    return {"last_hidden_state": out.last_hidden_state}
+    else:
+        found = {"last_hidden_state": out.last_hidden_state}
+    for i, state in enumerate(getattr(out, "hidden_states", None) or ()):
+        found[f"hidden_states.{i}"] = state
+    return found
 
 
 def objective(out: Any) -> torch.Tensor:

@@ -146,7 +146,7 @@ def _check_backward(results: list[dict], cases: list[tuple]) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_decoder_forward_every_case_and_layout_matches_unpatched(rank_pool, world):
     cases = [(case, u, r, "full") for case in ALL for u, r in _configs(world)]
-    cases += [(case, world, 1, "shard") for case in ("qwen3_left", "qwen3_vl_right", "qwen3_vl_base")]
+    cases += [(case, world, 1, "shard") for case in ("qwen3_extras", "qwen3_vl_right", "qwen3_vl_base")]
     cases += [
         ("qwen3_vl_frames", 1, world, "full+replicate"),
         ("qwen2_5_vl_frames", world, 1, "full+replicate"),
@@ -450,3 +450,50 @@ def test_decoder_with_peft_lora_added_before_or_after_apply(rank_pool):
         assert result["n_lora"] == 16, result
         for order in ("before", "after"):
             assert result[order] <= reassociation_tol(result["noise"]), (rank, order, result)
+
+
+def custom_loss_cases(case: str) -> dict[str, Any]:
+    """``sp_output="shard"`` without labels and a loss of one's own on the logit shard, summed over the group
+    with ``sequence_sum``: equal to the same loss on the unpatched logits, and so are the gradients."""
+    from hfpatch.patches.decoder import sequence_sum
+
+    def loss_of(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+            labels.flatten(),
+            reduction="none",
+        )
+        return (nll * (labels.flatten() != -100)).sum() / count
+
+    def unpatched(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+        loss = loss_of(model(**kwargs).logits, shifted, count)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model, kwargs = build(case)
+    shifted = torch.nn.functional.pad(kwargs.pop("labels"), (0, 1), value=-100)[:, 1:]
+    count = (shifted != -100).sum()
+    model.train()
+    ref_loss, ref = unpatched(model, kwargs)
+    ref64_loss, ref64 = unpatched(to_fp64(model), to_fp64(kwargs))
+    scale = max(g.abs().max().item() for g in ref64.values())
+    model.zero_grad(set_to_none=True)
+    with hfpatch.apply(model, parallel=dist.get_world_size(), sp_output="shard") as patch:
+        local = shard_tokens(shifted, 1, dist.get_world_size(), dist.get_rank(), fill=-100)
+        loss = sequence_sum(loss_of(model(**kwargs).logits, local, count), patch)
+        loss.backward()
+        all_reduce_gradients(model)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "loss": (rel_error(loss, ref_loss), rel_error(ref_loss, ref64_loss)),
+        "grads": (
+            max(rel_error(grads[n], ref[n], scale) for n in ref),
+            max(rel_error(ref[n], ref64[n], scale) for n in ref),
+        ),
+    }
+
+
+def test_decoder_shard_output_with_a_custom_loss_and_sequence_sum(rank_pool):
+    for result in rank_pool(3).run(custom_loss_cases, "qwen3_left"):
+        for error, noise in result.values():
+            assert error <= reassociation_tol(noise), result
