@@ -497,3 +497,42 @@ def test_decoder_shard_output_with_a_custom_loss_and_sequence_sum(rank_pool):
     for result in rank_pool(3).run(custom_loss_cases, "qwen3_left"):
         for error, noise in result.values():
             assert error <= reassociation_tol(noise), result
+
+
+def failing_rank_case(timeout_s: float) -> dict[str, Any]:
+    """Rank 1 raises inside the second decoder layer (after the first layer's collectives): rank 0, waiting in
+    that layer's attention, must raise hfpatch's ``CollectiveError`` within the timeout, not hang."""
+    import os
+    import time
+
+    from hfpatch.distributed.runtime import CollectiveError
+
+    os.environ["HFPATCH_TIMEOUT_S"] = str(timeout_s)  # the groups this apply creates carry it
+    model, kwargs = build("qwen3_left")
+    hfpatch.apply(model, parallel=ParallelConfig(ulysses=2))
+    if dist.get_rank() == 1:
+
+        def fail(*_):
+            raise RuntimeError("injected failure")
+
+        model.model.layers[1].register_forward_pre_hook(fail)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    except CollectiveError as exc:
+        return {"error": "CollectiveError", "seconds": time.monotonic() - start, "message": str(exc)}
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_decoder_a_failing_rank_makes_the_other_raise_within_the_timeout():
+    from hfpatch.testing import RankPool
+
+    timeout_s, margin_s = 5.0, 15.0
+    with RankPool(2, timeout_s=120) as pool:  # its own ranks: the failure leaves their groups unusable
+        waiting, failed = pool.run(failing_rank_case, timeout_s)
+    assert failed["error"] == "injected failure"
+    assert waiting["error"] == "CollectiveError", waiting
+    assert 0.5 * timeout_s <= waiting["seconds"] <= timeout_s + margin_s, waiting
