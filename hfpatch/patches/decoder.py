@@ -20,8 +20,10 @@ the exact loss over real tokens (``sp_output="shard"``). Per object and reversib
   embedding and the vision merge), every layer takes its shard of the rotary ``position_embeddings``
   (M-RoPE's ``[3, B, S, D]`` too; cut once per forward), Qwen3-VL's DeepStack adds each rank's own visual
   tokens' features, and the decoder's output is gathered (or left sharded).
-* **The vision tower** is replicated: every rank encodes every image and video (the tower's own
-  attention is per image; measured in ``benchmarks/decoder_sp.py``).
+* **The vision tower** attends within each frame, so each rank encodes a contiguous run of about ``1/N``
+  of a call's frames (:func:`frame_split`) and the merged features are all-gathered (``sp_vision="split"``,
+  the default), or every rank encodes everything (``"replicate"``); both measured in
+  ``benchmarks/decoder_sp.py``.
 
 Gradients follow :mod:`hfpatch.distributed.gradients`: the gather (or the sharded loss's sum) scales the
 gradient by ``N``, so each rank's parameter gradients are ``N`` times its shard's share and their mean over
