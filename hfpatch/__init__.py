@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.patch import Patch, PatchError
     from .core.registry import PatchFamily
     from .distributed.agreement import InputMismatchError
-    from .distributed.data import data_parallel_sampler, step_generator, step_rng
+    from .distributed.data import data_parallel_loaders, data_parallel_sampler, step_generator, step_rng
     from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
 
@@ -40,6 +40,7 @@ _LAZY = {
     "PatchFamily": ".core.registry",
     "all_reduce_gradients": ".distributed.gradients",
     "register_ddp_hook": ".distributed.gradients",
+    "data_parallel_loaders": ".distributed.data",
     "data_parallel_sampler": ".distributed.data",
     "step_generator": ".distributed.data",
     "step_rng": ".distributed.data",
@@ -80,6 +81,7 @@ __all__ = [
     "__version__",
     "all_reduce_gradients",
     "apply",
+    "data_parallel_loaders",
     "data_parallel_sampler",
     "get_patch",
     "register_ddp_hook",

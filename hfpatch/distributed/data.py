@@ -10,6 +10,10 @@ gives them different batches, which the same-input guard reports as
   axis (``patch.num_data_ranks`` / ``patch.data_rank``) that moves to the next epoch each time it is
   iterated (as accelerate's prepared loaders do). Keep that DataLoader out of ``accelerator.prepare``
   (prepare would shard it again over every process) and move batches to ``accelerator.device`` yourself.
+* :func:`data_parallel_loaders` -- for code that prepares its loaders with accelerate (the transformers
+  ``Trainer`` does, inside ``get_train_dataloader``): makes ``accelerator.prepare(loader)`` shard over the
+  data axis only, so every rank of a group loads the same batches. Logged in the patch, undone by
+  ``patch.remove()``.
 * :func:`step_rng` -- a ``with`` block in which torch's global RNGs (CPU and CUDA), Python's ``random`` and
   NumPy's are seeded from ``(seed, step, data_rank)``: EVERY random draw of a training step made inside it
   (the VAE posterior sample, noise, timesteps, caption dropout, dropout layers, draws inside diffusers'
@@ -58,6 +62,7 @@ from . import runtime
 
 __all__ = [
     "data_coordinates",
+    "data_parallel_loaders",
     "data_parallel_position",
     "data_parallel_sampler",
     "step_generator",
@@ -176,6 +181,58 @@ def data_parallel_sampler(
     return _EpochAdvancingSampler(
         dataset, num_replicas=num_data_ranks, rank=data_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
+
+
+def data_parallel_loaders(accelerator: Any, patch: Any) -> None:
+    """Make ``accelerator.prepare`` shard data loaders over the data axis of ``patch`` (one shard per replica).
+
+    accelerate shards a prepared loader over every process; the ranks of a sequence-parallel group must load
+    the same batches instead. After this call, ``accelerator.prepare(loader)`` (and the transformers
+    ``Trainer``'s ``get_train_dataloader``/``get_eval_dataloader``, which call it) shards over
+    ``patch.num_data_ranks`` replicas with index ``patch.data_rank``, with every other setting of the
+    accelerator (batch splitting, seedable sampler, device placement, RNG synchronisation) unchanged. The
+    change is an instance attribute logged in ``patch``: ``patch.remove()`` restores the accelerator.
+
+        patch = hfpatch.apply(model, parallel=world_size)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        hfpatch.data_parallel_loaders(trainer.accelerator, patch)   # before trainer.train()
+
+    Args:
+        accelerator: An ``accelerate.Accelerator`` (``trainer.accelerator``).
+        patch: The :class:`hfpatch.Patch` of the patched model.
+    """
+    from accelerate.data_loader import prepare_data_loader
+
+    data_rank, replicas = data_parallel_position(patch)
+    prepare = accelerator.prepare_data_loader
+
+    def prepare_replica_loader(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return prepare(data_loader, device_placement, slice_fn_for_dispatch)
+        if device_placement is None:
+            device_placement = accelerator.device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=replicas,
+            process_index=data_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=device_placement,
+            rng_types=list(accelerator.rng_types),
+            dispatch_batches=accelerator.dispatch_batches,
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(
+            prepared
+        )  # what Accelerator.prepare_data_loader records for save_state
+        return prepared
+
+    patch.set_attr(accelerator, "prepare_data_loader", prepare_replica_loader)
 
 
 def step_seed(seed: int, step: int, data_rank: int = 0) -> int:

@@ -22,6 +22,17 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.HunyuanVideo15Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.LTX2VideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
     ("diffusers.MiniMaxH3Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    # Sequence parallelism for transformers decoders (text LLMs and Qwen-VL), through the attention interface.
+    ("transformers.Qwen3ForCausalLM", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen3Model", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.LlamaForCausalLM", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.LlamaModel", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen3VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen3VLModel", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen2_5_VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen2_5_VLModel", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen2VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen2VLModel", "hfpatch.patches.decoder:DecoderUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),

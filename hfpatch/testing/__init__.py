@@ -17,8 +17,10 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
   :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`, :func:`tiny_pixart_pipe`, :func:`tiny_hunyuandit_pipe`; with text encoders and in-memory tokenizers:
   :func:`tiny_flux_pipe_with_text_encoders`.
-* Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl`, with
-  processor-style batches from :func:`qwen2_vl_inputs` and :func:`qwen3_vl_inputs`.
+* Vision-language models: :func:`tiny_qwen2_vl`, :func:`tiny_qwen2_5_vl`, :func:`tiny_qwen3_vl` (``causal_lm=True``:
+  the ``...ForConditionalGeneration`` class), with processor-style batches from :func:`qwen2_vl_inputs` and
+  :func:`qwen3_vl_inputs`.
+* Text decoders: :func:`tiny_qwen3_causal_lm`, :func:`tiny_llama_causal_lm`.
 * Text encoders: :func:`tiny_bert`, :func:`tiny_clip_text_model` with :func:`tiny_clip_tokenizer`,
   :func:`tiny_t5_encoder` with :func:`tiny_t5_tokenizer`.
 
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_hunyuanvideo15_transformer,
         tiny_hunyuanvideo_pipe,
         tiny_hunyuanvideo_transformer,
+        tiny_llama_causal_lm,
         tiny_ltx2_transformer,
         tiny_ltx_pipe,
         tiny_ltx_transformer,
@@ -72,6 +75,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_pixart_transformer,
         tiny_qwen2_5_vl,
         tiny_qwen2_vl,
+        tiny_qwen3_causal_lm,
         tiny_qwen3_vl,
         tiny_qwenimage_pipe,
         tiny_qwenimage_transformer,
@@ -112,6 +116,7 @@ __all__ = [
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
+    "tiny_llama_causal_lm",
     "tiny_ltx2_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
@@ -120,6 +125,7 @@ __all__ = [
     "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
+    "tiny_qwen3_causal_lm",
     "tiny_qwen3_vl",
     "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",

@@ -32,6 +32,7 @@ __all__ = [
     "tiny_hunyuanvideo15_transformer",
     "tiny_hunyuanvideo_pipe",
     "tiny_hunyuanvideo_transformer",
+    "tiny_llama_causal_lm",
     "tiny_ltx2_transformer",
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
@@ -40,6 +41,7 @@ __all__ = [
     "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_vl",
+    "tiny_qwen3_causal_lm",
     "tiny_qwen3_vl",
     "tiny_qwenimage_pipe",
     "tiny_qwenimage_transformer",
@@ -275,12 +277,18 @@ def tiny_flux_pipe(seed: int = 0):
     return pipe
 
 
-def tiny_qwen3_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+def tiny_qwen3_vl(
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    causal_lm: bool = False,
+    **text_overrides: Any,
+):
     """A stock ``Qwen3VLModel`` (vision tower + text model) with tiny dims; inputs per the Qwen3-VL processor layout.
 
-    Keyword arguments override the text config; ``vision_overrides`` the vision config.
+    Keyword arguments override the text config; ``vision_overrides`` the vision config. ``causal_lm=True``
+    builds ``Qwen3VLForConditionalGeneration`` (the same model plus the LM head and loss).
     """
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
 
     text = dict(head_dim=8, rope_parameters={**_QWEN_MROPE, "mrope_interleaved": True})
     vision = dict(
@@ -290,32 +298,45 @@ def tiny_qwen3_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None,
         num_position_embeddings=64,
         deepstack_visual_indexes=[1],
     )
-    return _tiny_qwen_vl(Qwen3VLConfig, Qwen3VLModel, text, vision, text_overrides, vision_overrides, seed)
+    model_cls = Qwen3VLForConditionalGeneration if causal_lm else Qwen3VLModel
+    return _tiny_qwen_vl(Qwen3VLConfig, model_cls, text, vision, text_overrides, vision_overrides, seed)
 
 
-def tiny_qwen2_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+def tiny_qwen2_vl(
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    causal_lm: bool = False,
+    **text_overrides: Any,
+):
     """A stock ``Qwen2VLModel`` (vision tower + text model) with tiny dims; inputs from :func:`qwen2_vl_inputs`.
 
     Same token ids and patch layout as :func:`tiny_qwen3_vl`. Keyword arguments override the text config;
-    ``vision_overrides`` the vision config.
+    ``vision_overrides`` the vision config; ``causal_lm=True`` builds ``Qwen2VLForConditionalGeneration``.
 
     >>> from hfpatch.testing import qwen2_vl_inputs
     >>> model = tiny_qwen2_vl()
     >>> tuple(model(**qwen2_vl_inputs([[("image", (1, 2, 4))], []])).last_hidden_state.shape)
     (2, 8, 32)
     """
-    from transformers import Qwen2VLConfig, Qwen2VLModel
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLModel
 
     # The merger maps the tower's embed_dim to hidden_size, the language model's width.
     vision = dict(embed_dim=16, hidden_size=32, mlp_ratio=2)
+    model_cls = Qwen2VLForConditionalGeneration if causal_lm else Qwen2VLModel
     return _tiny_qwen_vl(
-        Qwen2VLConfig, Qwen2VLModel, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
+        Qwen2VLConfig, model_cls, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
     )
 
 
-def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any):
+def tiny_qwen2_5_vl(
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    causal_lm: bool = False,
+    **text_overrides: Any,
+):
     """A stock ``Qwen2_5_VLModel`` (windowed vision tower + text model) with tiny dims; inputs from
-    :func:`qwen2_vl_inputs` (with ``second_per_grid_ts`` for videos).
+    :func:`qwen2_vl_inputs` (with ``second_per_grid_ts`` for videos). ``causal_lm=True`` builds
+    ``Qwen2_5_VLForConditionalGeneration``.
 
     The tower's first block attends within windows of 16 pixels (2x2 merged tokens, so grids wider than 4
     patches span several windows), the second over the whole image, as in the released models' mix.
@@ -326,7 +347,7 @@ def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = Non
     >>> tuple(model(**batch).last_hidden_state.shape)
     (2, 12, 32)
     """
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel
 
     vision = dict(
         hidden_size=16,
@@ -336,8 +357,9 @@ def tiny_qwen2_5_vl(seed: int = 0, vision_overrides: dict[str, Any] | None = Non
         fullatt_block_indexes=[1],
         tokens_per_second=4,
     )
+    model_cls = Qwen2_5_VLForConditionalGeneration if causal_lm else Qwen2_5_VLModel
     return _tiny_qwen_vl(
-        Qwen2_5_VLConfig, Qwen2_5_VLModel, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
+        Qwen2_5_VLConfig, model_cls, _QWEN2_TEXT, vision, text_overrides, vision_overrides, seed
     )
 
 
@@ -391,6 +413,47 @@ def _tiny_qwen_vl(
     )
     with _seeded(seed):
         return _randomize(model_cls(config), seed)
+
+
+_TINY_TEXT_LM = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def tiny_qwen3_causal_lm(seed: int = 0, **overrides: Any):
+    """A stock ``Qwen3ForCausalLM`` (qk-norm, grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
+
+    >>> import torch
+    >>> tuple(tiny_qwen3_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
+    (1, 3, 128)
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with _seeded(seed):
+        return _randomize(Qwen3ForCausalLM(Qwen3Config(**{**_TINY_TEXT_LM, **overrides})), seed)
+
+
+def tiny_llama_causal_lm(seed: int = 0, **overrides: Any):
+    """A stock ``LlamaForCausalLM`` (grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
+
+    >>> import torch
+    >>> tuple(tiny_llama_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
+    (1, 3, 128)
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with _seeded(seed):
+        return _randomize(LlamaForCausalLM(LlamaConfig(**{**_TINY_TEXT_LM, **overrides})), seed)
 
 
 def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
