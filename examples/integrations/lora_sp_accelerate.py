@@ -17,6 +17,14 @@ training, ``--validate-every``). Tiny random-weight Wan transformer, Wan VAE and
     # 4 processes: 2 data replicas x Ulysses 2
     torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
     python examples/integrations/lora_sp_accelerate.py --no-hfpatch --steps 4   # the unpatched reference
+    # accelerate's FSDP2 (GPUs; it prepares one model, so no --train-text-encoder): the same script
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \\
+        --fsdp_cpu_ram_efficient_loading false examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
+
+Under FSDP2 (``accelerator.is_fsdp2``) the weights are sharded: validation runs on every rank (patched), the
+LoRA weights are gathered with ``accelerator.get_state_dict``, and ``accelerator.accumulate`` gets the models
+rather than a list (accelerate's FSDP2 ``no_sync`` needs them). On CPU, accelerate never selects FSDP;
+``tests/integration/accelerate_fsdp2_cpu.py`` runs this script under it there (see its docstring).
 
 Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
 the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON).

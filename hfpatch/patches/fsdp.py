@@ -5,8 +5,9 @@ Sequence, CFG and data parallelism divide the *activations*; every rank still ho
 pipeline is sharded with torch's FSDP2 (:func:`torch.distributed.fsdp.fully_shard`, DTensor parameters on a
 1-D :class:`~torch.distributed.device_mesh.DeviceMesh`): each rank keeps ``1/N`` of every parameter, and a
 block's parameters are all-gathered just before it runs and freed after it (``reshard_after_forward=True``
-for every unit, the root included). On CUDA, FSDP2 runs its all-gathers on a separate stream, so the next
-block's gather overlaps the current block's compute (its implicit forward prefetch).
+for every unit, the root included). On CUDA, FSDP2 runs its all-gathers on a separate stream, so block
+``i + 1``'s gather overlaps block ``i``'s kernels when the CPU runs ahead (FSDP2's implicit forward
+prefetch; up to two blocks are then gathered at once).
 
 **Units.** The blocks a model names in ``_no_split_modules`` / ``_repeated_blocks`` (diffusers and
 transformers both declare them; the outermost match, e.g. ``WanTransformerBlock``, ``UMT5Block``) each
@@ -68,14 +69,8 @@ __all__ = [
     "shard_units",
 ]
 
-#: Options of :class:`WeightSharding` (``check_inputs`` and ``streaming`` are shared with other families:
-#: same defaults; ``streaming`` is read only to refuse the combination).
-SHARD_OPTIONS: dict[str, Any] = {
-    "shard_weights": False,
-    "shard_weights_offload": False,
-    "check_inputs": True,
-    "streaming": None,
-}
+#: Options of :class:`WeightSharding` (``check_inputs`` is shared with the other families: same default).
+SHARD_OPTIONS: dict[str, Any] = {"shard_weights": False, "shard_weights_offload": False, "check_inputs": True}
 
 _AXES = runtime.AXES
 _ALIASES = {"sp": ("ring", "ulysses")}
@@ -468,9 +463,7 @@ def _full_tensor(param: Any, mesh: Any) -> torch.Tensor:
     return whole.contiguous().clone() if whole.untyped_storage().nbytes() != whole.nbytes else whole
 
 
-def _snapshot(
-    modules: list[torch.nn.Module],
-) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, dict]]]:
+def _snapshot(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, dict, dict[str, dict]]]:
     """For each module: its ``__dict__`` (shallow) and a shallow copy of every dict held in it."""
     return [
         (m, dict(m.__dict__), {k: dict(v) for k, v in m.__dict__.items() if isinstance(v, dict)})
@@ -478,13 +471,11 @@ def _snapshot(
     ]
 
 
-def _shard(
-    model: torch.nn.Module, mesh: Any, offload: bool, label: str
-) -> tuple[_Sharded, list[tuple[str, torch.nn.Module]]]:
-    """``fully_shard`` the units of ``model`` then the model itself; record how to undo it."""
+def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Sharded]) -> None:
+    """``fully_shard`` the units of ``model``, then the model itself; append to ``record`` (first, so that a
+    failure half-way can be undone too) what :meth:`_Sharded.restore` needs to undo it."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    units = shard_units(model)
     modules = list(model.modules())
     before = _snapshot(modules)
     slots = [
@@ -494,35 +485,44 @@ def _shard(
         if param is not None
     ]
     buffers = list({id(b): (b, b.device) for b in model.buffers()}.values())
+    sharded = _Sharded(model, mesh, [], [], slots, buffers)
+    record.append(sharded)
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    roots = [m for _, m in units] + [model]
-    classes = [type(m) for m in roots]
-    for unit in roots:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
-    record = _Sharded(model, mesh, roots, classes, slots, buffers)
-    state = fully_shard.state(model)
-    # The root's forward hooks become a wrapper of its forward (see WeightSharding.apply): hfpatch's pre-hooks
-    # (same-input checks) then run before the root's first all-gather, and the CFG wrapper of a pipeline calls
-    # it only where the transformer computes.
-    state._pre_forward_hook_handle.remove()
-    state._post_forward_hook_handle.remove()
-    for module, attrs, dicts in before:
-        for name, value in module.__dict__.items():
-            if name not in attrs:
-                record.added_attrs.append((module, name, value))
-            elif name in dicts:
-                record.added_items += [(value, k, v) for k, v in value.items() if k not in dicts[name]]
-    # The sharded copies are FSDP2's own storage: release the full data the original parameters still hold
-    # (restored on remove()).
+    try:
+        for unit in [m for _, m in shard_units(model)] + [model]:
+            cls = type(unit)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+            sharded.units.append(unit)
+            sharded.classes.append(cls)
+            _release(slots)  # unit by unit: a model on the CPU never has more than one unit whole on the GPU
+        # The root's forward hooks become a wrapper of its forward (WeightSharding._shard_one): hfpatch's
+        # pre-hooks (same-input checks) then run before the first all-gather, and a pipeline's CFG wrapper
+        # calls it only where the transformer computes.
+        state = fully_shard.state(model)
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+    finally:
+        for module, attrs, dicts in before:
+            for name, value in module.__dict__.items():
+                if name not in attrs:
+                    sharded.added_attrs.append((module, name, value))
+                elif name in dicts:
+                    sharded.added_items += [(value, k, v) for k, v in value.items() if k not in dicts[name]]
+
+
+def _release(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.device]]) -> None:
+    """Free the full data of the original parameters FSDP2 has replaced (its shards are its own storage;
+    ``remove()`` gives the originals their full values back)."""
     for module, name, original, _ in slots:
-        if module._parameters.get(name) is not original:
+        if module._parameters.get(name) is not original and original.numel():
             with torch.no_grad():
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
-    return record, units
 
 
-def _root_forward(model: torch.nn.Module, state: Any, patch: Patch, label: str) -> Any:
-    """``model.forward`` wrapped in FSDP2's root pre/post-forward (what its module hooks did)."""
+def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, label: str) -> Any:
+    """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
+    module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
+    forward raises (the patch stays usable) and names a peer's failure as :class:`CollectiveError`."""
     from ..core.apply import get_patch
 
     def wrapper(original: Any) -> Any:
@@ -535,13 +535,20 @@ def _root_forward(model: torch.nn.Module, state: Any, patch: Patch, label: str) 
                     "model on every rank (its output is the unpatched one), or call patch.remove() on every rank "
                     "to get the full weights back"
                 )
-            args, kwargs = state._pre_forward(model, args, kwargs)
             try:
+                args, kwargs = state._pre_forward(model, args, kwargs)
                 output = original(*args, **kwargs)
-            except BaseException:
-                model.reset_iter_state()  # free what this forward gathered; the patch stays usable
+                return state._post_forward(model, args, output)
+            except Exception as exc:
+                try:
+                    model.reset_iter_state()  # free what this call gathered; the next call starts afresh
+                except Exception as reset_error:  # keep the first error; say the reset failed too
+                    exc.add_note(f"hfpatch: resetting FSDP2's state of {label} also failed: {reset_error!r}")
+                if runtime.is_peer_failure(exc):
+                    raise runtime.collective_error(
+                        f"the shard_weights all-gather of {label}", group, exc
+                    ) from exc
                 raise
-            return state._post_forward(model, args, output)
 
         return forward
 
@@ -552,10 +559,10 @@ def _root_forward(model: torch.nn.Module, state: Any, patch: Patch, label: str) 
 class WeightSharding(PatchFamily):
     """``shard_weights``: FSDP2 over the plan's ranks for a pipeline's transformers and encoders, or a model.
 
-    Registered for ``DiffusionPipeline`` (before the CFG/data-parallel family, so that family's wrapper calls
-    the sharded forward only where the transformer computes) and for every DiT class hfpatch parallelises (a
-    transformer applied on its own). Inside a pipeline the pipeline's entry shards the transformer, since it
-    knows whether CFG parallel calls it twice per step (module docstring).
+    Registered for ``DiffusionPipeline`` (before the CFG/data-parallel family, whose wrapper then calls the
+    sharded forward only where the transformer computes) and for every DiT class hfpatch parallelises (a
+    transformer applied on its own). Inside a pipeline, the pipeline's entry shards every denoiser and encoder
+    (one place, one same-weights check); the components' entries do nothing.
 
     Options:
         shard_weights: ``False`` (default), ``True``, or the mesh axes to shard over (see :func:`shard_axes`).
@@ -582,13 +589,14 @@ class WeightSharding(PatchFamily):
                 f"shard_weights shards weights over ranks, but the plan {config} runs on one rank; launch several "
                 "ranks (torchrun --nproc-per-node N) and pass parallel=N"
             )
-        if options["streaming"] is not None:
+        models = _models(target)
+        if not models:
             raise ValueError(
-                "shard_weights with streaming= is not supported: streaming runs parallel=1 (wrap the streaming "
-                "transformer in FSDP yourself for training)"
+                f"shard_weights: {type(target).__name__} has no denoiser or transformers encoder to shard (it "
+                "shards a pipeline's transformer/transformer_2/unet and text or image encoders)"
             )
         device = _communication_device()
-        for name, model in _models(target):
+        for name, model in models:
             shard_axes(value, config, name=name)
             _check_model(model, name, device)
 
@@ -604,40 +612,41 @@ class WeightSharding(PatchFamily):
             device_mesh = _shard_mesh(mesh, axes)
             self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"])
         if _is_class(target, "diffusers.DiffusionPipeline"):
-            _refuse_offload_methods(target, patch)
+            offload = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
+            _refuse_weight_moves(target, patch, offload)
 
     @staticmethod
     def _shard_one(model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        holder: list[_Sharded] = []
+        record: list[_Sharded] = []
         ranks = dist.get_process_group_ranks(device_mesh.get_group())
-        patch.on_remove(model, f"fully_shard over ranks {ranks}", lambda: holder and holder.pop().restore())
-        record, units = _shard(model, device_mesh, offload, name)
-        holder.append(record)
-        state = fully_shard.state(model)
-        patch.set_attr(
-            model, "forward", _root_forward(model, state, patch, name)(model.forward), keep_when_disabled=True
-        )
+        patch.on_remove(model, f"fully_shard over ranks {ranks}", lambda: record and record.pop().restore())
+        _shard(model, device_mesh, offload, record)
+        group = device_mesh.get_group()
+        wrapper = _root_forward(model, fully_shard.state(model), group, patch, name)
+        patch.set_attr(model, "forward", wrapper(model.forward), keep_when_disabled=True)
+        _refuse_weight_moves(model, patch, ("enable_group_offload", "enable_layerwise_casting"))
 
 
-def _refuse_offload_methods(pipe: Any, patch: Patch) -> None:
-    """``pipe.enable_model_cpu_offload()`` & co. after ``apply`` raise: they would move sharded weights."""
+def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:
+    """``obj.<method>()`` after ``apply`` raises: diffusers' offloading and layerwise casting move or recast
+    each parameter's data, which FSDP2's sharded DTensor parameters do not support."""
 
     def refuse(method: str) -> Any:
         def wrapper(original: Any) -> Any:
             def refused(*args: Any, **kwargs: Any) -> Any:
                 raise RuntimeError(
-                    f"{type(pipe).__name__}.{method}() after hfpatch.apply(..., shard_weights=True) would move "
-                    "sharded weights between devices, which FSDP2 does not support. Use "
-                    "shard_weights_offload=True instead (the shards stay in CPU memory, one block at a time is "
-                    "copied to the GPU), or patch.remove() first"
+                    f"{type(obj).__name__}.{method}() after hfpatch.apply(..., shard_weights=True) would move or "
+                    "recast sharded weights, which FSDP2 does not support. For CPU offload use "
+                    "shard_weights_offload=True (the shards stay in CPU memory, one block at a time is copied to "
+                    "the GPU); otherwise call it before hfpatch.apply, or patch.remove() first"
                 )
 
             return refused
 
         return wrapper
 
-    for method in ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload"):
-        if callable(getattr(pipe, method, None)):
-            patch.wrap_method(pipe, method, refuse(method))
+    for method in methods:
+        if callable(getattr(obj, method, None)):
+            patch.wrap_method(obj, method, refuse(method))

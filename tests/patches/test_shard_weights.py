@@ -281,6 +281,41 @@ def _error(fn: Any) -> str:
     return "no error"
 
 
+def _streaming_case() -> bool:
+    """The streaming (KV-cache) Wan transformer under a VAE-only plan, sharded: block-by-block cached outputs
+    bit-identical to the same streaming model unsharded."""
+    from hfpatch.streaming import StreamingConfig, StreamingKVCache
+    from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+
+    config = StreamingConfig(num_frame_per_block=2, local_attn_size=4, sink_size=1)
+    gen = torch.Generator().manual_seed(0)
+    x, timestep = (
+        torch.randn(1, 4, 6, 4, 4, generator=gen),
+        torch.randint(0, 1000, (1, 6), generator=gen).float(),
+    )
+    outputs = []
+    for options in ({}, {"shard_weights": True}):
+        model = tiny_wan_transformer()
+        with hfpatch.apply(model, ParallelConfig(vae=2), streaming=config, **options), torch.no_grad():
+            cache = StreamingKVCache(config, len(model.blocks))
+            outputs.append(
+                torch.cat(
+                    [
+                        model(
+                            x[:, :, s : s + 2],
+                            timestep[:, s : s + 2],
+                            wan_prompt_embeds(),
+                            kv_cache=cache,
+                            frame_offset=s,
+                        ).sample
+                        for s in range(0, 6, 2)
+                    ],
+                    dim=2,
+                )
+            )
+    return torch.equal(*outputs)
+
+
 def _error_cases() -> dict[str, Any]:
     """Bad combinations raise the same clear error on every rank, before anything is sharded."""
     from accelerate.hooks import ModelHook, add_hook_to_module
@@ -300,12 +335,7 @@ def _error_cases() -> dict[str, Any]:
     out["bad_value"] = _error(lambda: hfpatch.apply(model, 2, shard_weights=2))
     out["offload_alone"] = _error(lambda: hfpatch.apply(model, 2, shard_weights_offload=True))
     out["one_rank"] = _error(lambda: hfpatch.apply(model, 1, shard_weights=True))
-    from hfpatch.streaming import StreamingConfig
-
-    streaming = StreamingConfig(num_frame_per_block=1, local_attn_size=2, sink_size=1)
-    out["streaming"] = _error(
-        lambda: hfpatch.apply(model, ParallelConfig(vae=2), shard_weights=True, streaming=streaming)
-    )
+    out["streaming_exact"] = _streaming_case()
     hooked = tiny_wan_transformer()
     add_hook_to_module(hooked, ModelHook())  # what enable_model_cpu_offload / device_map install
     out["offload_hook"] = _error(lambda: hfpatch.apply(hooked, 2, shard_weights=True))
@@ -356,6 +386,8 @@ def _cases_two_ranks() -> dict[str, Any]:
             runs, wan22, _wan_call, 2, {"shard_weights_offload": True}, full=True
         ),
         "transformer_ring": _transformer_case(ParallelConfig(ring=2)),
+        # a VAE-only plan: the transformer runs whole on both ranks, in step, and is sharded over both
+        "wan_vae_only_plan": _pipeline_case(runs, _wan_pipe, _wan_call, ParallelConfig(vae=2), {}),
         "errors": _error_cases(),
     }
 
@@ -382,6 +414,18 @@ def _cases_four_ranks() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- tests
+#: Cases whose plan is exact in itself (two-call CFG, Ulysses, a whole transformer per rank): the sharded
+#: pipeline returns the unpatched latents bit for bit.
+EXACT_PLANS = (
+    "wan_cfg_text_encoder",
+    "wan_ulysses_text_encoder",
+    "wan22_cfg_offload",
+    "wan_vae_only_plan",
+    "wan_shard_sp_only",
+    "wan_cfg_ulysses_text_encoder",
+)
+
+
 @pytest.fixture(scope="module")
 def results(rank_pool) -> dict[int, list[dict[str, Any]]]:
     return {2: rank_pool(2).run(_cases_two_ranks), 4: rank_pool(4).run(_cases_four_ranks)}
@@ -399,7 +443,7 @@ def _inference_cases(results: dict[int, list[dict[str, Any]]]) -> list[tuple[int
 
 def test_shard_weights_output_equals_unpatched_on_every_rank(results):
     cases = _inference_cases(results)
-    assert len(cases) == 2 * 4 + 4 * 6
+    assert len(cases) == 2 * 5 + 4 * 6
     for world, rank, name, case in cases:
         assert case["world"] == world, (name, case["world"])
         assert case["exact_vs_unsharded"], (world, rank, name)  # FSDP2 leaves the arithmetic unchanged
@@ -412,12 +456,7 @@ def test_shard_weights_output_equals_unpatched_on_every_rank(results):
         )
     # Plans whose every split is exact give the unpatched latents bit for bit, sharded or not.
     for world, rank, name, case in cases:
-        if name in (
-            "wan_cfg_text_encoder",
-            "wan_ulysses_text_encoder",
-            "wan22_cfg_offload",
-            "wan_shard_sp_only",
-        ):
+        if name in EXACT_PLANS:
             assert case["exact_vs_unpatched"], (world, rank, name)
 
 
@@ -455,7 +494,9 @@ def test_shard_weights_errors_are_clear_and_alike_on_every_rank(results):
     assert errors["bad_value"].startswith("ValueError: shard_weights must be"), errors
     assert "needs shard_weights" in errors["offload_alone"], errors
     assert "runs on one rank" in errors["one_rank"], errors
-    assert "streaming" in errors["streaming"], errors
+    assert errors["streaming_exact"], (
+        errors
+    )  # a streaming transformer (VAE-only plan) sharded: same cached output
     assert "shard_weights_offload=True" in errors["offload_hook"], errors
     assert "already sharded" in errors["already_sharded"], errors
     assert errors["untouched"], errors
@@ -495,3 +536,47 @@ def test_shard_axes_plans():
         shard_axes(True, ParallelConfig(pipefusion=2))
     with pytest.raises(ValueError, match="degree 1"):
         shard_axes("cfg", ParallelConfig(ulysses=2))
+
+
+FAULT_TIMEOUT_S = 8
+
+
+def _fault_case() -> dict[str, Any]:
+    """Rank 1 raises between two blocks; rank 0 waits in the next block's all-gather and must raise
+    ``CollectiveError`` naming the shard group within ``HFPATCH_TIMEOUT_S`` (a VAE-only plan: no other
+    collective in the transformer)."""
+    import os
+    import time
+
+    from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+
+    model = tiny_wan_transformer()
+    dist.barrier()  # both ranks reach apply together, whatever the machine's load
+    os.environ["HFPATCH_TIMEOUT_S"] = str(FAULT_TIMEOUT_S)  # read when apply creates the groups
+    hfpatch.apply(model, ParallelConfig(vae=2), shard_weights=True)
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("injected failure on rank 1")
+
+    if dist.get_rank() == 1:
+        model.blocks[0].register_forward_hook(fail)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, 4, 2, 4, 4), torch.tensor([500.0]), wan_prompt_embeds())
+        error = "no error"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def test_shard_weights_peer_failure_raises_collective_error_within_timeout():
+    from hfpatch.testing import run_ranks
+
+    survivor, faulty = run_ranks(2, _fault_case, timeout_s=120)
+    assert faulty["error"] == "RuntimeError: injected failure on rank 1", faulty
+    assert survivor["error"].startswith("CollectiveError: hfpatch: the shard_weights all-gather of"), survivor
+    assert "shard_weights (all ranks) group of global ranks [0, 1]" in survivor["error"], survivor
+    assert survivor["elapsed"] < FAULT_TIMEOUT_S + 20, (
+        survivor
+    )  # the timeout plus a margin for a loaded machine
