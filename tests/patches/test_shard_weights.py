@@ -75,8 +75,30 @@ def _flux_call(pipe: Any, dtype: torch.dtype = torch.float32, prompts: int = 2) 
     ).images
 
 
+def _sdxl_pipe() -> Any:
+    from hfpatch.testing import tiny_sdxl_pipe
+
+    return tiny_sdxl_pipe()
+
+
+def _sdxl_call(pipe: Any, dtype: torch.dtype = torch.float32, prompts: int = 2) -> torch.Tensor:
+    """The tiny ``StableDiffusionXLPipeline`` (a UNet, batched CFG) on given embeddings and latents."""
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "prompt_embeds": torch.randn(prompts, 5, 16, generator=gen),
+        "pooled_prompt_embeds": torch.randn(prompts, 16, generator=gen),
+        "negative_prompt_embeds": torch.randn(prompts, 5, 16, generator=gen),
+        "negative_pooled_prompt_embeds": torch.randn(prompts, 16, generator=gen),
+        "latents": torch.randn(prompts, 4, 8, 8, generator=gen),
+    }
+    inputs = {k: v.to(dtype) for k, v in inputs.items()}
+    return pipe(
+        **inputs, height=16, width=16, num_inference_steps=2, guidance_scale=5.0, output_type="latent"
+    ).images
+
+
 def _sharded_models(pipe: Any) -> dict[str, torch.nn.Module]:
-    names = ("transformer", "transformer_2", "text_encoder", "text_encoder_2")
+    names = ("transformer", "transformer_2", "unet", "text_encoder", "text_encoder_2")
     return {n: getattr(pipe, n) for n in names if isinstance(getattr(pipe, n, None), torch.nn.Module)}
 
 
@@ -386,6 +408,8 @@ def _cases_two_ranks() -> dict[str, Any]:
             runs, wan22, _wan_call, 2, {"shard_weights_offload": True}, full=True
         ),
         "transformer_ring": _transformer_case(ParallelConfig(ring=2)),
+        # a UNet pipeline (batched CFG split over the cfg ranks; the UNet is sharded by the pipeline's entry)
+        "sdxl_unet_cfg": _pipeline_case(runs, _sdxl_pipe, _sdxl_call, ParallelConfig(cfg=2), {}, prompts=2),
         # a VAE-only plan: the transformer runs whole on both ranks, in step, and is sharded over both
         "wan_vae_only_plan": _pipeline_case(runs, _wan_pipe, _wan_call, ParallelConfig(vae=2), {}),
         "errors": _error_cases(),
@@ -443,7 +467,7 @@ def _inference_cases(results: dict[int, list[dict[str, Any]]]) -> list[tuple[int
 
 def test_shard_weights_output_equals_unpatched_on_every_rank(results):
     cases = _inference_cases(results)
-    assert len(cases) == 2 * 5 + 4 * 6
+    assert len(cases) == 2 * 6 + 4 * 6
     for world, rank, name, case in cases:
         assert case["world"] == world, (name, case["world"])
         assert case["exact_vs_unsharded"], (world, rank, name)  # FSDP2 leaves the arithmetic unchanged
