@@ -136,7 +136,8 @@ def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 # ----------------------------------------------------------------------------------------------- measuring
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameter storage ``model`` holds on this rank now: the local shards (padding included) of
-    sharded parameters, the full size of the others; each storage counted once.
+    sharded parameters, the full size of the others; each storage counted once, wherever it lives (in CPU
+    memory under ``shard_weights_offload``).
 
     >>> import torch
     >>> parameter_bytes(torch.nn.Linear(4, 2))   # (8 + 2) fp32 values
@@ -158,7 +159,13 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
 def gathered_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the full (all-gathered) parameters ``model`` holds right now: the units FSDP2 has gathered
-    for the block that runs (0 between calls: every unit is resharded after its forward)."""
+    for the block that runs (0 between calls: every unit is resharded after its forward). For a model that is
+    not sharded, all of its parameters.
+
+    >>> import torch
+    >>> gathered_parameter_bytes(torch.nn.Linear(4, 2))
+    40
+    """
     from torch.distributed.tensor import DTensor
 
     seen: set[int] = set()
