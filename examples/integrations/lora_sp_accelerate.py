@@ -17,6 +17,14 @@ training, ``--validate-every``). Tiny random-weight Wan transformer, Wan VAE and
     # 4 processes: 2 data replicas x Ulysses 2
     torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
     python examples/integrations/lora_sp_accelerate.py --no-hfpatch --steps 4   # the unpatched reference
+    # accelerate's FSDP2 (GPUs; it prepares one model, so no --train-text-encoder): the same script
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \\
+        --fsdp_cpu_ram_efficient_loading false examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
+
+Under FSDP2 (``accelerator.is_fsdp2``) the weights are sharded: validation runs on every rank (patched), the
+LoRA weights are gathered with ``accelerator.get_state_dict``, and ``accelerator.accumulate`` gets the models
+rather than a list (accelerate's FSDP2 ``no_sync`` needs them). On CPU, accelerate never selects FSDP;
+``tests/integration/accelerate_fsdp2_cpu.py`` runs this script under it there (see its docstring).
 
 Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
 the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON).
@@ -166,8 +174,9 @@ def training_step_loss(
     return torch.stack(losses).mean()
 
 
-def lora_weights(model: torch.nn.Module) -> dict[str, list[float]]:
-    return {k: v.detach().double().flatten().tolist() for k, v in get_peft_model_state_dict(model).items()}
+def lora_weights(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, list[float]]:
+    weights = get_peft_model_state_dict(model, state_dict=state_dict)
+    return {k: v.detach().double().flatten().tolist() for k, v in weights.items()}
 
 
 def build_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn.Module, ...]:
@@ -226,8 +235,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         transformer, optimizer = accelerator.prepare(transformer, optimizer)
         text_encoder.to(accelerator.device)
     vae.to(accelerator.device)
-    # No hfpatch line here: DDP's gradient averaging is right for the patched transformer and for the
-    # text encoder that feeds it, with accumulation syncing at every micro-step or not.
+    # No hfpatch line here: DDP's (or FSDP2's) gradient averaging is right for the patched transformer and
+    # for the text encoder that feeds it, with accumulation syncing at every micro-step or not.
+    # Under FSDP2 (`accelerate launch --use_fsdp --fsdp_version 2`) prepare replaced the parameters by
+    # sharded ones: clip the model's parameters as they are now.
+    params = [p for model in trained for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
+    # FSDP2 shards the weights: every rank holds 1/N of them, so validation runs on every rank (patched: its
+    # output is the unpatched one) instead of on the main process alone.
+    sharded = accelerator.is_fsdp2
 
     first_step = 0
     if args.resume:
@@ -251,7 +266,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step_losses = []
         for micro in range(args.grad_accum):
             micro_step = step * args.grad_accum + micro
-            with accelerator.accumulate(models_to_accumulate):  # a list, as diffusers' scripts pass it
+            # A list, as diffusers' scripts pass it (DDP then syncs at every micro-step); accelerate's FSDP2
+            # no_sync needs the models themselves.
+            accumulating = accelerator.accumulate(
+                *models_to_accumulate if sharded else [models_to_accumulate]
+            )
+            with accumulating:
                 loss = training_step_loss(
                     models, next(stream), args, micro_step, patch, accelerator.device, dtype
                 )
@@ -263,21 +283,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step_losses.append(accelerator.reduce(loss.detach(), "mean").item())  # sp ranks: equal losses
         losses[step] = sum(step_losses) / len(step_losses)
         accelerator.print(f"step {step}: loss {losses[step]:.6f}")
-        if args.validate_every and (step + 1) % args.validate_every == 0 and accelerator.is_main_process:
-            validations[step] = validate(accelerator, models, dataset, patch, seed=None)
+        if args.validate_every and (step + 1) % args.validate_every == 0:
+            if accelerator.is_main_process or sharded:
+                validations[step] = validate(accelerator, models, dataset, patch, seed=None, sharded=sharded)
         if args.checkpoint_at and step + 1 == args.checkpoint_at:
             accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step + 1}"))
             if args.stop_after_checkpoint:
                 break
 
     results: dict[str, Any] = {"losses": losses, "world": accelerator.num_processes}
+    # Full state dicts: under FSDP2 a gather over every rank (each holds shards), else the model's own.
+    final_state = {"transformer": accelerator.get_state_dict(transformer, unwrap=True)}
+    if args.train_text_encoder:
+        final_state["text_encoder"] = accelerator.get_state_dict(text_encoder, unwrap=True)
+    validation_loss = None
+    if accelerator.is_main_process or sharded:
+        validation_loss = validate(accelerator, models, dataset, patch, seed=123, sharded=sharded)
     if accelerator.is_main_process:
-        final = {"transformer": lora_weights(accelerator.unwrap_model(transformer))}
-        if args.train_text_encoder:
-            final["text_encoder"] = lora_weights(accelerator.unwrap_model(text_encoder))
+        wrapped = {"transformer": transformer, "text_encoder": text_encoder}
+        final = {k: lora_weights(accelerator.unwrap_model(wrapped[k]), sd) for k, sd in final_state.items()}
         results.update(
             plan=None if patch is None else repr(patch.plan),
-            validation_loss=validate(accelerator, models, dataset, patch, seed=123),
+            fsdp=sharded,
+            validation_loss=validation_loss,
             mid_run_validations=validations,
             lora_init=lora_init,
             lora_final=final,
@@ -295,18 +323,23 @@ def validate(
     dataset: InstanceDataset,
     patch: hfpatch.Patch | None,
     seed: int | None,
+    sharded: bool = False,
 ) -> float:
     """A validation loss on the main process only: unpatched, so it needs no other rank.
 
     ``seed=None`` draws from the global RNG, as diffusers' ``log_validation`` does without ``--seed`` (or
     with ``--seed 0``, which its ``if args.seed`` treats as none): only the main process's RNG moves.
+    ``sharded`` (FSDP2): every rank calls this and runs the patched models together (each holds 1/N of the
+    weights); their global RNGs agree (``hfpatch.step_rng`` restores them after every step), so the
+    ranks of a group draw the same noise.
     """
     transformer, text_encoder, vae = (accelerator.unwrap_model(m) for m in models)
     pixels, input_ids = (t[None].to(accelerator.device) for t in dataset[0])
     modes = [m.training for m in (transformer, text_encoder)]
     for model in (transformer, text_encoder):
         model.eval()
-    with patch.disabled() if patch is not None else contextlib.nullcontext(), torch.no_grad():  # hfpatch
+    unpatched = patch.disabled() if patch is not None and not sharded else contextlib.nullcontext()  # hfpatch
+    with unpatched, torch.no_grad():
         with torch.random.fork_rng() if seed is not None else contextlib.nullcontext():
             if seed is not None:
                 torch.manual_seed(seed)

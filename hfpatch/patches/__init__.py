@@ -41,6 +41,16 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Patch-parallel VAEs.
     ("diffusers.AutoencoderKLWan", "hfpatch.patches.wan_vae:WanVAEParallel"),
     ("diffusers.AutoencoderKL", "hfpatch.patches.kl_vae:KLVAEParallel"),
+    # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
+    # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
+    ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp:WeightSharding"),
     # CFG / data parallel at the pipeline level.
     ("diffusers.DiffusionPipeline", "hfpatch.patches.pipeline:PipelineParallel"),
+]
+
+# ... and every DiT transformer applied on its own (after its other families: the sharded forward is outermost).
+BUILTIN_FAMILIES += [
+    (key, "hfpatch.patches.fsdp:WeightSharding")
+    for key, family in list(BUILTIN_FAMILIES)
+    if family == "hfpatch.patches.dit:PlannedDiTUSP"
 ]

@@ -13,6 +13,10 @@ generated in full, then sliced), and every rank returns the full output.
     the uncond call inside ``cache_context("uncond")``. On cfg rank 1 the cond call returns a placeholder
     that is filled in place when the uncond call has run; on cfg rank 0 the uncond call computes nothing
     and receives. Any other order of calls raises ``RuntimeError`` instead of returning a wrong result.
+    A transformer whose weights FSDP2 shards over ranks of both cfg branches (``shard_weights=True``, or the
+    user's ``fully_shard``) all-gathers each block in every forward, so the branches must compute in the same
+    call: there cfg rank 0 also returns a placeholder from the cond call and computes the cond prediction at
+    the uncond call, in step with cfg rank 1 (still bit-exact: the same calls on the same arguments).
   * *batched* (``StableDiffusion3Pipeline``: ``torch.cat([uncond, cond])``, batch ``2B``): the batch is
     split over the cfg ranks inside the transformer call and the outputs are all-gathered.
 
@@ -298,6 +302,8 @@ class _Pending:
     error: Exception | None  # cfg rank 0: its cond call failed; raised at the uncond call (see _uncond)
     # The plain tensor behind ``tensor`` (``tensor`` is a guarded view of it for generic pipelines).
     placeholder: torch.Tensor
+    # cfg rank 0 of a transformer with sharded weights: the cond call's arguments, computed at the uncond call
+    deferred: tuple[inspect.BoundArguments, tuple[str, ...]] | None = None
 
 
 @dataclass
@@ -414,6 +420,10 @@ class _ParallelForward:
         # The argument whose leading dim is the batch: hidden_states, or the first parameter (UNet's sample).
         self.batch_arg = "hidden_states" if known is not None else parameters[1].name
         self.varkw = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
+        # Weights sharded by FSDP2 (shard_weights=True, or the user's fully_shard): every forward all-gathers
+        # each block over ranks of both cfg branches, so both must compute in the SAME call; cfg rank 0 then
+        # computes the cond prediction at the uncond call, as cfg rank 1 computes the uncond one.
+        self.defer_cond = any(cls.__name__ == "FSDPModule" for cls in type(model).__mro__)
 
     # -- argument handling ----------------------------------------------------------------------------
     def _bind(self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -571,7 +581,8 @@ class _ParallelForward:
             # cfg rank 1: filled in place with the cond prediction when the uncond call has run (see _uncond).
             tensor = placeholder = self._placeholder(bound)
             error = None
-            if cfg_rank == 0:
+            deferred = (bound, names) if cfg_rank == 0 and self.defer_cond else None
+            if cfg_rank == 0 and deferred is None:
                 try:
                     tensor = self._split_compute(bound, data_only, names)
                 except Exception as exc:
@@ -589,7 +600,7 @@ class _ParallelForward:
                     f"of {self.name} before its uncond call, unlike in its first step; that value exists on cfg "
                     "rank 0 only at this point. Apply with cfg=1 for this pipeline."
                 )
-            self.state.pending = _Pending(self.model, tensor, error, placeholder)
+            self.state.pending = _Pending(self.model, tensor, error, placeholder, deferred)
             return tensor
         if self.context == "uncond":
             return self._uncond(bound, cfg_rank, names)
@@ -657,16 +668,18 @@ class _ParallelForward:
         if pending.placeholder.shape[0] != self._batch(bound):
             raise self._pattern_error("cond and uncond calls with different batch sizes")
         error = pending.error
-        if cfg_rank == 0:
+        if cfg_rank == 0 and pending.deferred is None:
             local = pending.placeholder  # the cond prediction; cfg rank 1 computes the uncond one
         else:
+            # cfg rank 1: this uncond call; cfg rank 0 of sharded weights: its deferred cond call
+            call, call_names = pending.deferred if cfg_rank == 0 else (bound, names)
             try:
-                local = self._split_compute(bound, [self.data_group], names)
+                local = self._split_compute(call, [self.data_group], call_names)
             except Exception as exc:  # re-raised below, once cfg rank 0 knows it must raise too
                 error, local = exc, pending.placeholder
         self._agree_before_gather(local, pending.placeholder, error, cfg_rank)
         both = all_gather(local.unsqueeze(0), dim=0, group=self.cfg_group)  # [cond, uncond]
-        if cfg_rank == 1:
+        if cfg_rank == 1 or pending.deferred is not None:
             pending.placeholder.copy_(both[0])  # the storage of what this rank returned for the cond call
         if isinstance(pending.tensor, _PendingPrediction):
             pending.tensor.filled = True

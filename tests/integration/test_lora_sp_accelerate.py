@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,14 +37,33 @@ STEPS, CHECKPOINT = 4, 2
 COMMON = ["--steps", str(STEPS), "--optimizer", "sgd", "--grad-accum", "2", "--train-text-encoder"]
 
 
-def _run(args: list[str], out: Path, world: int = 1) -> dict:
+def _fsdp2_launcher(world: int) -> list[str]:
+    """``accelerate launch --use_fsdp --fsdp_version 2`` on ``world`` CPU processes (through the shim that
+    gives accelerate's FSDP2 on CPU, :mod:`accelerate_fsdp2_cpu`; see its docstring)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        *("-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2"),
+        *("--num_processes", str(world), "--num_machines", "1", "--main_process_port", str(port)),
+        *("--mixed_precision", "no", "--dynamo_backend", "no"),
+        # blocks from _no_split_modules; accelerate's cpu_ram_efficient_loading (its default) fails on diffusers
+        # models with root-level parameters (Wan's scale_shift_table: no get_parameter_or_buffer)
+        *("--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_cpu_ram_efficient_loading", "false"),
+        str(Path(__file__).with_name("accelerate_fsdp2_cpu.py")),
+    ]
+
+
+def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON, fsdp2: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "HFPATCH_TIMEOUT_S": "120"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     )
-    command = [sys.executable, *launcher, str(SCRIPT), *COMMON, "--output-dir", str(out), *args]
+    if fsdp2:
+        launcher = _fsdp2_launcher(world)
+    command = [sys.executable, *launcher, str(SCRIPT), *common, "--output-dir", str(out), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     name = args[args.index("--results-file") + 1] if "--results-file" in args else "results.json"
@@ -60,7 +80,13 @@ def _updates(result: dict) -> dict[str, torch.Tensor]:
     }
 
 
-def _compare(losses: dict[str, float], final: dict, ref32: dict, ref64: dict) -> str:
+def _compare(
+    losses: dict[str, float],
+    final: dict,
+    ref32: dict,
+    ref64: dict,
+    trained: tuple[str, ...] = ("transformer", "text_encoder"),
+) -> str:
     steps = [str(s) for s in range(STEPS)]
     got = torch.tensor([losses[s] for s in steps])
     loss32 = torch.tensor([ref32["losses"][s] for s in steps])
@@ -72,9 +98,7 @@ def _compare(losses: dict[str, float], final: dict, ref32: dict, ref64: dict) ->
     # lora_B starts at zero, so a tensor's update can be tiny next to the others).
     got_u, want, want64 = (_updates(r) for r in (final, ref32, ref64))
     assert got_u.keys() == want.keys() == want64.keys(), sorted(set(got_u) ^ set(want))
-    assert any(k.startswith("text_encoder:") for k in want) and any(
-        k.startswith("transformer:") for k in want
-    )
+    assert all(any(k.startswith(f"{model}:") for k in want) for model in trained), sorted(want)
     floor = 0.01 * max(v.abs().max().item() for v in want64.values())
     scales = {k: max(v.abs().max().item(), floor) for k, v in want64.items()}
     weight_noise = max(rel_error(want[k], want64[k], scales[k]) for k in want)
@@ -114,3 +138,26 @@ def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2(tmp_path):
     run = _run(["--ulysses", "2"], tmp_path / "sp", world=4)
     assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
     print(_compare(run["losses"], run, ref32, ref64))
+
+
+def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
+    """The same script under ``accelerate launch --use_fsdp --fsdp_version 2``: accelerate shards the patched
+    transformer block by block (``fully_shard``), averages the gradients with FSDP2's reduce-scatter (no hfpatch
+    line), clips them as DTensors, saves a sharded (DCP) checkpoint and resumes from it. FSDP2 in accelerate
+    prepares one model, so only the transformer trains (its LoRA); validation runs on every rank (the weights
+    are sharded), patched."""
+    common = [a for a in COMMON if a != "--train-text-encoder"]
+    ref32 = _run(["--no-hfpatch"], tmp_path / "ref32", common=common)
+    ref64 = _run(["--no-hfpatch", "--dtype", "float64"], tmp_path / "ref64", common=common)
+    sp = tmp_path / "fsdp2"
+    patched = ["--validate-every", "1", "--checkpoint-at", str(CHECKPOINT)]
+    _run([*patched, "--stop-after-checkpoint", "--results-file", "first.json"], sp, 2, common, fsdp2=True)
+    assert (sp / f"checkpoint-{CHECKPOINT}" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
+    first = json.loads((sp / "first.json").read_text())
+    resumed = _run(
+        ["--validate-every", "1", "--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True
+    )
+    assert first["fsdp"] and resumed["fsdp"] and "ulysses=2" in first["plan"], first
+    assert sorted(first["losses"]) == ["0", "1"] and sorted(resumed["losses"]) == ["2", "3"]
+    assert sorted(first["mid_run_validations"]) == ["0", "1"]
+    print(_compare({**first["losses"], **resumed["losses"]}, resumed, ref32, ref64, trained=("transformer",)))

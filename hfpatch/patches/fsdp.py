@@ -1,0 +1,659 @@
+"""Weights sharded over ranks with FSDP2 (``hfpatch.apply(..., shard_weights=True)``), for inference.
+
+Sequence, CFG and data parallelism divide the *activations*; every rank still holds every weight. With
+``shard_weights=True`` each transformer (Wan 2.2's ``transformer_2`` too) and each text/image encoder of a
+pipeline is sharded with torch's FSDP2 (:func:`torch.distributed.fsdp.fully_shard`, DTensor parameters on a
+1-D :class:`~torch.distributed.device_mesh.DeviceMesh`): each rank keeps ``1/N`` of every parameter, and a
+block's parameters are all-gathered just before it runs and freed after it (``reshard_after_forward=True``
+for every unit, the root included). On CUDA, FSDP2 runs its all-gathers on a separate stream, so block
+``i + 1``'s gather overlaps block ``i``'s kernels when the CPU runs ahead (FSDP2's implicit forward
+prefetch; up to two blocks are then gathered at once).
+
+**Units.** The blocks a model names in ``_no_split_modules`` / ``_repeated_blocks`` (diffusers and
+transformers both declare them; the outermost match, e.g. ``WanTransformerBlock``, ``UMT5Block``) each
+become one FSDP unit; everything else (embeddings, norms, the output projection) is the root unit, gathered
+for the whole forward. A block whose parameters are tied to a module outside it stays in the root (FSDP
+needs a tied parameter in one unit). Without those attributes, the elements of the model's
+``nn.ModuleList`` s are the units (:func:`shard_units`).
+
+**Which ranks share a weight.** The ranks of an FSDP group must run the model's forwards in the same order,
+because each block's all-gather is a collective. Sequence parallelism, data parallelism and batched CFG
+compute every transformer call on every rank; under two-call CFG parallelism (``WanPipeline``, true CFG of
+Flux/QwenImage/HunyuanVideo) the pipeline family runs both cfg branches in the uncond call when the weights
+are sharded (:mod:`hfpatch.patches.pipeline`), and every rank runs the encoders in step. So
+``shard_weights=True`` shards over every rank of the plan, cfg ranks included. A mesh axis name or a tuple
+of them (``shard_weights=("ring", "ulysses")``, or ``"sp"``) shards over those axes only (e.g. within a
+node, whose ranks the innermost axes hold) and replicates over the others; inference needs no traffic
+between replicas.
+
+**Restoring.** ``patch.remove()`` all-gathers every parameter back and restores the model exactly: the
+original ``nn.Parameter`` objects (their data was released while sharded) with their full values, each
+module's class (FSDP2 swaps it for an ``FSDP<Class>`` subclass), and every attribute, hook and
+``torch.distributed`` composable-API entry ``fully_shard`` added. That is a collective: call
+``patch.remove()`` on every rank, before the process group is destroyed. ``patch.disabled()`` cannot run a
+sharded model (a rank alone holds ``1/N`` of it) and says so.
+
+**Offload.** ``shard_weights_offload=True`` gives FSDP2 a ``CPUOffloadPolicy``: every rank keeps its shards
+in (pinned, on CUDA) CPU memory and copies one block at a time to the accelerator when gathering it. That is
+the composition that works for an idle expert (Wan 2.2's ``transformer_2`` in the high-noise steps): its
+shards wait in CPU memory. diffusers' model/sequential CPU offload and group offloading move whole modules
+or their parameters themselves, which FSDP2's DTensor parameters do not support: they are refused.
+
+>>> import torch
+>>> from hfpatch.patches.fsdp import shard_units
+>>> from hfpatch.testing import tiny_wan_transformer
+>>> [name for name, _ in shard_units(tiny_wan_transformer())]
+['blocks.0', 'blocks.1']
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..core.config import ParallelConfig
+from ..core.patch import Patch
+from ..core.registry import PatchFamily, class_key
+from ..distributed import runtime
+
+__all__ = [
+    "SHARD_OPTIONS",
+    "WeightSharding",
+    "gathered_parameter_bytes",
+    "parameter_bytes",
+    "shard_axes",
+    "shard_units",
+]
+
+#: Options of :class:`WeightSharding` (``check_inputs`` is shared with the other families: same default).
+SHARD_OPTIONS: dict[str, Any] = {"shard_weights": False, "shard_weights_offload": False, "check_inputs": True}
+
+_AXES = runtime.AXES
+_ALIASES = {"sp": ("ring", "ulysses")}
+
+
+# ----------------------------------------------------------------------------------------------- units
+def _is_class(obj: Any, key: str) -> bool:
+    return any(class_key(c) == key for c in type(obj).__mro__)
+
+
+def _param_owners(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> the qualified names of the modules that register it (tied weights: several)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules of ``model`` that become their own FSDP unit, in module order (the rest is the root).
+
+    The outermost modules whose class ``model`` names in ``_no_split_modules`` or ``_repeated_blocks``; for a
+    model that names none, the elements of its ``nn.ModuleList`` s (outermost). A candidate whose parameters
+    are also registered outside it (a tied embedding) is left to the root unit. Pure: nothing is changed.
+
+    >>> from hfpatch.testing import tiny_t5_encoder
+    >>> [name for name, _ in shard_units(tiny_t5_encoder())]   # `shared` is tied to encoder.embed_tokens
+    ['encoder.block.0']
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ()) | set(
+        getattr(model, "_repeated_blocks", None) or ()
+    )
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    if names:
+        matches = [(n, m) for n, m in modules if type(m).__name__ in names]
+    else:
+        matches = [
+            (f"{n}.{i}", child)
+            for n, m in modules
+            if isinstance(m, torch.nn.ModuleList)
+            for i, child in enumerate(m)
+        ]
+    owners = _param_owners(model)
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for name, module in matches:
+        if any(_within(name, taken) for taken, _ in chosen):
+            continue
+        params = list(module.parameters())
+        if not params:
+            continue
+        if any(not _within(owner, name) for p in params for owner in owners[id(p)]):
+            continue  # tied to a module outside: FSDP needs the parameter in one unit
+        chosen.append((name, module))
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameter storage ``model`` holds on this rank now: the local shards (padding included) of
+    sharded parameters, the full size of the others; each storage counted once, wherever it lives (in CPU
+    memory under ``shard_weights_offload``).
+
+    >>> import torch
+    >>> parameter_bytes(torch.nn.Linear(4, 2))   # (8 + 2) fp32 values
+    40
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen and storage.nbytes():
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def gathered_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the full (all-gathered) parameters ``model`` holds right now: the units FSDP2 has gathered
+    for the block that runs (0 between calls: every unit is resharded after its forward). For a model that is
+    not sharded, all of its parameters.
+
+    >>> import torch
+    >>> gathered_parameter_bytes(torch.nn.Linear(4, 2))
+    40
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            continue
+        storage = param.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- axes
+def shard_axes(value: Any, config: ParallelConfig, *, name: str = "model") -> tuple[str, ...]:
+    """The mesh axes (of :data:`hfpatch.distributed.runtime.AXES`, degree > 1) a model is sharded over.
+
+    ``value`` is the ``shard_weights`` option: ``True`` (every axis), an axis name, ``"sp"`` (ring and
+    ulysses) or a tuple of them. An empty result means every rank of the plan (a plan with no axis of degree
+    > 1, e.g. a VAE-only ``ParallelConfig(vae=N)``: the model runs whole, in step, on every rank). Pure.
+
+    Raises:
+        ValueError: An unknown axis, PipeFusion, or a selection that leaves one rank per group.
+
+    >>> from hfpatch import ParallelConfig
+    >>> shard_axes(True, ParallelConfig(cfg=2, ulysses=2))
+    ('cfg', 'ulysses')
+    >>> shard_axes("sp", ParallelConfig(data=2, ring=2, ulysses=2))
+    ('ring', 'ulysses')
+    """
+    if config.pipefusion > 1:
+        raise ValueError(
+            f"shard_weights cannot shard {name} under PipeFusion (pipefusion={config.pipefusion}): its stages run "
+            "different blocks at different times, so no group of ranks gathers the same block together, and "
+            "PipeFusion already keeps only its stage's blocks on each rank (pipefusion_release_weights). Use "
+            "shard_weights with ulysses/ring/cfg/data, or PipeFusion without it"
+        )
+    active = [axis for axis in _AXES if getattr(config, axis) > 1]
+    if value is True:
+        if not active and config.world_size > 1:
+            return ()  # a VAE-only plan: the model runs whole, in step, on every rank
+        axes = active
+    else:
+        names = (value,) if isinstance(value, str) else value
+        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                "shard_weights must be False, True (every rank of the plan), a mesh axis name or a tuple of them "
+                f"(from {', '.join(_AXES)}, or 'sp' for ring and ulysses); got {value!r}"
+            )
+        expanded = [axis for n in names for axis in _ALIASES.get(n, (n,))]
+        unknown = [n for n in expanded if n not in _AXES]
+        if unknown:
+            raise ValueError(
+                f"shard_weights names unknown mesh axis {unknown[0]!r}; known: {', '.join(_AXES)} and 'sp'"
+            )
+        axes = [axis for axis in _AXES if axis in expanded and getattr(config, axis) > 1]
+    if not axes:
+        raise ValueError(
+            f"shard_weights={value!r} leaves one rank per group for {name} under {config} (the axes it names have "
+            "degree 1): there is nothing to shard over. Use more ranks, other axes, or shard_weights=False"
+        )
+    return tuple(axes)
+
+
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ParallelMesh -> {axes: DeviceMesh}
+
+
+def _shard_mesh(mesh: Any, axes: tuple[str, ...]) -> Any:
+    """The 1-D DeviceMesh of this rank's shard group: the ranks that differ only along ``axes`` (every rank
+    of the plan when ``axes`` is empty). Its process group is hfpatch's own, with ``HFPATCH_TIMEOUT_S``;
+    one per mesh and axes (creating it is a collective of every rank)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cache = _GROUPS.setdefault(mesh, {})
+    if axes in cache:
+        return cache[axes]
+    config = mesh.config
+    world = config.world_size
+    if axes:
+        shape = [getattr(config, axis) for axis in _AXES]
+        grid = torch.arange(world).view(shape)
+        keep = [i for i, axis in enumerate(_AXES) if axis in axes]
+        rest = [i for i in range(len(_AXES)) if i not in keep]
+        size = 1
+        for i in keep:
+            size *= shape[i]
+        ranks = grid.permute(*rest, *keep).reshape(-1, size).tolist()
+    else:
+        ranks = [list(range(world))]
+    timeout = runtime.default_timeout()
+    try:
+        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error("creating the shard_weights groups", None, exc) from exc
+    runtime._register_group(group, "shard_weights (" + (" x ".join(axes) or "all ranks") + ")", timeout)
+    device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    device_mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+    cache[axes] = device_mesh
+    return device_mesh
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _offload_hooks(model: torch.nn.Module) -> list[str]:
+    """Submodules under an accelerate hook (model/sequential CPU offload, ``device_map``) or diffusers'
+    group offloading: they move weights themselves, which FSDP2's DTensor parameters do not support."""
+    found = []
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            found.append(f"{name or '<root>'} (accelerate hook {type(module._hf_hook).__name__})")
+        registry = getattr(module, "_diffusers_hook", None)
+        hooks = getattr(registry, "hooks", {}) if registry is not None else {}
+        offload = [h for h in hooks if "offload" in str(h)]
+        if offload:
+            found.append(f"{name or '<root>'} (diffusers hook {offload[0]})")
+    return found
+
+
+def _communication_device() -> str:
+    """Device type the process group communicates on: that of the default group, or the one ``hfpatch.apply``
+    will initialise (NCCL on CUDA, gloo on CPU)."""
+    if dist.is_available() and dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_model(model: torch.nn.Module, name: str, backend_device: str) -> None:
+    """Raise ``ValueError`` when ``model`` cannot be sharded (checked on every rank before any change)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"shard_weights: {name} has no parameters to shard")
+    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            f"shard_weights: {name} is already sharded (FSDP/DTensor parameters); apply hfpatch to the unsharded "
+            "model, or drop shard_weights and keep your own fully_shard"
+        )
+    hooked = _offload_hooks(model)
+    if hooked:
+        raise ValueError(
+            f"shard_weights cannot shard {name}: {hooked[0]} moves its weights between devices itself "
+            "(enable_model_cpu_offload, enable_sequential_cpu_offload, enable_group_offload or a device_map), "
+            "which FSDP2's sharded DTensor parameters do not support. Remove the offload (pipe.remove_all_hooks() "
+            "or reload without it) and use shard_weights_offload=True: each rank then keeps its 1/N shards in "
+            "CPU memory and copies one block at a time to the GPU"
+        )
+    devices = {t.device.type for t in [*params, *model.buffers()]}
+    if "meta" in devices:
+        raise ValueError(
+            f"shard_weights: {name} has parameters or buffers on the meta device; load its weights before "
+            "hfpatch.apply"
+        )
+    unexpected = devices - {"cpu", backend_device}
+    if unexpected:
+        raise ValueError(
+            f"shard_weights: {name} has tensors on {sorted(unexpected)}, but the process group communicates on "
+            f"{backend_device}; move the model to {backend_device} (or keep it on the CPU) before hfpatch.apply"
+        )
+    bad = sorted({str(p.dtype) for p in params if not (p.is_floating_point() or p.is_complex())})
+    if bad:
+        raise ValueError(
+            f"shard_weights: {name} has parameters of dtype {', '.join(bad)} (quantized weights?); FSDP2 shards "
+            "floating-point parameters only"
+        )
+
+
+def _models(target: Any) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of what ``shard_weights`` shards in ``target``: a pipeline's denoisers and its
+    transformers-library encoders (text, image), or the model itself."""
+    if not _is_class(target, "diffusers.DiffusionPipeline"):
+        return [(type(target).__name__, target)]
+    from .pipeline import _transformers
+
+    denoisers = _transformers(target)
+    found: list[tuple[str, torch.nn.Module]] = []
+    for key, component in target.components.items():
+        if not isinstance(component, torch.nn.Module) or any(component is m for _, m in found):
+            continue
+        if any(component is d for d in denoisers) or _is_class(component, "transformers.PreTrainedModel"):
+            found.append((key, component))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------- agreement
+def _check_same_weights(models: list[tuple[str, torch.nn.Module]], group: Any) -> None:
+    """Raise ``ValueError`` on every rank unless every rank holds bit-identical parameters.
+
+    FSDP2 keeps each rank's slice of ITS OWN copy of a weight: ranks with different weights (a model
+    initialised without a common seed, another checkpoint) would compute with a silent mixture. One
+    all-gather of two 64-bit content digests per parameter
+    (:func:`hfpatch.distributed.agreement.content_digest`) over every rank of the plan.
+    """
+    from ..distributed.agreement import content_digest
+
+    names, rows = [], []
+    for model_name, model in models:
+        seen: set[int] = set()
+        for name, param in model.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            names.append(f"{model_name}.{name}")
+            rows.append(content_digest(param.detach()))
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    local = torch.tensor([[len(rows), 0], *rows], dtype=torch.int64, device=device)
+    counts = [torch.empty(1, 2, dtype=torch.int64, device=device) for _ in range(world)]
+    try:
+        dist.all_gather(counts, local[:1], group=group)
+        if any(int(c[0, 0]) != len(rows) for c in counts):
+            raise ValueError(
+                f"shard_weights: the ranks hold different numbers of parameters ({[int(c[0, 0]) for c in counts]}); "
+                "build the same model on every rank"
+            )
+        tables = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(tables, local, group=group)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error("the shard_weights same-weights check", group, exc) from exc
+    table = torch.stack(tables).cpu()[:, 1:]  # (world, params, 2)
+    differs = (table != table[0]).any(dim=-1)  # (world, params)
+    if bool(differs.any()):
+        first = int(differs.any(dim=0).nonzero()[0])
+        ranks = [dist.get_global_rank(group, r) for r in differs[:, first].nonzero().flatten().tolist()]
+        count = int(differs.any(dim=0).sum())
+        raise ValueError(
+            f"shard_weights: the ranks hold different weights ({count} parameter(s) differ; the first is "
+            f"{names[first]}, which differs from rank {dist.get_global_rank(group, 0)} on ranks {ranks}). FSDP2 "
+            "keeps each rank's slice of its own copy, so the sharded model would be a mixture. Load the same "
+            "checkpoint on every rank (or seed the initialisation alike); check_inputs=False skips this check"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- shard / restore
+@dataclass
+class _Sharded:
+    """What :func:`_shard` changed on one model, so that :meth:`restore` can undo it exactly."""
+
+    model: torch.nn.Module
+    mesh: Any
+    units: list[torch.nn.Module]  # every module fully_shard was applied to; the root last
+    classes: list[type]  # their classes before
+    slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.device]] = field(default_factory=list)
+    buffers: list[tuple[torch.Tensor, torch.device]] = field(default_factory=list)
+    # (object, attribute) added by fully_shard -> its value; (dict, key) added to an existing dict -> value
+    added_attrs: list[tuple[Any, str, Any]] = field(default_factory=list)
+    added_items: list[tuple[dict, Any, Any]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        """All-gather every parameter and put the model back as it was (a collective over the shard group)."""
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.tensor import DTensor
+
+        for unit in self.units:
+            unit.reshard()  # a forward that raised may have left a unit gathered
+        full: dict[int, torch.Tensor] = {}
+        for module, name, _, device in self.slots:
+            current = module._parameters.get(name)
+            if isinstance(current, DTensor) and id(current) not in full:
+                full[id(current)] = _full_tensor(current, self.mesh).to(device)
+        for module, name, original, _ in self.slots:
+            current = module._parameters.get(name)
+            if id(current) in full:
+                with torch.no_grad():
+                    original.data = full[id(current)]
+                original.requires_grad_(current.requires_grad)
+                module._parameters[name] = original
+        for tensor, device in self.buffers:
+            if tensor.device != device:
+                tensor.data = tensor.data.to(device)
+        for container, key, value in reversed(self.added_items):
+            if container.get(key, None) is value:
+                del container[key]
+        for obj, name, value in reversed(self.added_attrs):
+            if obj.__dict__.get(name, None) is value:
+                del obj.__dict__[name]
+        for unit, cls in zip(self.units, self.classes):
+            unit.__class__ = cls
+            _module_state_mapping.pop(unit, None)
+
+
+def _full_tensor(param: Any, mesh: Any) -> torch.Tensor:
+    """The full value of an FSDP2 parameter (all-gathered on the mesh's device; offloaded shards too)."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local()
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.cuda.current_device())
+    )
+    if local.device != device:
+        local = local.to(device)
+    whole = DTensor.from_local(
+        local, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    ).full_tensor()
+    return whole.contiguous().clone() if whole.untyped_storage().nbytes() != whole.nbytes else whole
+
+
+def _snapshot(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, dict, dict[str, dict]]]:
+    """For each module: its ``__dict__`` (shallow) and a shallow copy of every dict held in it."""
+    return [
+        (m, dict(m.__dict__), {k: dict(v) for k, v in m.__dict__.items() if isinstance(v, dict)})
+        for m in modules
+    ]
+
+
+def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Sharded]) -> None:
+    """``fully_shard`` the units of ``model``, then the model itself; append to ``record`` (first, so that a
+    failure half-way can be undone too) what :meth:`_Sharded.restore` needs to undo it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    modules = list(model.modules())
+    before = _snapshot(modules)
+    slots = [
+        (module, name, param, param.device)
+        for module in modules
+        for name, param in module._parameters.items()
+        if param is not None
+    ]
+    buffers = list({id(b): (b, b.device) for b in model.buffers()}.values())
+    sharded = _Sharded(model, mesh, [], [], slots, buffers)
+    record.append(sharded)
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    try:
+        for unit in [m for _, m in shard_units(model)] + [model]:
+            cls = type(unit)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+            sharded.units.append(unit)
+            sharded.classes.append(cls)
+            _release(slots)  # unit by unit: a model on the CPU never has more than one unit whole on the GPU
+        # The root's forward hooks become a wrapper of its forward (WeightSharding._shard_one): hfpatch's
+        # pre-hooks (same-input checks) then run before the first all-gather, and a pipeline's CFG wrapper
+        # calls it only where the transformer computes.
+        state = fully_shard.state(model)
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+    finally:
+        for module, attrs, dicts in before:
+            for name, value in module.__dict__.items():
+                if name not in attrs:
+                    sharded.added_attrs.append((module, name, value))
+                elif name in dicts:
+                    sharded.added_items += [(value, k, v) for k, v in value.items() if k not in dicts[name]]
+
+
+def _release(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.device]]) -> None:
+    """Free the full data of the original parameters FSDP2 has replaced (its shards are its own storage;
+    ``remove()`` gives the originals their full values back)."""
+    for module, name, original, _ in slots:
+        if module._parameters.get(name) is not original and original.numel():
+            with torch.no_grad():
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+
+
+def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, label: str) -> Any:
+    """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
+    module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
+    forward raises (the patch stays usable) and names a peer's failure as :class:`CollectiveError`."""
+    from ..core.apply import get_patch
+
+    def wrapper(original: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            own = get_patch(model)
+            if patch.is_disabled or (own is not None and own.is_disabled):
+                raise RuntimeError(
+                    f"hfpatch: {label} has its weights sharded over ranks (shard_weights=True): this rank holds "
+                    "1/N of them, so patch.disabled() cannot run it unpatched on some ranks alone. Run the patched "
+                    "model on every rank (its output is the unpatched one), or call patch.remove() on every rank "
+                    "to get the full weights back"
+                )
+            try:
+                args, kwargs = state._pre_forward(model, args, kwargs)
+                output = original(*args, **kwargs)
+                return state._post_forward(model, args, output)
+            except Exception as exc:
+                try:
+                    model.reset_iter_state()  # free what this call gathered; the next call starts afresh
+                except Exception as reset_error:  # keep the first error; say the reset failed too
+                    exc.add_note(f"hfpatch: resetting FSDP2's state of {label} also failed: {reset_error!r}")
+                if runtime.is_peer_failure(exc):
+                    raise runtime.collective_error(
+                        f"the shard_weights all-gather of {label}", group, exc
+                    ) from exc
+                raise
+
+        return forward
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------------------- family
+class WeightSharding(PatchFamily):
+    """``shard_weights``: FSDP2 over the plan's ranks for a pipeline's transformers and encoders, or a model.
+
+    Registered for ``DiffusionPipeline`` (before the CFG/data-parallel family, whose wrapper then calls the
+    sharded forward only where the transformer computes) and for every DiT class hfpatch parallelises (a
+    transformer applied on its own). Inside a pipeline, the pipeline's entry shards every denoiser and encoder
+    (one place, one same-weights check); the components' entries do nothing.
+
+    Options:
+        shard_weights: ``False`` (default), ``True``, or the mesh axes to shard over (see :func:`shard_axes`).
+        shard_weights_offload: Keep the shards in CPU memory (FSDP2 ``CPUOffloadPolicy``).
+        check_inputs: Also check, once at ``apply``, that every rank holds the same weights.
+    """
+
+    name: ClassVar[str] = "shard_weights"
+    role: ClassVar[str] = "model"
+    options: ClassVar[dict[str, Any]] = SHARD_OPTIONS
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        value, offload = options["shard_weights"], options["shard_weights_offload"]
+        if not isinstance(offload, bool):
+            raise ValueError(f"shard_weights_offload must be True or False, got {offload!r}")
+        if value is False or value is None:
+            if offload:
+                raise ValueError(
+                    "shard_weights_offload=True offloads sharded weights: it needs shard_weights"
+                )
+            return
+        if config.world_size == 1:
+            raise ValueError(
+                f"shard_weights shards weights over ranks, but the plan {config} runs on one rank; launch several "
+                "ranks (torchrun --nproc-per-node N) and pass parallel=N"
+            )
+        models = _models(target)
+        if not models:
+            raise ValueError(
+                f"shard_weights: {type(target).__name__} has no denoiser or transformers encoder to shard (it "
+                "shards a pipeline's transformer/transformer_2/unet and text or image encoders)"
+            )
+        device = _communication_device()
+        for name, model in models:
+            shard_axes(value, config, name=name)
+            _check_model(model, name, device)
+
+    def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
+        value = options["shard_weights"]
+        if value is False or value is None or patch.part_of is not None:
+            return  # off; or a pipeline's component: the pipeline's own entry shards it
+        models = _models(target)
+        if options["check_inputs"]:
+            _check_same_weights(models, mesh.group("world"))
+        for name, model in models:
+            axes = shard_axes(value, mesh.config, name=name)
+            device_mesh = _shard_mesh(mesh, axes)
+            self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"])
+        if _is_class(target, "diffusers.DiffusionPipeline"):
+            offload = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
+            _refuse_weight_moves(target, patch, offload)
+
+    @staticmethod
+    def _shard_one(model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        record: list[_Sharded] = []
+        ranks = dist.get_process_group_ranks(device_mesh.get_group())
+        patch.on_remove(model, f"fully_shard over ranks {ranks}", lambda: record and record.pop().restore())
+        _shard(model, device_mesh, offload, record)
+        group = device_mesh.get_group()
+        wrapper = _root_forward(model, fully_shard.state(model), group, patch, name)
+        patch.set_attr(model, "forward", wrapper(model.forward), keep_when_disabled=True)
+        _refuse_weight_moves(model, patch, ("enable_group_offload", "enable_layerwise_casting"))
+
+
+def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:
+    """``obj.<method>()`` after ``apply`` raises: diffusers' offloading and layerwise casting move or recast
+    each parameter's data, which FSDP2's sharded DTensor parameters do not support."""
+
+    def refuse(method: str) -> Any:
+        def wrapper(original: Any) -> Any:
+            def refused(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError(
+                    f"{type(obj).__name__}.{method}() after hfpatch.apply(..., shard_weights=True) would move or "
+                    "recast sharded weights, which FSDP2 does not support. For CPU offload use "
+                    "shard_weights_offload=True (the shards stay in CPU memory, one block at a time is copied to "
+                    "the GPU); otherwise call it before hfpatch.apply, or patch.remove() first"
+                )
+
+            return refused
+
+        return wrapper
+
+    for method in methods:
+        if callable(getattr(obj, method, None)):
+            patch.wrap_method(obj, method, refuse(method))

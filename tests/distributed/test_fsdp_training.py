@@ -1,0 +1,178 @@
+"""A sequence-parallel transformer inside FSDP2 (``fully_shard``): no hfpatch line after the wrap.
+
+hfpatch's gradient convention (:mod:`hfpatch.distributed.gradients`: the gradient entering a split model's
+output is scaled by the sp group size, so the MEAN over the group is the full gradient) is what FSDP2's
+reduce-scatter computes, and HSDP's all-reduce over the replicas averages the data replicas. Every case
+trains a stock tiny Wan transformer (all of it, or a LoRA on it) AND a trainable "text module" upstream (a
+linear layer on the prompt embeddings, sharded too), over two micro-steps, and compares the full-tensor view
+of every gradient with ONE unpatched process that trains on the same global batch:
+
+* world 2, ``ulysses=2``: FSDP2 over both ranks (the sp group), full fine-tune and LoRA; gradient
+  accumulation with FSDP2's sync at every micro-step and with ``set_requires_gradient_sync(False)`` first;
+  and ``hfpatch.apply(..., shard_weights=True)`` (hfpatch shards the transformer itself) in a training step.
+* world 4, ``data=2 x ulysses=2`` (two replicas, each replica's ranks sharing its samples): FSDP2 over all
+  four ranks; HSDP sharding within each sp group and replicating over the data axis; HSDP sharding over the
+  data axis and replicating over sp; full and LoRA.
+
+Errors are bounded by ``reassociation_tol`` of the unpatched fp32 run's own noise against fp64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
+
+MICRO_STEPS = 2
+
+
+def _sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    latents = torch.randn(1, 4, 1, 10, 10, generator=torch.Generator().manual_seed(100 + i))
+    return latents, wan_prompt_embeds(1, 6, seed=200 + i)
+
+
+def _models(lora: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The transformer (with a gaussian-initialised LoRA and its base frozen when ``lora``) and the text module."""
+    transformer = tiny_wan_transformer()
+    if lora:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        torch.manual_seed(3)
+        transformer.add_adapter(
+            LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=["to_q", "to_v"])
+        )
+    torch.manual_seed(5)
+    text = torch.nn.Linear(16, 16)
+    if dtype != torch.float32:
+        transformer, text = to_fp64(transformer), to_fp64(text)
+    return transformer, text
+
+
+def _loss(transformer: Any, text: Any, samples: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Mean over ``samples`` of a fixed linear functional of the transformer output (a per-sample loss)."""
+    losses = []
+    for i in samples:
+        latents, prompt = (t.to(dtype) for t in _sample(i))
+        out = transformer(latents, torch.tensor([500]), text(prompt)).sample
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + i)).to(dtype)
+        losses.append((out * weight).sum())
+    return torch.stack(losses).mean()
+
+
+def _grads(*modules: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient, the full tensor of a sharded one (a collective: same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        f"{k}:{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for k, module in enumerate(modules)
+        for n, p in module.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _reference(lora: bool, num_data: int) -> tuple[dict, dict, dict]:
+    """fp32 and fp64 gradients of one unpatched process on the global batches, and per-tensor scales."""
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        transformer, text = _models(lora, dtype)
+        for step in range(MICRO_STEPS):
+            _loss(transformer, text, [step * num_data + d for d in range(num_data)], dtype).backward()
+        results.append(_grads(transformer, text))
+    ref32, ref64 = results
+    floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+    scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
+    return ref32, ref64, scales
+
+
+def _mesh(kind: str) -> Any:
+    """The user's FSDP2 mesh: ``"all"`` (1-D over every rank), ``"hsdp_sp"`` (replicate over data, shard
+    within each sp group) or ``"hsdp_data"`` (shard over data, replicate over sp). hfpatch's rank layout
+    is data-major: rank = data_index * sp + sp_index."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    world = dist.get_world_size()
+    if kind == "all":
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    grid = torch.arange(world).view(2, world // 2)  # (data, sp)
+    layout = grid if kind == "hsdp_sp" else grid.t()  # (replicate, shard)
+    return DeviceMesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
+
+
+def _shard(transformer: torch.nn.Module, text: torch.nn.Module, mesh: Any) -> None:
+    """What a user (or accelerate's FSDP2 plugin) does: each block, then the root; the text module too."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
+    fully_shard(text, mesh=mesh)
+
+
+#: (case, LoRA, mesh, sync at every micro-step) per world size; world 2 runs ulysses=2, world 4 data=2 x ulysses=2.
+CASES: dict[int, list[tuple[str, bool, str, bool]]] = {
+    2: [
+        ("full, sync every micro-step", False, "all", True),
+        ("full, no sync then sync", False, "all", False),
+        ("LoRA", True, "all", True),
+        ("full, shard_weights=True", False, "shard_weights", True),
+    ],
+    4: [
+        ("full, FSDP over all ranks", False, "all", True),
+        ("LoRA, FSDP over all ranks", True, "all", True),
+        ("full, HSDP: shard in sp, replicate over data", False, "hsdp_sp", True),
+        ("LoRA, HSDP: shard over data, replicate over sp", True, "hsdp_data", False),
+    ],
+}
+
+
+def _training_cases(references: dict[bool, tuple[dict, dict, dict]]) -> dict[str, tuple[float, float]]:
+    from hfpatch.distributed.data import data_coordinates
+
+    world = dist.get_world_size()
+    plan = ParallelConfig(ulysses=2) if world == 2 else ParallelConfig(data=2, ulysses=2)
+    data_rank, num_data = data_coordinates(dist.get_rank(), world, plan)
+    results: dict[str, tuple[float, float]] = {}
+    for name, lora, mesh_kind, sync_every in CASES[world]:
+        ref32, ref64, scales = references[lora]
+        noise = max(rel_error(ref32[n], ref64[n], scales[n]) for n in ref32)
+        transformer, text = _models(lora)
+        if mesh_kind == "shard_weights":
+            patch = hfpatch.apply(transformer, parallel=plan, shard_weights=True)
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(text, mesh=_mesh("all"))
+        else:
+            patch = hfpatch.apply(transformer, parallel=plan)  # hfpatch: before the wrap
+            _shard(transformer, text, _mesh(mesh_kind))
+        for step in range(MICRO_STEPS):
+            last = step == MICRO_STEPS - 1
+            for module in (transformer, text):
+                module.set_requires_gradient_sync(sync_every or last)
+            _loss(transformer, text, [step * num_data + data_rank], torch.float32).backward()
+        grads = _grads(transformer, text)  # no hfpatch line after backward
+        assert grads.keys() == ref32.keys(), sorted(set(grads) ^ set(ref32))
+        results[name] = (max(rel_error(grads[n], ref32[n], scales[n]) for n in ref32), noise)
+        if mesh_kind == "shard_weights":
+            patch.remove()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_sequence_parallel_gradients_match_one_process(rank_pool, world):
+    num_data = 1 if world == 2 else 2
+    references = {
+        lora: _reference(lora, num_data) for lora in {case[1] for case in CASES[world]}
+    }  # once, here
+    for rank, rank_results in enumerate(rank_pool(world).run(_training_cases, references)):
+        assert len(rank_results) == len(CASES[world]), rank_results
+        for case, (error, noise) in rank_results.items():
+            assert error <= reassociation_tol(noise), (world, rank, case, error, noise)
