@@ -191,6 +191,7 @@ class _CausalCheckpoint(torch.autograd.Function):
         outputs: list[torch.Tensor] = []
         starts = {b.start for b in plan.blocks()}
         cache: Cache | None = None
+        given: Cache | None = None
         try:
             for k, segment in enumerate(plan.segments):
                 if segment.fresh:
@@ -198,13 +199,14 @@ class _CausalCheckpoint(torch.autograd.Function):
                 if k in starts:
                     snapshots[k] = None if cache is None else list(cache)
                 replays.append(_Replay.capture(x.device))
-                y, cache = plan.step(k, None if cache is None else list(cache), x[segment.index])
+                given = None if cache is None else list(cache)
+                y, cache = plan.step(k, given, x[segment.index])
                 outputs.append(y.detach())
         except BaseException:
-            # Nothing stays alive in this frame while the error (and its traceback) is handled.
-            cache = y = None
-            snapshots.clear()
-            outputs.clear()
+            # Nothing the sweep made stays alive while the error (and its traceback, which holds the frames
+            # of this call and of ``step``) is handled: the cache handed to ``step`` is emptied too.
+            _release(given, cache, snapshots, outputs, replays)
+            cache = given = y = None
             raise
         cache = None
         ctx.plan, ctx.replays, ctx.snapshots = plan, replays, snapshots
@@ -225,6 +227,9 @@ class _CausalCheckpoint(torch.autograd.Function):
         grad_ys = [grad] * len(plan.segments) if plan.reduce == "sum" else grad.split(ctx.sizes, plan.dim)
         # dL/d(each entry of the cache leaving the segment being processed), None where it has no gradient.
         carried: list[torch.Tensor | None] = []
+        entering: list[Cache | None] = []
+        leaves: Cache = []
+        given: Cache | None = None
         try:
             for block in reversed(plan.blocks()):
                 entering = _rebuild(ctx, block, x)  # the cache entering each segment of the block
@@ -233,8 +238,9 @@ class _CausalCheckpoint(torch.autograd.Function):
                     segment = plan.segments[k]
                     leaves = [_leaf(t) for t in entering.pop() or ()]
                     x_k = x[segment.index].detach().requires_grad_(want_x)
+                    given = None if segment.fresh else list(leaves)
                     with torch.enable_grad(), ctx.replays[k].restored():
-                        y, cache_out = plan.step(k, None if segment.fresh else list(leaves), x_k)
+                        y, cache_out = plan.step(k, given, x_k)
                     roots = [(y, grad_ys[k])] + [
                         (out, g)
                         for out, g in zip(cache_out, carried)
@@ -245,6 +251,7 @@ class _CausalCheckpoint(torch.autograd.Function):
                     wrt = ([x_k] if want_x else []) + wrt_cache + params
                     got = _grad(roots, wrt)
                     del roots
+                    given = None  # ``step`` may return the list it was given, filled with this segment's cache
                     if want_x and got[0] is not None:
                         grad_x[segment.index] += got[0]
                     got = got[1:] if want_x else got
@@ -253,10 +260,23 @@ class _CausalCheckpoint(torch.autograd.Function):
                     for i, g in enumerate(got[len(wrt_cache) :]):
                         if g is not None:
                             grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
-                    del leaves, wrt, wrt_cache, got, by_leaf
+                    del wrt, wrt_cache, got, by_leaf
+        except BaseException:
+            # As in forward: nothing made here stays alive while the error is handled.
+            _release(given, entering, leaves, carried, grad_params)
+            grad = grad_x = grad_ys = x_k = y = cache_out = roots = g = None  # noqa: F841
+            raise
         finally:
             ctx.snapshots = ctx.replays = None
         return (None, grad_x, *grad_params)
+
+
+def _release(*containers: Any) -> None:
+    """Empty the lists/dicts given (``None`` skipped): their tensors are freed even while a traceback holds
+    the frames that refer to the containers."""
+    for c in containers:
+        if c is not None:
+            c.clear()
 
 
 def _is_leaf(value: Any) -> bool:
@@ -283,14 +303,20 @@ def _rebuild(ctx: Any, block: range, x: torch.Tensor) -> list[Cache | None]:
     """The cache entering each segment of ``block``, re-running the block (no graph) from its snapshot."""
     plan: _Plan = ctx.plan
     cache = ctx.snapshots[block.start]
-    entering = []
-    with torch.no_grad():
-        for k in block:
-            if plan.segments[k].fresh:
-                cache = None
-            entering.append(cache)
-            if k == block[-1]:
-                break
-            with ctx.replays[k].restored():
-                _, cache = plan.step(k, None if cache is None else list(cache), x[plan.segments[k].index])
+    entering: list[Cache | None] = []
+    given: Cache | None = None
+    try:
+        with torch.no_grad():
+            for k in block:
+                if plan.segments[k].fresh:
+                    cache = None
+                entering.append(cache)
+                if k == block[-1]:
+                    break
+                given = None if cache is None else list(cache)
+                with ctx.replays[k].restored():
+                    _, cache = plan.step(k, given, x[plan.segments[k].index])
+    except BaseException:
+        _release(given, cache, entering)
+        raise
     return entering
