@@ -532,6 +532,11 @@ def _plan(
             )
         elif frames is not None:
             note += f" (whole items: {frame_note})"
+        elif len(g.item_shape()) == 4 and g.item_shape()[1] > 1 and torch.is_grad_enabled():
+            note += (
+                " (whole videos: decode is not an AutoencoderKLWan; pass the VAE itself, with unnormalised "
+                "latents, to chunk videos over time)"
+            )
         notes.append(note)
     logger.debug(
         "pixel loss plan: %s, recompute=%s; %s", loss_kind, torch.is_grad_enabled(), "; ".join(notes)
