@@ -251,31 +251,28 @@ def _pixel_step(vae, latents, targets, **kwargs) -> tuple[dict, int]:
     return {"output": loss.detach(), "input": leaf.grad}, memory.peak_bytes
 
 
-def _split_cases(trained: list[tuple[str, str]]) -> dict:
-    """The split cases on this rank: {case: (error, noise)} and {(version, frames): step peak bytes}.
+def _split_cases(version: str, trained: str) -> dict:
+    """The split cases of ``version`` on this rank: {case: (error, noise)} and {frames: step peak bytes}.
 
-    Every world size runs the pixel loss of both versions; ``trained`` lists the (version, "decode"/"encode")
-    calls checked with a trainable VAE (spread over the world sizes to keep the suite fast).
+    The pixel loss with default settings (frozen VAE, one video of 4 and 16 latent frames), and the
+    ``trained`` call ("decode" or "encode") with a trainable VAE, weight gradients averaged over the ranks.
     """
     results, peaks = {}, {}
-    for version in ("2.1", "2.2"):
-        # The pixel loss with default settings, frozen VAE, one video: 4 and 16 latent frames (3 latent rows).
-        frozen = tiny_wan_vae(version).requires_grad_(False)
-        ref, exact = _from_rank0(_pixel_reference, frozen, *_pixel_case(version, 16))
-        with hfpatch.apply(frozen):
-            for frames in (4, 16):
-                step, peaks[version, frames] = _pixel_step(frozen, *_pixel_case(version, frames))
-        results[version, "pixel loss 16"] = _errors(step, ref, exact)
-    for version, kind in trained:  # weight gradients averaged over the VAE ranks
-        vae = tiny_wan_vae(version)
-        stock, ours, x = {
-            "decode": (_decode, _checkpointed_sample, _latents(5, height=3, batch=1)),
-            "encode": (_encode, _checkpointed_moments, _video(version, 13, height=3)),
-        }[kind]
-        ref, exact = _from_rank0(_reference_step, vae, stock, x)
-        with hfpatch.apply(vae):
-            got = _step_averaged(vae, ours, x)
-        results[version, kind] = _errors(got, ref, exact)
+    frozen = tiny_wan_vae(version).requires_grad_(False)
+    ref, exact = _from_rank0(_pixel_reference, frozen, *_pixel_case(version, 16))
+    with hfpatch.apply(frozen):
+        for frames in (4, 16):
+            step, peaks[frames] = _pixel_step(frozen, *_pixel_case(version, frames))
+    results["pixel loss, 16 latent frames"] = _errors(step, ref, exact)
+    vae = tiny_wan_vae(version)
+    stock, ours, x = {
+        "decode": (_decode, _checkpointed_sample, _latents(5, height=3, batch=1)),
+        "encode": (_encode, _checkpointed_moments, _video(version, 13, height=3)),
+    }[trained]
+    ref, exact = _from_rank0(_reference_step, vae, stock, x)
+    with hfpatch.apply(vae):
+        got = _step_averaged(vae, ours, x)
+    results[trained] = _errors(got, ref, exact)
     return {"results": results, "peaks": peaks}
 
 
@@ -304,20 +301,20 @@ def _step_averaged(vae, fn, x) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("world", "trained"),
-    [(2, [("2.1", "decode"), ("2.2", "encode")]), (3, [("2.2", "decode"), ("2.1", "encode")])],
+    ("world", "version", "trained"),
+    [(2, "2.1", "decode"), (2, "2.2", "encode"), (3, "2.1", "encode"), (3, "2.2", "decode")],
 )
-def test_split_wan_vae_time_segments_equal_unpatched_and_bounded(rank_pool, world, trained):
+def test_split_wan_vae_time_segments_equal_unpatched_and_bounded(rank_pool, world, version, trained):
     # Latent height 3: shards of 2 + 1 rows (world 2) or 1 + 1 + 1 (world 3). Each time segment is a split
     # call of its own; its recompute in backward replays the same collectives in the same order on every
     # rank (a mismatch would hang or corrupt the halos, failing the comparison). The issue's acceptance: loss
     # and latent gradient equal the unpatched one-shot step, and each rank's step peak grows at most 2x from 4
-    # to 16 latent frames with default settings.
-    for rank, out in enumerate(rank_pool(world).run(_split_cases, trained)):
-        assert len(out["results"]) == 4
+    # to 16 latent frames with default settings (measured 1.21-1.30x). Decode and encode with a trainable VAE
+    # (weights averaged over the ranks) are each checked at one world size.
+    for rank, out in enumerate(rank_pool(world).run(_split_cases, version, trained)):
+        assert len(out["results"]) == 2
         for case, (error, noise) in out["results"].items():
             assert error <= reassociation_tol(noise), (world, rank, case, error, noise)
-        for version in ("2.1", "2.2"):
-            growth = out["peaks"][version, 16] / out["peaks"][version, 4]
-            print(f"world {world} rank {rank} wan {version}: step peak 4 -> 16 latent frames {growth:.2f}x")
-            assert growth <= 2.0, (world, rank, version, out["peaks"])
+        growth = out["peaks"][16] / out["peaks"][4]
+        print(f"world {world} rank {rank} wan {version}: step peak 4 -> 16 latent frames {growth:.2f}x")
+        assert growth <= 2.0, (world, rank, out["peaks"])
