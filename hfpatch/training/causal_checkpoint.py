@@ -251,7 +251,9 @@ class _CausalCheckpoint(torch.autograd.Function):
                     wrt = ([x_k] if want_x else []) + wrt_cache + params
                     got = _grad(roots, wrt)
                     del roots
-                    given = None  # ``step`` may return the list it was given, filled with this segment's cache
+                    given = (
+                        None  # ``step`` may return the list it was given, filled with this segment's cache
+                    )
                     if want_x and got[0] is not None:
                         grad_x[segment.index] += got[0]
                     got = got[1:] if want_x else got

@@ -589,7 +589,10 @@ def _video_error_sum(frames: _Frames, loss_kind: str, group: _Group, plan: _Grou
     """Error sum of a group of videos, decoded ``plan.items`` videos x ``plan.frames`` latent frames at a time
     under :func:`causal_checkpoint` (each time chunk's loss taken as soon as its frames exist)."""
     runner = frames.runner
-    latents = runner.enter(_stack(group.latents), "decode")  # split VAE: same-input check, gradient average
+    # A split VAE: every rank must hold the same latents and targets (each computes the whole loss).
+    named = {"targets": group.targets, "masks": group.masks}
+    others = {f"{k}_{i}": t for k, v in named.items() if v is not None for i, t in enumerate(_items(v))}
+    latents = runner.enter(_stack(group.latents), "decode", **others)
     assert plan.frames is not None
     segments = time_segments(len(group), plan.items, latents.shape[2], plan.frames)
 
@@ -606,6 +609,10 @@ def _video_error_sum(frames: _Frames, loss_kind: str, group: _Group, plan: _Grou
     return causal_checkpoint(
         step, latents, segments, runner.decoder_params(), reduce="sum", snapshot_every=frames.snapshot_every
     )
+
+
+def _items(items: _Items) -> tuple[torch.Tensor, ...]:
+    return (items,) if isinstance(items, torch.Tensor) else tuple(items)
 
 
 def _frame_slice(items: _Items, which: slice, frames: slice) -> torch.Tensor:

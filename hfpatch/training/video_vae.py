@@ -125,18 +125,19 @@ class WanFrames:
         return [*self.vae.encoder.parameters(), *self.vae.quant_conv.parameters()]
 
     # ------------------------------------------------------------------------------------------- entry
-    def enter(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """Before the first segment of a split call: the same-input check, and the input gradient's average
-        over the VAE ranks (each rank's covers its own rows, N-scaled). Identity on an unsplit VAE."""
+    def enter(self, x: torch.Tensor, what: str, **others: Any) -> torch.Tensor:
+        """Before the first segment of a split call: the same-input check (of ``x`` and of ``others``, e.g. the
+        loss targets computed on every rank), and the input gradient's average over the VAE ranks (each
+        rank's covers its own rows, N-scaled). Identity on an unsplit VAE."""
         if self.state is None:
             return x
         check_same_inputs(
-            {"x": x},
+            {"x": x, **others},
             self.state.group,
             what=f"{self.state.name}.{what}",
             enabled=self.state.check_inputs,
-            hint="Every rank of a split VAE must pass the same video/latents (gather them first), or do not "
-            "split this VAE (ParallelConfig(..., vae=1)).",
+            hint="Every rank of a split VAE must pass the same video/latents (and loss targets): gather them "
+            "first, or do not split this VAE (ParallelConfig(..., vae=1)).",
         )
         return grad_averaged_over_group(x, self.state.group)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gradcache_helpers import fp64_float
 
 import hfpatch
+from hfpatch import InputMismatchError
 from hfpatch.testing import tiny_autoencoder_kl, tiny_wan_vae
 from hfpatch.testing.memory import track_memory
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
@@ -263,6 +264,13 @@ def _split_cases(version: str, trained: str) -> dict:
     with hfpatch.apply(frozen):
         for frames in (4, 16):
             step, peaks[frames] = _pixel_step(frozen, *_pixel_case(version, frames))
+        # Every rank computes the whole loss: targets that differ between ranks are refused on every rank.
+        latents, targets = _pixel_case(version, 4)
+        try:
+            chunked_pixel_loss(frozen, latents.requires_grad_(True), targets + dist.get_rank())
+            mismatch = None
+        except InputMismatchError as error:
+            mismatch = str(error)
     results["pixel loss, 16 latent frames"] = _errors(step, ref, exact)
     vae = tiny_wan_vae(version)
     stock, ours, x = {
@@ -273,7 +281,7 @@ def _split_cases(version: str, trained: str) -> dict:
     with hfpatch.apply(vae):
         got = _step_averaged(vae, ours, x)
     results[trained] = _errors(got, ref, exact)
-    return {"results": results, "peaks": peaks}
+    return {"results": results, "peaks": peaks, "mismatch": mismatch}
 
 
 def _pixel_reference(vae, latents, targets) -> tuple[dict, dict]:
@@ -313,6 +321,7 @@ def test_split_wan_vae_time_segments_equal_unpatched_and_bounded(rank_pool, worl
     # (weights averaged over the ranks) are each checked at one world size.
     for rank, out in enumerate(rank_pool(world).run(_split_cases, version, trained)):
         assert len(out["results"]) == 2
+        assert out["mismatch"] is not None and "targets_0" in out["mismatch"], out["mismatch"]
         for case, (error, noise) in out["results"].items():
             assert error <= reassociation_tol(noise), (world, rank, case, error, noise)
         growth = out["peaks"][16] / out["peaks"][4]
