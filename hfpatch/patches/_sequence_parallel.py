@@ -483,8 +483,11 @@ def usp_attention_call(
     joint_position: str = "front",
     joint_key_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    backend: str = "auto",
+    dense: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated)."""
+    """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated);
+    ``backend``/``dense`` as there (Ring's kernel; the ring-degree-1 attention)."""
     from ..attention.usp import usp_attention
 
     if state.local_len is None or query.shape[1] != state.local_len:
@@ -507,4 +510,6 @@ def usp_attention_call(
         joint_position=joint_position,
         joint_key_mask=joint_key_mask,
         scale=scale,
+        backend=backend,
+        dense=dense,
     )

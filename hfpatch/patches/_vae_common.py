@@ -388,8 +388,15 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
-def session_forward(original: Callable, state: VAEShardState, kind: str) -> Callable:
-    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple)."""
+def session_forward(
+    original: Callable, state: VAEShardState, kind: str, cleanup: Callable[[], Any] | None = None
+) -> Callable:
+    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple).
+
+    ``cleanup`` runs when the call raises (an out-of-memory error, say): the Wan VAE keeps its per-conv frame
+    cache on the module (``clear_cache``), which would otherwise hold the failed call's activations (and
+    their graph) until the next call.
+    """
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
@@ -409,9 +416,14 @@ def session_forward(original: Callable, state: VAEShardState, kind: str) -> Call
         if state.mode is None:
             # Each rank's input gradient covers its own rows, N-scaled: their mean is the full gradient.
             x = grad_averaged_over_group(x, state.group)
-        with state.session():
-            out = original(x, *args, **kwargs)
-            rows = state.latent_rows
+        try:
+            with state.session():
+                out = original(x, *args, **kwargs)
+                rows = state.latent_rows
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
         if rows is None:
             return out  # tiled: already full
         if state.output == "shard":

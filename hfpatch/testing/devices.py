@@ -28,24 +28,39 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["generator_device_rule"]
+__all__ = ["GeneratorDeviceRule", "generator_device_rule"]
 
 
-class _GeneratorDeviceRule(TorchFunctionMode):
+class GeneratorDeviceRule(TorchFunctionMode):
+    """CUDA's check, on any device: a random op's generator must live on the device type it draws on.
+
+    ``draws`` records ``(output device type, generator device type)`` of every seeded draw, so a test can
+    also check WHERE the draws happened (diffusers' convention draws on the generator's device, then moves).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: list[tuple[str, str]] = []
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
-        out = func(*args, **kwargs)
-        if isinstance(generator, torch.Generator) and isinstance(out, torch.Tensor):
-            if out.device.type != generator.device.type:
+        if isinstance(generator, torch.Generator):
+            if kwargs.get("device") is not None:
+                out = torch.device(kwargs["device"])
+            else:  # an in-place draw (normal_, uniform_) or a *_like: the tensor's device
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                out = tensors[0].device if tensors else torch.get_default_device()
+            self.draws.append((out.type, generator.device.type))
+            if out.type != generator.device.type:
                 raise RuntimeError(
-                    f"Expected a '{out.device.type}' device type for generator but found "
+                    f"Expected a '{out.type}' device type for generator but found "
                     f"'{generator.device.type}' (hfpatch.testing.devices: CUDA's rule)"
                 )
-        return out
+        return func(*args, **kwargs)
 
 
-def generator_device_rule() -> TorchFunctionMode:
-    """A ``with`` block in which a random op whose generator sits on another device type than its output
-    raises, as CUDA does (on CPU and ``meta`` torch itself does not check)."""
-    return _GeneratorDeviceRule()
+def generator_device_rule() -> GeneratorDeviceRule:
+    """A ``with`` block (``as rule``: its ``draws``) in which a random op whose generator sits on another
+    device type than its output raises, as CUDA does (on CPU and ``meta`` torch itself does not check)."""
+    return GeneratorDeviceRule()

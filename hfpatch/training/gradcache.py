@@ -73,6 +73,7 @@ Mixed precision and distribution:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ def _frozen_vision_encoder(model: nn.Module) -> nn.Module:
     """The Qwen-VL base model (the module with ``get_image_features`` and a ``visual`` tower) inside ``model``
     (peft/DDP wrappers included), checked to have a frozen tower."""
     for module in model.modules():
-        visual = getattr(module, "visual", None)
+        visual = module._modules.get("visual")  # its own child (a peft wrapper forwards attribute lookups)
         if isinstance(visual, nn.Module) and callable(getattr(module, "get_image_features", None)):
             trainable = [n for n, p in visual.named_parameters() if p.requires_grad]
             if trainable:
@@ -216,6 +217,15 @@ def _frozen_vision_encoder(model: nn.Module) -> nn.Module:
                     f"reuse_frozen_vision=True but the vision tower of {type(module).__name__} has trainable "
                     f"parameters ({trainable[:3]}...); their gradients would be lost. Freeze the tower "
                     "(requires_grad_(False)) or leave reuse_frozen_vision off."
+                )
+            if "mm_encoder_outputs" not in inspect.signature(module.forward).parameters:
+                # An older transformers takes it into **kwargs and ignores it: text-only embeddings, wrong grads.
+                import transformers
+
+                raise ValueError(
+                    f"reuse_frozen_vision=True needs a transformers release whose {type(module).__name__}.forward "
+                    f"takes mm_encoder_outputs (5.24 does; the installed {transformers.__version__} does not, and "
+                    "would ignore the cached tower outputs); upgrade transformers or leave reuse_frozen_vision off."
                 )
             return module
     raise ValueError(
