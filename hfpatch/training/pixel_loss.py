@@ -126,7 +126,10 @@ def chunked_pixel_loss(
     is taken as soon as its frames are decoded, and the backward recomputes the time chunks newest first,
     passing the gradient of each one's outgoing cache to the previous one
     (:func:`hfpatch.training.causal_checkpoint.causal_checkpoint`). The step then holds one time chunk's
-    activations plus a few caches, whatever the number of frames, with the same loss and gradients.
+    activations plus a few caches, whatever the number of frames, with the same loss and gradients (to the
+    latents and to the decoder's trainable weights, LoRA included: the VAE is all the time chunks depend on).
+    A VAE split over ranks runs time chunks x height shards; every rank must pass the same latents, targets
+    and masks (checked before any decode, on every rank alike).
 
     Args:
         decode: Latents -> images in ``[-1, 1]``: returns a tensor, an object with ``.sample`` (diffusers
