@@ -21,6 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 SCRIPTS = [
     ["examples/pixel_loss_finetune.py"],
+    ["examples/pixel_loss_video.py", "--frames", "8", "--steps", "1", "--check"],
     ["examples/gradcache_accelerate.py", "--lora", "--checkpointing"],
     ["examples/streaming_generate.py", "--blocks", "4", "--switch-at", "2"],
     [

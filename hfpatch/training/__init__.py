@@ -1,4 +1,4 @@
-"""Training features bigger than a patch: bounded-memory pixel loss, GradCache.
+"""Training features bigger than a patch: bounded-memory pixel loss, video VAE checkpointed over time, GradCache.
 
 Importing this package imports torch only (no diffusers/transformers); ``GradCacheTrainer`` imports
 transformers, so it loads on first access; so do ``GradCacheLoss`` and ``tiny_sentence_transformer``
@@ -8,6 +8,7 @@ transformers, so it loads on first access; so do ``GradCacheLoss`` and ``tiny_se
 from .gradcache import GradCache, RngState, is_sentence_transformer, split_inputs
 from .pixel_loss import chunked_pixel_loss
 from .pooling import pool
+from .video_vae import checkpointed_decode, checkpointed_encode
 from .vlm_split import VisionTokenSpec, split_vlm_inputs
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "GradCacheTrainer",
     "RngState",
     "VisionTokenSpec",
+    "checkpointed_decode",
+    "checkpointed_encode",
     "chunked_pixel_loss",
     "is_sentence_transformer",
     "pool",

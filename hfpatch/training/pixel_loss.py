@@ -12,6 +12,12 @@ activations, stays alive until ``backward()``, so the step's peak barely moves (
 ``benchmarks/pixel_loss_memory.py``). Here each chunk's decode + error sum runs under non-reentrant
 activation checkpointing, so a chunk's activations are freed as soon as its partial sum is computed and
 rebuilt, one chunk at a time, during ``backward()``.
+
+A video is one item, and a long one does not fit even alone (the Wan 2.1 VAE on one 480x832 video: 69.7 GiB
+at 17 frames). Given the ``AutoencoderKLWan`` itself as ``decode``, each chunk is also cut along time: the
+decoder's causal frame loop runs under :func:`hfpatch.training.causal_checkpoint.causal_checkpoint`, the
+loss of each time chunk is computed as soon as its frames exist, and the backward recomputes one time chunk
+at a time (:mod:`hfpatch.training.video_vae`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .causal_checkpoint import causal_checkpoint, snapshot_stride
+from .video_vae import WanFrames, is_wan_vae, time_segments
 
 __all__ = ["REFERENCE_ENV", "chunked_pixel_loss"]
 
@@ -83,6 +92,8 @@ def chunked_pixel_loss(
     loss: str = "l2",
     *,
     memory_budget_bytes: int | None = None,
+    frame_chunk_size: int | Literal["auto"] | None = "auto",
+    snapshot_every: int | Literal["auto"] = "auto",
     reference: bool = False,
 ) -> torch.Tensor:
     """Pixel-space loss of decoded latents against target images, with the memory of one chunk.
@@ -109,12 +120,24 @@ def chunked_pixel_loss(
     autograd graph (``torch.autograd.grad``, DDP/FSDP gradient hooks, ``GradScaler`` all work unchanged).
     With grad disabled the chunks simply run one after the other.
 
+    Videos. When ``decode`` is a diffusers ``AutoencoderKLWan`` (the object itself, Wan 2.1 or 2.2, split by
+    ``hfpatch.apply`` or not) and gradients are needed, a chunk of videos is also cut along time: the decoder
+    runs ``frame_chunk_size`` latent frames at a time carrying its causal cache, each time chunk's error sum
+    is taken as soon as its frames are decoded, and the backward recomputes the time chunks newest first,
+    passing the gradient of each one's outgoing cache to the previous one
+    (:func:`hfpatch.training.causal_checkpoint.causal_checkpoint`). The step then holds one time chunk's
+    activations plus a few caches, whatever the number of frames, with the same loss and gradients (to the
+    latents and to the decoder's trainable weights, LoRA included: the VAE is all the time chunks depend on).
+    A VAE split over ranks runs time chunks x height shards; every rank must pass the same latents, targets
+    and masks (checked before any decode, on every rank alike).
+
     Args:
         decode: Latents -> images in ``[-1, 1]``: returns a tensor, an object with ``.sample`` (diffusers
             ``DecoderOutput``) or a tuple whose first element is the images; or a diffusers VAE itself
             (decoded with ``vae.decode(z)``; a decode that raises, e.g. out of memory, then leaves no frame
             cache behind: ``vae.clear_cache()`` for ``AutoencoderKLWan``, which keeps the frames of a failed
-            call on the module; a lambda hides the VAE from hfpatch). For example
+            call on the module; an ``AutoencoderKLWan`` given this way is also chunked over time, see Videos;
+            a lambda hides the VAE from hfpatch). For example
             ``lambda z: vae.decode(z / vae.config.scaling_factor).sample``, a frozen VAE, or a VAE patched
             by ``hfpatch.apply`` (patch-parallel decode: every rank of the VAE group calls with the same
             latents, and an int or ``"auto"`` chunk size gives every rank the same plan; do not use
@@ -127,13 +150,22 @@ def chunked_pixel_loss(
         masks: Optional valid-element masks (bool or float weights) shaped like the targets with 1 or ``C``
             channels, as a tensor or list matching ``targets``; zero where a padded batch is padding.
         chunk_size: Items decoded at once: an ``int`` >= 1, or ``"auto"`` for the seed's thresholds by
-            megapixels per item (frames count for videos): >= 1 MP -> 1, >= 0.25 MP -> 2, else 4.
+            megapixels per item (frames count for videos; with time chunks, the pixel frames of one time
+            chunk): >= 1 MP -> 1, >= 0.25 MP -> 2, else 4.
         loss: ``"l2"``/``"mse"`` or ``"l1"``/``"mae"``.
         memory_budget_bytes: Instead of ``"auto"``: the most bytes of decoder activations one chunk may use.
             One item per shape group is probed (decoded, and back-propagated when grad is enabled, with the
             RNG state restored after) to measure its peak bytes; the chunk size is
             ``budget // item_bytes`` (at least 1). The probe costs one item's decode per call: once the
             debug log shows the chosen size, pass it as ``chunk_size``.
+        frame_chunk_size: Latent frames decoded at once when ``decode`` is an ``AutoencoderKLWan`` and
+            gradients are needed (each latent frame decodes to 4 pixel frames): an ``int`` >= 1, ``"auto"``
+            (1 for videos of 2 or more latent frames: the stock decoder's own step; not with VAE tiling on,
+            which the time chunks would bypass) or ``None`` (whole items). Ignored for other decoders.
+        snapshot_every: With time chunks: the forward keeps the decoder's cache entering every
+            ``snapshot_every``-th time chunk, the backward rebuilds the others from it. ``"auto"``:
+            ``ceil(sqrt(time chunks))`` (caches held grow as the square root of the frames, for one extra
+            no-grad decode of most time chunks); ``1`` keeps them all (no extra decode).
         reference: Use the one-shot reference (each shape group decoded in one call, no recompute) for A/B
             checks; also switched on for every call by the environment variable ``HFPATCH_PIXEL_LOSS_V0=1``.
 
@@ -142,9 +174,10 @@ def chunked_pixel_loss(
 
     Raises:
         TypeError: ``latents``/``targets``/``masks`` mix tensors and lists, or ``decode`` returns no tensor.
-        ValueError: Count or shape mismatches, all masks empty, an unknown ``loss``, a bad ``chunk_size`` or
-            ``memory_budget_bytes``; all before any decode, except a decoded shape that differs from the
-            targets (raised on the first chunk).
+        ValueError: Count or shape mismatches, all masks empty, an unknown ``loss``, a bad ``chunk_size``,
+            ``memory_budget_bytes``, ``frame_chunk_size`` or ``snapshot_every``, an int ``frame_chunk_size``
+            with VAE tiling on; all before any decode, except a decoded shape that differs from the targets
+            (raised on the first chunk; before any decode with time chunks).
 
     Example (tiny random-weight VAE on CPU):
 
@@ -167,6 +200,8 @@ def chunked_pixel_loss(
     """
     loss_kind = _check_loss(loss)
     _check_plan_options(chunk_size, memory_budget_bytes)
+    _check_frame_options(frame_chunk_size, snapshot_every)
+    video_vae = decode if is_wan_vae(decode) else None
     decode = _as_decode(decode)
     groups = _groups(latents, targets, masks)
     denominator = _denominator(groups)
@@ -175,10 +210,17 @@ def chunked_pixel_loss(
         return _pixel_loss(
             [g.chunks(len(g)) for g in groups], decode, loss_kind, denominator, recompute=False
         )
-    sizes = _plan(groups, decode, loss_kind, chunk_size, memory_budget_bytes)
-    return _pixel_loss(
-        [g.chunks(s) for g, s in zip(groups, sizes)], decode, loss_kind, denominator, recompute=True
-    )
+    frames = _frames_plan(video_vae, frame_chunk_size, snapshot_every)
+    plans = _plan(groups, decode, loss_kind, chunk_size, memory_budget_bytes, frames)
+    total: torch.Tensor | None = None
+    for group, plan in zip(groups, plans):
+        if plan.frames is None:
+            part = _pixel_loss([group.chunks(plan.items)], decode, loss_kind, 1.0, recompute=True)
+        else:
+            part = _video_error_sum(frames, loss_kind, group, plan)
+        total = part if total is None else total + part
+    assert total is not None
+    return total / denominator
 
 
 def _seed_variant_pixel_loss(
@@ -225,12 +267,23 @@ def _chunk_error_sum(
     latents, targets = _stack(latents), _stack(targets)
     masks = None if masks is None else _stack(masks)
     pred = _images(decode(latents))
-    if pred.shape != targets.shape:
+    _check_decoded(tuple(pred.shape), tuple(latents.shape), tuple(targets.shape))
+    return _error_sum(pred, targets, masks, loss_kind)
+
+
+def _check_decoded(pred: tuple[int, ...], latents: tuple[int, ...], targets: tuple[int, ...]) -> None:
+    if pred != targets:
         raise ValueError(
-            f"decode returned images of shape {tuple(pred.shape)} for latents of shape {tuple(latents.shape)}, "
-            f"but the targets have shape {tuple(targets.shape)}; pass targets (and masks) of the decoded size, "
-            "e.g. crop or pad them to the VAE's output size."
+            f"decode returned images of shape {pred} for latents of shape {latents}, but the targets have "
+            f"shape {targets}; pass targets (and masks) of the decoded size, e.g. crop or pad them to the VAE's "
+            "output size."
         )
+
+
+def _error_sum(
+    pred: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None, loss_kind: str
+) -> torch.Tensor:
+    """Masked sum of the pointwise error in float32 (the seed's [-1, 1] -> [0, 1] mapping and clamp)."""
     pred01 = (pred.float() * 0.5 + 0.5).clamp(0, 1)
     target01 = (targets.float() * 0.5 + 0.5).clamp(0, 1)
     diff = pred01 - target01
@@ -410,50 +463,189 @@ def _auto_chunk_size(megapixels: float) -> int:
     return _AUTO_SMALL_ITEMS
 
 
+@dataclass(frozen=True)
+class _GroupPlan:
+    """How one shape group runs: ``items`` per chunk, and ``frames`` latent frames per time chunk (or whole)."""
+
+    items: int
+    frames: int | None = None
+
+
+@dataclass(frozen=True)
+class _Frames:
+    """The Wan VAE given as ``decode``, and the options of its time chunks."""
+
+    runner: WanFrames
+    chunk: int | str | None
+    snapshot_every: int | str
+
+    def chunk_for(self, group: _Group) -> tuple[int | None, str]:
+        """(latent frames per time chunk or None, why), for a group; raises for a chunk that cannot run."""
+        latent_frames = group.latents[0].shape[1] if group.latents[0].dim() == 4 else 0
+        if self.chunk is None:
+            return None, "frame_chunk_size=None"
+        if not torch.is_grad_enabled():
+            return None, "no grad: the stock frame loop keeps no graph"
+        if latent_frames < 2:
+            return None, "one latent frame"
+        if getattr(self.runner.vae, "use_tiling", False):
+            if self.chunk == "auto":
+                return None, "VAE tiling on: whole items"
+            raise ValueError(
+                f"frame_chunk_size={self.chunk} decodes frame by frame without tiles, which would not equal the "
+                "tiled AutoencoderKLWan; call vae.disable_tiling() (it does not bound training memory) or pass "
+                "frame_chunk_size=None"
+            )
+        return (1 if self.chunk == "auto" else int(self.chunk)), str(self.chunk)
+
+
+def _frames_plan(vae: Any, frame_chunk_size: int | str | None, snapshot_every: int | str) -> _Frames | None:
+    if vae is None:
+        return None
+    return _Frames(WanFrames(vae), frame_chunk_size, snapshot_every)
+
+
+def _check_frame_options(frame_chunk_size: object, snapshot_every: object) -> None:
+    if frame_chunk_size not in (None, "auto") and (
+        isinstance(frame_chunk_size, bool) or not isinstance(frame_chunk_size, int) or frame_chunk_size < 1
+    ):
+        raise ValueError(f"frame_chunk_size must be an int >= 1, 'auto' or None, got {frame_chunk_size!r}")
+    snapshot_stride(1, snapshot_every)  # raises for a bad value
+
+
 def _plan(
     groups: list[_Group],
     decode: Decode,
     loss_kind: str,
     chunk_size: int | str,
     memory_budget_bytes: int | None,
-) -> list[int]:
-    sizes, notes = [], []
+    frames: _Frames | None,
+) -> list[_GroupPlan]:
+    plans, notes = [], []
     for g in groups:
-        megapixels = math.prod(g.item_shape()[1:]) / 1e6
+        frame_chunk, frame_note = (None, "") if frames is None else frames.chunk_for(g)
+        if frame_chunk is not None:
+            assert frames is not None
+            _check_video_targets(frames.runner, g)
+            latent_frames = g.latents[0].shape[1]
+            chunk_frames = min(frame_chunk, latent_frames) * frames.runner.temporal
+            megapixels = chunk_frames * math.prod(g.item_shape()[2:]) / 1e6
+        else:
+            megapixels = math.prod(g.item_shape()[1:]) / 1e6
         if memory_budget_bytes is not None:
-            item_bytes = _probe_item_bytes(decode, loss_kind, g)
+            item_bytes = _probe_item_bytes(decode, loss_kind, g, frames, frame_chunk)
             size, why = max(1, memory_budget_bytes // max(item_bytes, 1)), f"budget, {item_bytes} B/item"
         elif chunk_size == "auto":
             size, why = _auto_chunk_size(megapixels), "auto"
         else:
             size, why = int(chunk_size), "fixed"
         size = min(size, len(g))
-        sizes.append(size)
-        notes.append(
-            f"{len(g)} x {g.item_shape()} ({megapixels:.3g} MP) -> {math.ceil(len(g) / size)} chunk(s) of {size} "
-            f"({why})"
+        plans.append(_GroupPlan(size, frame_chunk))
+        note = (
+            f"{len(g)} x {g.item_shape()} ({megapixels:.3g} MP{' per time chunk' if frame_chunk else ''}) -> "
+            f"{math.ceil(len(g) / size)} chunk(s) of {size} ({why})"
         )
+        if frame_chunk is not None:
+            assert frames is not None
+            latent_frames = g.latents[0].shape[1]
+            time_chunks = math.ceil(latent_frames / frame_chunk)
+            stride = snapshot_stride(math.ceil(len(g) / size) * time_chunks, frames.snapshot_every)
+            split = frames.runner.state
+            note += (
+                f" x {time_chunks} time chunk(s) of {frame_chunk} latent frame(s) ({frame_note}; "
+                f"{type(frames.runner.vae).__name__}, cache kept every {stride} time chunk(s)"
+                f"{'' if split is None else f', height split over {split.world} ranks'})"
+            )
+        elif frames is not None:
+            note += f" (whole items: {frame_note})"
+        elif len(g.item_shape()) == 4 and g.item_shape()[1] > 1 and torch.is_grad_enabled():
+            note += (
+                " (whole videos: decode is not an AutoencoderKLWan; pass the VAE itself, with unnormalised "
+                "latents, to chunk videos over time)"
+            )
+        notes.append(note)
     logger.debug(
         "pixel loss plan: %s, recompute=%s; %s", loss_kind, torch.is_grad_enabled(), "; ".join(notes)
     )
-    return sizes
+    return plans
 
 
-def _probe_item_bytes(decode: Decode, loss_kind: str, group: _Group) -> int:
+def _check_video_targets(runner: WanFrames, group: _Group) -> None:
+    """Targets of the decoded size, checked before any decode (the time chunks decode piece by piece)."""
+    latents = tuple(group.latents[0].shape)
+    expected, got = runner.decoded_shape(latents), group.item_shape()
+    if expected != got:
+        raise ValueError(
+            f"{type(runner.vae).__name__} decodes latents of shape {latents} to videos of shape {expected}, but "
+            f"the targets have shape {got}; pass targets (and masks) of the decoded size (1 + 4 (T - 1) frames), "
+            "e.g. crop or pad them to the VAE's output size."
+        )
+
+
+def _probe_item_bytes(
+    decode: Decode,
+    loss_kind: str,
+    group: _Group,
+    frames: _Frames | None = None,
+    frame_chunk: int | None = None,
+) -> int:
     """Peak bytes of one item's decode + error (and its backward when grad is on), RNG state restored."""
     from hfpatch.testing.memory import track_memory  # torch-only; lazy to keep the common path import-light
 
     chunk = group.chunks(1)[0]
     latents = _stack(chunk.latents).detach()
+    grad = torch.is_grad_enabled()
     devices = [latents.device] if latents.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), track_memory() as memory:
-        if torch.is_grad_enabled():
-            latents.requires_grad_(True)
-            part = _chunk_error_sum(decode, loss_kind, latents, chunk.targets, chunk.masks)
-            torch.autograd.grad(part, latents)
+        latents.requires_grad_(grad)
+        if frame_chunk is not None:
+            assert frames is not None
+            item = _Group(
+                latents, _stack(chunk.targets), None if chunk.masks is None else _stack(chunk.masks)
+            )
+            part = _video_error_sum(frames, loss_kind, item, _GroupPlan(1, frame_chunk))
         else:
-            _chunk_error_sum(decode, loss_kind, latents, chunk.targets, chunk.masks)
+            part = _chunk_error_sum(decode, loss_kind, latents, chunk.targets, chunk.masks)
+        if grad:
+            torch.autograd.grad(part, latents)
     return memory.peak_bytes
+
+
+def _video_error_sum(frames: _Frames, loss_kind: str, group: _Group, plan: _GroupPlan) -> torch.Tensor:
+    """Error sum of a group of videos, decoded ``plan.items`` videos x ``plan.frames`` latent frames at a time
+    under :func:`causal_checkpoint` (each time chunk's loss taken as soon as its frames exist)."""
+    runner = frames.runner
+    # A split VAE: every rank must hold the same latents and targets (each computes the whole loss).
+    named = {"targets": group.targets, "masks": group.masks}
+    others = {f"{k}_{i}": t for k, v in named.items() if v is not None for i, t in enumerate(_items(v))}
+    latents = runner.enter(_stack(group.latents), "decode", **others)
+    assert plan.frames is not None
+    segments = time_segments(len(group), plan.items, latents.shape[2], plan.frames)
+
+    def step(k: int, cache: list | None, z: torch.Tensor) -> tuple[torch.Tensor, list]:
+        segment = segments[k]
+        items, span = segment.index[0], segment.index[2]
+        pixels = slice(runner.pixel_frame(span.start), runner.pixel_frame(span.stop))
+        pred, cache = runner.decode(cache, z, first=segment.fresh, full=True)
+        targets = _frame_slice(group.targets, items, pixels)
+        masks = None if group.masks is None else _frame_slice(group.masks, items, pixels)
+        _check_decoded(tuple(pred.shape), tuple(z.shape), tuple(targets.shape))
+        return _error_sum(pred, targets, masks, loss_kind), cache
+
+    return causal_checkpoint(
+        step, latents, segments, runner.decoder_params(), reduce="sum", snapshot_every=frames.snapshot_every
+    )
+
+
+def _items(items: _Items) -> tuple[torch.Tensor, ...]:
+    return (items,) if isinstance(items, torch.Tensor) else tuple(items)
+
+
+def _frame_slice(items: _Items, which: slice, frames: slice) -> torch.Tensor:
+    """Frames ``frames`` of items ``which`` as one batch (a copy of these frames only, for lists)."""
+    if isinstance(items, torch.Tensor):
+        return items[which][:, :, frames]
+    return torch.stack([item[:, frames] for item in items[which]])
 
 
 def _describe(groups: list[_Group]) -> str:

@@ -3,8 +3,8 @@
 Run on a GPU machine with ``python -m pytest tests/gpu -q`` (a minute or two on one GPU). NCCL refuses two
 ranks on one GPU, so multi-rank paths stay on the CPU/gloo suite; what runs here is every per-rank CUDA path:
 the attention kernels (forward, Ring's block backward, every input layout), the ring-degree-1 SDPA path, the
-streaming pipeline and training seeded by CPU and CUDA generators, the chunked pixel loss, GradCache, and the
-Wan VAE's frame cache after an out-of-memory error.
+streaming pipeline and training seeded by CPU and CUDA generators, the chunked pixel loss (also a video chunked
+over time), GradCache, and the Wan VAE's frame cache after an out-of-memory error.
 
 Tolerances: fp32 results against fp64 within ``reassociation_tol`` of the fp32 computation's own noise, or a
 stated multiple of fp32 eps; bf16 results against fp64 attention of the same bf16 inputs within the bf16
@@ -194,6 +194,48 @@ def test_chunked_pixel_loss_equals_one_shot(dtype):
     one_shot = step(vae, dtype, reference=True)
     chunked = step(vae, dtype, chunk_size=1)
     assert rel_error(chunked, one_shot) <= _order_tol(dtype, rel_error(one_shot, exact))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_pixel_loss_video_time_chunks_equal_one_shot_and_bounded(dtype):
+    # The Wan VAE given itself: one video decoded one latent frame at a time under causal_checkpoint (RNG and
+    # autocast state replayed on the device). Loss and latent gradient as the one-shot step; on CUDA, the
+    # allocator's peak grows at most 2x from 4 to 16 latent frames (the one-shot step's about 4.5x).
+    from hfpatch.testing import tiny_wan_vae
+    from hfpatch.training import chunked_pixel_loss
+
+    vae32 = tiny_wan_vae("2.1").to(CUDA).requires_grad_(False)
+    vae64, vae = to_fp64(vae32), vae32.to(dtype)
+    peaks = {}
+
+    def step(vae, dtype, latents, targets, **options):
+        leaf = latents.to(dtype, copy=True).requires_grad_()
+        if CUDA.type == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        loss = chunked_pixel_loss(vae, leaf, targets.to(dtype), **options)
+        loss.backward()
+        if CUDA.type == "cuda":
+            torch.cuda.synchronize()
+            peaks[latents.shape[2], options.get("reference", False)] = (
+                torch.cuda.max_memory_allocated() - base
+            )
+        return torch.cat([loss.detach().double().reshape(1), leaf.grad.double().flatten()])
+
+    for frames in (4, 16):
+        gen = torch.Generator().manual_seed(frames)
+        inputs = (
+            torch.randn(1, 4, frames, 4, 4, generator=gen).to(CUDA),
+            torch.rand(1, 3, 1 + 4 * (frames - 1), 32, 32, generator=gen).to(CUDA) * 2 - 1,
+        )
+        one_shot = step(vae, dtype, *inputs, reference=True)
+        chunked = step(vae, dtype, *inputs)
+    exact = step(vae64, torch.float64, *inputs, reference=True)
+    assert rel_error(chunked, one_shot) <= _order_tol(dtype, rel_error(one_shot, exact))
+    if CUDA.type == "cuda":
+        assert peaks[16, False] <= 2 * peaks[4, False], peaks
+        assert peaks[16, True] >= 3 * peaks[4, True], peaks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -35,10 +35,11 @@ class _FailOnce:
 
 
 def _cached(vae) -> list[int]:
-    """How many slots of each frame cache hold a tensor: ``[decoder, encoder]``."""
+    """How many slots of each frame cache hold a tensor: ``[decoder, encoder]`` (a VAE whose own frame loop never
+    ran, e.g. decoded by time chunks only, has no cache attribute yet: 0)."""
     return [
-        sum(isinstance(t, torch.Tensor) for t in vae._feat_map),
-        sum(isinstance(t, torch.Tensor) for t in vae._enc_feat_map),
+        sum(isinstance(t, torch.Tensor) for t in getattr(vae, "_feat_map", None) or ()),
+        sum(isinstance(t, torch.Tensor) for t in getattr(vae, "_enc_feat_map", None) or ()),
     ]
 
 
