@@ -83,10 +83,16 @@ def compile_function(
     cuda_graphs: bool = False,
     fullgraph: bool = True,
     dynamic: bool | None = False,
+    options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    """``torch.compile(fn)`` with hfpatch's defaults; ``cuda_graphs`` selects ``mode="reduce-overhead"``."""
+    """``torch.compile(fn)`` with hfpatch's defaults; ``cuda_graphs`` selects ``mode="reduce-overhead"``;
+    ``options`` are inductor settings (ignored by other backends)."""
     mode = "reduce-overhead" if cuda_graphs else None
-    return torch.compile(fn, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    if backend != "inductor":
+        options = None
+    return torch.compile(
+        fn, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options
+    )
 
 
 def compiled_variant(fn: types.FunctionType, tag: str, **options: Any) -> Callable[..., Any]:

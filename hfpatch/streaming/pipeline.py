@@ -260,6 +260,11 @@ class _SideStreamDecode(_InlineDecode):
         return frames
 
 
+def _decode_runner(device: torch.device, overlap_decode: bool) -> type[_InlineDecode]:
+    """How a stream decodes its blocks: on a side CUDA stream (``overlap_decode`` on CUDA) or in line."""
+    return _SideStreamDecode if overlap_decode and device.type == "cuda" else _InlineDecode
+
+
 class StreamingWanPipeline:
     """Block-by-block Wan video generation with a KV cache, streaming VAE decode and prompt switching.
 
@@ -408,9 +413,8 @@ class StreamingWanPipeline:
         self.cache = self._fresh_cache(batch, shape, dtype)
         decode = None
         if output_type == "pt":
-            decoder = StreamingWanDecoder(self.vae)
-            overlap = overlap_decode and device.type == "cuda"
-            decode = (_SideStreamDecode if overlap else _InlineDecode)(decoder, self.vae.dtype, mean, std)
+            runner = _decode_runner(device, overlap_decode)
+            decode = runner(StreamingWanDecoder(self.vae), self.vae.dtype, mean, std)
         # Clean latents of earlier blocks: enough for the last cache_frames (recache), all without a cache.
         history: list[torch.Tensor] = []
         keep = None if not use_cache else -(-self.config.cache_frames // n)
