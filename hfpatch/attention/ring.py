@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import ring_shift
+from ..distributed.collectives import group_name, resolve_group, ring_shift
 from .layout import group_rank, group_size, valid_prefix
 from .local import accum_dtype, local_attention, local_attention_backward, resolve_backend, to_layout
 from .merge import merge_attention, merge_blocks
@@ -129,110 +129,268 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, djoint_out):
         q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse = ctx.saved_tensors
         group, valid_len, scale, backend, kept = ctx.args
-        world, me, block = group_size(group), group_rank(group), k.shape[1]
-        acc = accum_dtype(q.dtype)
-        dout = torch.zeros_like(out) if dout is None else dout
-        has_joint_q = jq is not None
-        if has_joint_q and djoint_out is None:
-            djoint_out = torch.zeros_like(joint_out)
-        # Into the kernel's memory layout once, not once per block (a no-op for the tensors already there).
-        layout = resolve_backend(backend, q.device, q.dtype).layout
-        q, out, dout = (_h(to_layout(_h(t), layout)) for t in (q, out, dout))
+        grads = _ring_backward(
+            dout, djoint_out, q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse, group, valid_len, scale,
+            backend, kept,
+        )  # fmt: skip
+        return *grads, None, None, None, None, None
+
+
+def _group(name: str | None) -> dist.ProcessGroup | None:
+    return None if name is None else resolve_group(name)
+
+
+def _none_if_empty(t: Tensor | None) -> Tensor | None:
+    """Absent optional outputs travel as empty tensors (a custom op returns tensors only)."""
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+def _dense(t: Tensor | None, like: Tensor) -> Tensor:
+    """An op output: contiguous and owning its memory, or an empty tensor for ``None``."""
+    return like.new_empty(0) if t is None else t.contiguous()
+
+
+# In compiled code, ring attention is one custom op (forward) and one for its backward, with a fake (shape)
+# function each and the backward registered as the forward's autograd formula: ``torch.compile`` calls each as
+# a single graph node (the P2P exchanges, the per-block kernels and the merge run inside, as in eager mode), so
+# a compiled model with Ring attention has no graph break. Groups travel by name; absent joint tensors as empty
+# tensors. Eager code keeps the autograd function above (dispatch modes see the kernels one by one).
+@torch.library.custom_op("hfpatch::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    jq: Tensor | None,
+    jk: Tensor | None,
+    jv: Tensor | None,
+    joint_mask: Tensor | None,
+    group: str | None,
+    valid_len: int | None,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    kept = None if jk is None else _kept_keys(joint_mask, q.shape[0])
+    out, lse, joint_out, joint_lse = _ring_forward(
+        q, k, v, jq, jk, jv, _group(group), valid_len, scale, backend, kept
+    )
+    out = _h(out).to(q.dtype)
+    joint_out = None if joint_out is None else _h(joint_out).to(jq.dtype)
+    return _dense(out, q), _dense(lse, q), _dense(joint_out, q), _dense(joint_lse, q)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, jq, jk, jv, joint_mask, group, valid_len, scale, backend):
+    acc = accum_dtype(q.dtype)
+    b, s, h, _ = q.shape
+    joint_out = q.new_empty(0) if jq is None else torch.empty_like(jq, memory_format=torch.contiguous_format)
+    joint_lse = q.new_empty(0) if jq is None else q.new_empty(b, h, jq.shape[1], dtype=acc)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty(b, h, s, dtype=acc),
+        joint_out,
+        joint_lse,
+    )
+
+
+@torch.library.custom_op("hfpatch::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    dout: Tensor,
+    djoint_out: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    jq: Tensor | None,
+    jk: Tensor | None,
+    jv: Tensor | None,
+    joint_mask: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    joint_out: Tensor | None,
+    joint_lse: Tensor | None,
+    group: str | None,
+    valid_len: int | None,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    kept = None if jk is None else _kept_keys(joint_mask, q.shape[0])
+    grads = _ring_backward(
+        dout, djoint_out, q, k, v, jq, jk, jv, out, lse, joint_out, joint_lse, _group(group), valid_len, scale,
+        backend, kept,
+    )  # fmt: skip
+    return tuple(_dense(g, like) for g, like in zip(grads, (q, k, v, q, q, q)))
+
+
+@_ring_attention_backward_op.register_fake
+def _(
+    dout,
+    djoint_out,
+    q,
+    k,
+    v,
+    jq,
+    jk,
+    jv,
+    joint_mask,
+    out,
+    lse,
+    joint_out,
+    joint_lse,
+    group,
+    valid_len,
+    scale,
+    backend,
+):
+    def like(t):
+        return q.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return like(q), like(k), like(v), like(jq), like(jk), like(jv)
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q, k, v, jq, jk, jv, joint_mask, group, valid_len, scale, backend = inputs
+    out, lse, joint_out, joint_lse = output
+    ctx.save_for_backward(q, k, v, jq, jk, jv, joint_mask, out, lse, joint_out, joint_lse)
+    ctx.args = (group, valid_len, scale, backend)
+    ctx.has_joint = jq is not None
+
+
+def _ring_backward_formula(ctx, dout, dlse, djoint_out, djoint_lse):
+    q, k, v, jq, jk, jv, joint_mask, out, lse, joint_out, joint_lse = ctx.saved_tensors
+    if not ctx.has_joint:
+        joint_out = joint_lse = djoint_out = None
+    dq, dk, dv, djq, djk, djv = _ring_attention_backward_op(
+        dout, djoint_out, q, k, v, jq, jk, jv, joint_mask, out, lse, joint_out, joint_lse, *ctx.args
+    )
+    return (
+        dq, dk, dv, _none_if_empty(djq), _none_if_empty(djk), _none_if_empty(djv),
+        None, None, None, None, None,
+    )  # fmt: skip
+
+
+_ring_attention_op.register_autograd(_ring_backward_formula, setup_context=_ring_setup)
+
+
+def _ring_backward(
+    dout,
+    djoint_out,
+    q,
+    k,
+    v,
+    jq,
+    jk,
+    jv,
+    out,
+    lse,
+    joint_out,
+    joint_lse,
+    group,
+    valid_len,
+    scale,
+    backend,
+    kept,
+):
+    """``(dq, dk, dv, djq, djk, djv)`` of ring attention (joint ones ``None`` without joint tokens)."""
+    world, me, block = group_size(group), group_rank(group), k.shape[1]
+    acc = accum_dtype(q.dtype)
+    dout = torch.zeros_like(out) if dout is None else dout
+    has_joint_q = jq is not None
+    if has_joint_q and djoint_out is None:
+        djoint_out = torch.zeros_like(joint_out)
+    # Into the kernel's memory layout once, not once per block (a no-op for the tensors already there).
+    layout = resolve_backend(backend, q.device, q.dtype).layout
+    q, out, dout = (_h(to_layout(_h(t), layout)) for t in (q, out, dout))
+    if has_joint_q:
+        jq, joint_out, djoint_out = (_h(to_layout(_h(t), layout)) for t in (jq, joint_out, djoint_out))
+
+    def block_grads(k_blk, v_blk, b=slice(None)):
+        """``[B, H, S, D]`` (dq, dk, dv, djq) contributions of one K/V block (image and joint queries);
+        ``b`` restricts the queries to a batch slice matching ``k_blk``/``v_blk``."""
+        dq, dk, dv = local_attention_backward(
+            _h(dout[b]), _h(q[b]), _h(k_blk), _h(v_blk), _h(out[b]), lse[b], scale, backend
+        )
+        djq = None
         if has_joint_q:
-            jq, joint_out, djoint_out = (_h(to_layout(_h(t), layout)) for t in (jq, joint_out, djoint_out))
+            djq, dk_j, dv_j = local_attention_backward(
+                _h(djoint_out[b]), _h(jq[b]), _h(k_blk), _h(v_blk), _h(joint_out[b]), joint_lse[b],
+                scale, backend,
+            )  # fmt: skip
+            dk, dv = dk.to(acc).add_(dk_j), dv.to(acc).add_(dv_j)
+        return dq, dk, dv, djq
 
-        def block_grads(k_blk, v_blk, b=slice(None)):
-            """``[B, H, S, D]`` (dq, dk, dv, djq) contributions of one K/V block (image and joint queries);
-            ``b`` restricts the queries to a batch slice matching ``k_blk``/``v_blk``."""
-            dq, dk, dv = local_attention_backward(
-                _h(dout[b]), _h(q[b]), _h(k_blk), _h(v_blk), _h(out[b]), lse[b], scale, backend
-            )
-            djq = None
+    def joint_block_grads(jk, jv):
+        """:func:`block_grads` of the joint keys, per sample over its unmasked keys only (``kept``)."""
+        if kept is None:
+            return block_grads(jk, jv)
+        dq_j = torch.zeros(_h(q).shape, dtype=acc, device=q.device)
+        dk_j = torch.zeros(_h(jk).shape, dtype=acc, device=q.device)
+        dv_j = torch.zeros(_h(jv).shape, dtype=acc, device=q.device)
+        djq_j = torch.zeros(_h(jq).shape, dtype=acc, device=q.device) if has_joint_q else None
+        for i, idx in enumerate(kept):
+            b = slice(i, i + 1)
+            kb, vb = jk[b], jv[b]
+            if idx is not None:
+                kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
+            if kb.shape[1] == 0:  # no joint key of this sample took part: no gradient through them
+                continue
+            dq_b, dk_b, dv_b, djq_b = block_grads(kb, vb, b)
+            dq_j[b] += dq_b
+            if idx is None:
+                dk_j[b] += dk_b
+                dv_j[b] += dv_b
+            else:
+                dk_j[b].index_add_(2, idx, dk_b.to(acc))
+                dv_j[b].index_add_(2, idx, dv_b.to(acc))
             if has_joint_q:
-                djq, dk_j, dv_j = local_attention_backward(
-                    _h(djoint_out[b]), _h(jq[b]), _h(k_blk), _h(v_blk), _h(joint_out[b]), joint_lse[b],
-                    scale, backend,
-                )  # fmt: skip
-                dk, dv = dk.to(acc).add_(dk_j), dv.to(acc).add_(dv_j)
-            return dq, dk, dv, djq
+                djq_j[b] += djq_b
+        return dq_j, dk_j, dv_j, djq_j
 
-        def joint_block_grads(jk, jv):
-            """:func:`block_grads` of the joint keys, per sample over its unmasked keys only (``kept``)."""
-            if kept is None:
-                return block_grads(jk, jv)
-            dq_j = torch.zeros(_h(q).shape, dtype=acc, device=q.device)
-            dk_j = torch.zeros(_h(jk).shape, dtype=acc, device=q.device)
-            dv_j = torch.zeros(_h(jv).shape, dtype=acc, device=q.device)
-            djq_j = torch.zeros(_h(jq).shape, dtype=acc, device=q.device) if has_joint_q else None
-            for i, idx in enumerate(kept):
-                b = slice(i, i + 1)
-                kb, vb = jk[b], jv[b]
-                if idx is not None:
-                    kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
-                if kb.shape[1] == 0:  # no joint key of this sample took part: no gradient through them
-                    continue
-                dq_b, dk_b, dv_b, djq_b = block_grads(kb, vb, b)
-                dq_j[b] += dq_b
-                if idx is None:
-                    dk_j[b] += dk_b
-                    dv_j[b] += dv_b
-                else:
-                    dk_j[b].index_add_(2, idx, dk_b.to(acc))
-                    dv_j[b].index_add_(2, idx, dv_b.to(acc))
-                if has_joint_q:
-                    djq_j[b] += djq_b
-            return dq_j, dk_j, dv_j, djq_j
+    # Accumulators are [B, S, H, D] in memory, like their tensors; kernels' grads are added through views.
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    djq = torch.zeros(jq.shape, dtype=acc, device=q.device) if has_joint_q else None
+    djk = djv = None
+    if jk is not None:
+        dq_j, djk_h, djv_h, djq_j = joint_block_grads(jk, jv)
+        _h(dq).add_(dq_j)
+        djk, djv = _h(djk_h), _h(djv_h)
+        if has_joint_q:
+            _h(djq).add_(djq_j)
 
-        # Accumulators are [B, S, H, D] in memory, like their tensors; kernels' grads are added through views.
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        djq = torch.zeros(jq.shape, dtype=acc, device=q.device) if has_joint_q else None
-        djk = djv = None
-        if jk is not None:
-            dq_j, djk_h, djv_h, djq_j = joint_block_grads(jk, jv)
-            _h(dq).add_(dq_j)
-            djk, djv = _h(djk_h), _h(djv_h)
-            if has_joint_q:
-                _h(djq).add_(djq_j)
-
-        k_cur, v_cur = k, v
-        dkv_cur = None  # (dk, dv) accumulators of the block held now; they travel with it
-        wait_dkv = in_flight = None
-        for step in range(world):
-            source = (me - step) % world
-            if step < world - 1:
-                (k_next, v_next), wait_kv = ring_shift([k_cur, v_cur], group)
-            n = valid_prefix(source * block, block, valid_len)
-            grads = block_grads(k_cur[:, :n], v_cur[:, :n]) if n > 0 else None
-            if wait_dkv is not None:  # the accumulators of this block arrived while we computed
-                wait_dkv()
-                in_flight = None
-            if dkv_cur is None:
-                dkv_cur = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
-            if grads is not None:
-                dq_b, dk_b, dv_b, djq_b = grads
-                _h(dq).add_(dq_b)
-                _h(dkv_cur[0][:, :n]).add_(dk_b)
-                _h(dkv_cur[1][:, :n]).add_(dv_b)
-                if has_joint_q:
-                    _h(djq).add_(djq_b)
-            if world > 1:  # pass the accumulators on; after r hops they are back at their owner
-                in_flight = dkv_cur  # keep the send buffers alive until the transfer completes
-                dkv_cur, wait_dkv = ring_shift(in_flight, group)
-            if step < world - 1:
-                wait_kv()
-                k_cur, v_cur = k_next, v_next
-        if wait_dkv is not None:
+    k_cur, v_cur = k, v
+    dkv_cur = None  # (dk, dv) accumulators of the block held now; they travel with it
+    wait_dkv = in_flight = None
+    for step in range(world):
+        source = (me - step) % world
+        if step < world - 1:
+            (k_next, v_next), wait_kv = ring_shift([k_cur, v_cur], group)
+        n = valid_prefix(source * block, block, valid_len)
+        grads = block_grads(k_cur[:, :n], v_cur[:, :n]) if n > 0 else None
+        if wait_dkv is not None:  # the accumulators of this block arrived while we computed
             wait_dkv()
             in_flight = None
-        dk, dv = dkv_cur
+        if dkv_cur is None:
+            dkv_cur = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
+        if grads is not None:
+            dq_b, dk_b, dv_b, djq_b = grads
+            _h(dq).add_(dq_b)
+            _h(dkv_cur[0][:, :n]).add_(dk_b)
+            _h(dkv_cur[1][:, :n]).add_(dv_b)
+            if has_joint_q:
+                _h(djq).add_(djq_b)
+        if world > 1:  # pass the accumulators on; after r hops they are back at their owner
+            in_flight = dkv_cur  # keep the send buffers alive until the transfer completes
+            dkv_cur, wait_dkv = ring_shift(in_flight, group)
+        if step < world - 1:
+            wait_kv()
+            k_cur, v_cur = k_next, v_next
+    if wait_dkv is not None:
+        wait_dkv()
+        in_flight = None
+    dk, dv = dkv_cur
 
-        def cast(grad, like):
-            return None if grad is None else grad.to(like.dtype)
+    def cast(grad, like):
+        return None if grad is None else grad.to(like.dtype)
 
-        return (
-            cast(dq, q), cast(dk, k), cast(dv, v), cast(djq, jq), cast(djk, jk), cast(djv, jv),
-            None, None, None, None, None,
-        )  # fmt: skip
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(djq, jq), cast(djk, jk), cast(djv, jv)
 
 
 def ring_attention(
@@ -281,6 +439,12 @@ def ring_attention(
     backend = resolve_backend(backend, query.device, query.dtype, query.shape[-1]).name
     if group is not None:
         key, value = key.contiguous(), value.contiguous()
+    if torch.compiler.is_compiling():  # one graph node (see _ring_attention_op)
+        out, _, joint_out, _ = _ring_attention_op(
+            query, key, value, joint_query, joint_key, joint_value, joint_key_mask,
+            None if group is None else group_name(group), valid_len, scale, backend,
+        )  # fmt: skip
+        return out, (joint_out if joint_query is not None else None)
     return _RingAttention.apply(
         query,
         key,

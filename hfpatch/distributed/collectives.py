@@ -13,6 +13,12 @@ A collective that fails because another rank failed, exited or timed out (gloo/N
 connections) raises :class:`hfpatch.distributed.runtime.CollectiveError` naming the op and the group, with
 the backend's error as its cause. Point-to-point waits on gloo are bounded by the group's timeout
 (:func:`hfpatch.distributed.runtime.wait_timeout`).
+
+``torch.compile``: each differentiable collective is one ``torch.library`` custom op (``hfpatch::all_to_all``,
+``hfpatch::all_gather``, ``hfpatch::reduce_scatter``, ``hfpatch::all_reduce_mean``) with a fake (shape) function
+and its dual registered as its autograd formula, the group passed by name. A compiled graph calls each one as a
+single node, with no graph break; it runs the same Python as in eager mode, so the peer-failure errors, the
+bounded waits and the byte counts of :func:`count_comm` hold in compiled code too.
 """
 
 from __future__ import annotations
@@ -97,6 +103,16 @@ def _rank(group: ProcessGroup | None) -> int:
 
 def _global(group: ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def group_name(group: ProcessGroup | None) -> str:
+    """The name a custom op is given for ``group`` (``None``: the default group)."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+def resolve_group(name: str) -> ProcessGroup:
+    """The process group registered under ``name`` (:func:`group_name`)."""
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 # How long to wait for gloo's worker thread to drop a finished op's buffers: a bound that is never reached
@@ -240,6 +256,44 @@ class _AllToAll(torch.autograd.Function):
         )
 
 
+# The same collective as one custom op, for compiled graphs (module docstring). Eager code keeps the autograd
+# function above: a TorchDispatchMode (memory trackers, kernel emulators) sees the ops a custom op runs inside
+# only when they are dispatched one by one.
+@torch.library.custom_op("hfpatch::all_to_all", mutates_args=())
+def _all_to_all_op(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: str,
+    scatter_sizes: list[int],
+    gather_sizes: list[int],
+) -> torch.Tensor:
+    return _all_to_all(x, scatter_dim, gather_dim, resolve_group(group), scatter_sizes, gather_sizes)
+
+
+@_all_to_all_op.register_fake
+def _(x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes):
+    shape = list(x.shape)
+    shape[scatter_dim] = scatter_sizes[_rank(resolve_group(group))]
+    shape[gather_dim] = sum(gather_sizes)
+    return x.new_empty(shape)
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.group, ctx.scatter_sizes, ctx.gather_sizes = inputs
+
+
+def _all_to_all_backward(ctx, grad):
+    # The adjoint of an all-to-all is the all-to-all with the roles of the two dims swapped.
+    grad = _all_to_all_op(
+        grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group, ctx.gather_sizes, ctx.scatter_sizes
+    )
+    return grad, None, None, None, None, None
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
 def all_to_all(
     x: torch.Tensor,
     scatter_dim: int,
@@ -283,6 +337,8 @@ def all_to_all(
         )
     if world == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _all_to_all_op(x, scatter_dim, gather_dim, group_name(group), scatter_sizes, gather_sizes)
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes)
 
 
@@ -334,6 +390,45 @@ class _AllGather(torch.autograd.Function):
         return _reduce_scatter(grad, dim, group, sizes), None, None, None, None
 
 
+@torch.library.custom_op("hfpatch::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, group: str, sizes: list[int], backward: str) -> torch.Tensor:
+    return _gather(x, dim, resolve_group(group), sizes)
+
+
+@_all_gather_op.register_fake
+def _(x, dim, group, sizes, backward):
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return x.new_empty(shape)
+
+
+def _all_gather_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.group, ctx.sizes, ctx.backward = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    if ctx.backward == "slice":
+        me = _rank(resolve_group(ctx.group))
+        start = sum(ctx.sizes[:me])
+        return grad.narrow(ctx.dim, start, ctx.sizes[me]).contiguous(), None, None, None, None
+    return _reduce_scatter_op(grad.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None, None
+
+
+_all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+@torch.library.custom_op("hfpatch::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(grad: torch.Tensor, dim: int, group: str, sizes: list[int]) -> torch.Tensor:
+    return _reduce_scatter(grad, dim, resolve_group(group), sizes)
+
+
+@_reduce_scatter_op.register_fake
+def _(grad, dim, group, sizes):
+    shape = list(grad.shape)
+    shape[dim] = sizes[_rank(resolve_group(group))]
+    return grad.new_empty(shape)
+
+
 def all_gather(
     x: torch.Tensor,
     dim: int,
@@ -366,7 +461,44 @@ def all_gather(
         )
     if world == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _all_gather_op(x, dim, group_name(group), sizes, backward)
     return _AllGather.apply(x, dim, group, sizes, backward)
+
+
+# ----------------------------------------------------------------------------------------------- all-reduce
+def all_reduce_mean(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The mean of ``x`` over the ranks of ``group``, a new tensor (one custom op in compiled code).
+
+    Not differentiable (it is the backward of :func:`hfpatch.distributed.gradients.grad_averaged_over_group`).
+    """
+    if torch.compiler.is_compiling():
+        return _all_reduce_mean_op(x, group_name(group))
+    return _all_reduce_mean(x, group)
+
+
+@torch.library.custom_op("hfpatch::all_reduce_mean", mutates_args=())
+def _all_reduce_mean_op(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _all_reduce_mean(x, resolve_group(group))
+
+
+@_all_reduce_mean_op.register_fake
+def _(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_mean(x: torch.Tensor, pg: ProcessGroup | None) -> torch.Tensor:
+    out = x.contiguous().clone()
+    world = _size(pg)
+    try:
+        dist.all_reduce(out, group=pg)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error("all_reduce", pg, exc) from exc
+    # A ring all-reduce sends 2 (W - 1) / W of the tensor per rank.
+    _record("all_reduce", 2 * (world - 1) * out.numel() * out.element_size() // world)
+    return out.div_(world)
 
 
 # ----------------------------------------------------------------------------------------------- P2P

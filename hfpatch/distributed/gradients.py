@@ -74,20 +74,9 @@ class _AverageGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from . import runtime
-        from .collectives import _record
+        from .collectives import all_reduce_mean
 
-        grad = grad.contiguous().clone()
-        world = dist.get_world_size(ctx.group)
-        try:
-            dist.all_reduce(grad, group=ctx.group)
-        except RuntimeError as exc:
-            if not runtime.is_peer_failure(exc):
-                raise
-            raise runtime.collective_error("all_reduce", ctx.group, exc) from exc
-        # A ring all-reduce sends 2 (W - 1) / W of the tensor per rank.
-        _record("all_reduce", 2 * (world - 1) * grad.numel() * grad.element_size() // world)
-        return grad.div_(world), None
+        return all_reduce_mean(grad, ctx.group), None
 
 
 def grad_scaled_by_group(x: torch.Tensor, group: Any) -> torch.Tensor:

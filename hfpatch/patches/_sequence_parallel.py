@@ -407,12 +407,23 @@ class SequenceParallelFamily(PatchFamily):
     (:class:`hfpatch.patches.dit.PlannedDiTUSP`: stand-ins running the stock processor code). :meth:`apply` is a
     no-op when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call), and when
     ``pipefusion > 1``: the PipeFusion family then runs Ulysses/Ring inside its stages.
+
+    Options: ``check_inputs`` (the same-input check, default on); ``compile=True`` runs the model's ``forward``
+    through ``torch.compile(fullgraph=True)`` (``compile_backend``, default inductor): the splits, the routed
+    attention and the collectives (single custom ops, :mod:`hfpatch.distributed.collectives`) compile into one
+    graph with no break, forward and backward, while the model-level hooks (the same-input check, the input
+    gradient averaging, the per-call geometry reset) run eagerly around it. ``patch.remove()`` restores the
+    eager ``forward``.
     """
 
     role: ClassVar[str] = "transformer"
     split_axis: ClassVar[str | None] = "sp"
     plan: ClassVar[SequencePlan] = {}
-    options: ClassVar[dict[str, Any]] = {"check_inputs": True}
+    options: ClassVar[dict[str, Any]] = {
+        "check_inputs": True,
+        "compile": False,
+        "compile_backend": "inductor",
+    }
 
     def plan_for(self, target: Any) -> SequencePlan:
         """The sequence plan of ``target`` (default: the class attribute ``plan``)."""
@@ -430,6 +441,7 @@ class SequenceParallelFamily(PatchFamily):
         return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        self.check_compile(target, config, options)
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
         check_plan(target, self.plan_for(target))
@@ -442,6 +454,23 @@ class SequenceParallelFamily(PatchFamily):
                     f"replaces only the stock {' or '.join(accepted)}. Restore it (e.g. "
                     "model.set_default_attn_processor() or unload the IP-Adapter) before hfpatch.apply, "
                     "or use ring=ulysses=1."
+                )
+
+    def check_compile(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for bad ``compile``/``compile_backend`` options, or ``compile=True`` without a split."""
+        if not isinstance(options["compile"], bool):
+            raise ValueError(f"compile must be a bool, got {options['compile']!r}")
+        if options["compile"]:
+            from ..core.compile import check_compile_backend
+
+            check_compile_backend(
+                options["compile_backend"], False, f"hfpatch.apply({type(target).__name__})"
+            )
+            if config.sequence_parallel == 1 or config.pipefusion > 1:
+                raise ValueError(
+                    f"compile=True compiles the sequence-parallel forward of {type(target).__name__}, but the plan "
+                    f"{config} has none (ring * ulysses = 1, or PipeFusion); compile a one-rank model with "
+                    "torch.compile(model), a streaming one with StreamingConfig(compile=True)"
                 )
 
     def apply(self, target: Any, patch: Patch, mesh: Any, options: dict[str, Any]) -> None:
@@ -470,6 +499,16 @@ class SequenceParallelFamily(PatchFamily):
                     )
 
         patch.add_forward_pre_hook(target, check_attention_swaps)
+        if options.get("compile"):
+            from ..core.compile import compile_function
+
+            # The forward only: the hooks above run eagerly around the compiled graph. Shapes follow torch's
+            # default (static, then dynamic after a new shape), so another resolution compiles at most once more.
+            patch.wrap_method(
+                target,
+                "forward",
+                lambda forward: compile_function(forward, backend=options["compile_backend"], dynamic=None),
+            )
 
 
 # ----------------------------------------------------------------------------------------------- attention

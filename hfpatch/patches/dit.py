@@ -865,6 +865,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
         return [(path, module, route.processors) for path, module, route in self._routes(target)]
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        self.check_compile(target, config, options)
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
         if getattr(target, "_parallel_config", None) is not None:

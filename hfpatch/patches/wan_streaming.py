@@ -47,10 +47,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..core.compile import check_cuda_graphs, compiled_variant
 from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
-from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, visible_frames, weights_version
+from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, to_device, visible_frames, weights_version
 from ._wan_common import wan_self_attention_qkv
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
@@ -58,16 +59,26 @@ __all__ = ["StreamingConfig", "WanStreamingPatch"]
 
 @dataclass
 class _Call:
-    """What the processors of one transformer call need (set by the patched ``forward``)."""
+    """What the processors of one transformer call need (set by the patched ``forward``).
 
-    frame_offset: int
+    Only tensors, lists of tensors and per-stream constants: a compiled forward reads nothing from here that
+    changes from block to block except tensor values (no frame offset, no cache object).
+    """
+
     tokens_per_frame: int
-    prompt: torch.Tensor  # the encoder_hidden_states given to forward (cross-attention cache key)
-    cache: StreamingKVCache | None
-    weights: int | None = None  # weights_version(transformer) in cache mode (cross-attention cache key)
-    # Cache mode: token positions in the cache buffers to read (earlier visible frames) and to write.
-    read_index: torch.Tensor | None = None
+    positions: torch.Tensor  # [frames] absolute frame index of each input frame (rotary positions)
+    # Cache mode: the cache (its first call allocates the buffers from layer 0's keys), its per-layer buffers
+    # [B, cache_frames * tokens_per_frame, H, D] and the token positions this call writes there.
+    cache: StreamingKVCache | None = None
+    keys: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
     write_index: torch.Tensor | None = None
+    # One block: the whole buffer is attended, the slots the block may not see masked ([1, 1, 1, L] bool;
+    # None when every slot is visible). A recache chunk: the earlier visible tokens, read in frame order.
+    key_mask: torch.Tensor | None = None
+    read_index: torch.Tensor | None = None
+    # Cache mode without autograd: every layer's text keys/values ([B, T, H, D]), computed once per prompt.
+    cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # No-cache mode: per query block, (first token, end token, key token positions within the input).
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
 
@@ -75,7 +86,7 @@ class _Call:
 def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor:
     """Token positions of whole frames (frame ``f`` covers ``[f * tokens_per_frame, (f + 1) * tokens_per_frame)``)."""
     frame = torch.tensor(frames, dtype=torch.long)[:, None]
-    return (frame * tokens_per_frame + torch.arange(tokens_per_frame)).flatten().to(device)
+    return to_device((frame * tokens_per_frame + torch.arange(tokens_per_frame)).flatten(), device)
 
 
 class _CallState:
@@ -93,9 +104,11 @@ class _CallState:
         return self.call
 
 
-def _attend(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor) -> torch.Tensor:
+def _attend(
+    q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
-        q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2)
+        q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), v_bshd.transpose(1, 2), attn_mask=key_mask
     )
     return out.transpose(1, 2)
 
@@ -103,8 +116,11 @@ def _attend(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor) ->
 class StreamingSelfAttnProcessor:
     """Block-causal self-attention: per query block, attend to the frames :func:`visible_frames` allows.
 
-    In cache mode the earlier visible frames come from the cache and the block's own keys/values are
-    written back (detached); without a cache, every block of the input attends within the input.
+    In cache mode the block's own keys/values are written into the cache (detached) and the block attends to
+    the whole cache buffer, the slots it may not see masked out (no mask once every cached frame is visible:
+    the steady state of a window): the same shapes for every block, read in place with no gather. A recache
+    chunk reads the earlier visible frames and attends to them and itself. Without a cache, every block of
+    the input attends within the input.
     """
 
     def __init__(self, state: _CallState, config: StreamingConfig, layer: int) -> None:
@@ -121,18 +137,42 @@ class StreamingSelfAttnProcessor:
         call = self.state.current()
         q, k, v = wan_self_attention_qkv(attn, hidden_states, rotary_emb)
 
-        if call.cache is not None:
-            out = self._cached(call, q, k, v)
-        else:
+        if call.write_index is None:
             out = self._block_causal(call, q, k, v)
+        else:
+            keys, values = self._buffers(call, k)
+            if call.read_index is not None:
+                out = self._chunk(call, keys, values, q, k, v)
+            else:
+                out = self._block(call, keys, values, q, k, v)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
-    def _cached(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = call.cache
-        if self.layer == 0:
-            cache.ensure_allocated(k, call.tokens_per_frame)
-        keys, values = cache.keys[self.layer], cache.values[self.layer]
+    def _buffers(self, call: _Call, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if call.keys is None:  # the cache's first call (eager): allocate from layer 0's keys
+            if self.layer == 0:
+                call.cache.ensure_allocated(k, call.tokens_per_frame)
+                call.keys, call.values = call.cache.keys, call.cache.values
+        keys, values = call.keys[self.layer], call.values[self.layer]
+        if keys.dtype != k.dtype:
+            raise ValueError(
+                f"this StreamingKVCache holds {keys.dtype} keys, the transformer now computes {k.dtype} ones (an "
+                "autocast or dtype change in the middle of a stream); use one cache per dtype (or a new cache)"
+            )
+        return keys, values
+
+    def _block(self, call, keys, values, q, k, v) -> torch.Tensor:
+        """One block over the whole buffer (static shapes): write this block's slots, attend to every visible one."""
+        keys.index_copy_(1, call.write_index, k.detach())
+        values.index_copy_(1, call.write_index, v.detach())
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            # Gradients reach this block's keys/values, not the cached ones: an out-of-place copy carries them.
+            keys = keys.index_copy(1, call.write_index, k)
+            values = values.index_copy(1, call.write_index, v)
+        return _attend(q, keys, values, call.key_mask)
+
+    def _chunk(self, call, keys, values, q, k, v) -> torch.Tensor:
+        """A recache chunk: the earlier visible frames (frame order) and the chunk itself, then written back."""
         k_all = torch.cat([keys.index_select(1, call.read_index), k], dim=1)
         v_all = torch.cat([values.index_select(1, call.read_index), v], dim=1)
         keys.index_copy_(1, call.write_index, k.detach())
@@ -147,14 +187,24 @@ class StreamingSelfAttnProcessor:
         return torch.cat(outs, dim=1)
 
 
+def _text_keys_values(attn: Any, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention keys/values ``[B, T, H, D]`` of the embedded text, as the stock ``WanAttnProcessor``."""
+    key = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))
+    value = attn.to_v(text).unflatten(2, (attn.heads, -1))
+    return key, value
+
+
 class StreamingCrossAttnProcessor:
     """Text cross-attention whose keys/values are cached per prompt tensor (under ``torch.no_grad`` only).
 
-    A cached entry is reused only while the prompt tensor is the same object with the same storage and
-    version counter (:meth:`~hfpatch.streaming.kv_cache.CrossAttentionCache.matches`), so a prompt edited in
-    place is recomputed.
+    The patched ``forward`` fills the cache for a new prompt before the call (every layer at once, from the
+    text embedding the stock forward computes the same way) and the processors read it. A cached entry serves
+    a call only while the prompt tensor is the same object with the same storage and version counter and the
+    weights are unchanged (:meth:`~hfpatch.streaming.kv_cache.CrossAttentionCache.matches`), so a prompt
+    edited in place is recomputed.
 
-    Under autograd the keys/values are recomputed, so gradients reach ``to_k``/``to_v`` on every call.
+    Under autograd (or without a cache) the keys/values are computed in the call, so gradients reach
+    ``to_k``/``to_v`` on every call.
     """
 
     def __init__(self, state: _CallState, layer: int) -> None:
@@ -170,24 +220,36 @@ class StreamingCrossAttnProcessor:
     ) -> torch.Tensor:
         call = self.state.current()
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        entry = call.cache.cross[self.layer] if call.cache is not None else None
-        if entry is not None and not torch.is_grad_enabled() and entry.matches(call.prompt, call.weights):
-            k, v = entry.key, entry.value
+        if call.cross is not None:
+            k, v = call.cross[self.layer]
         else:
-            k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
-            v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if entry is not None and not torch.is_grad_enabled():
-                entry.store(k, v, call.prompt, call.weights)
+            k, v = _text_keys_values(attn, encoder_hidden_states)
         out = _attend(q, k, v).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+def _cached_text(
+    model: Any, cache: StreamingKVCache, prompt: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's text keys/values for ``prompt``: the cached ones while they match, else computed now."""
+    weights = weights_version(model)
+    if not all(entry.matches(prompt, weights) for entry in cache.cross):
+        text = model.condition_embedder.text_embedder(prompt)  # what the stock forward hands the blocks
+        for block, entry in zip(model.blocks, cache.cross):
+            entry.store(*_text_keys_values(block.attn2, text), prompt, weights)
+    return [(entry.key, entry.value) for entry in cache.cross]
 
 
 def _rope_forward(state: _CallState, rope: Any) -> Callable:
     """``rope.forward`` at absolute frame positions ``frame_offset + i``, computed on the fly (no max length).
 
     Same frequencies and layout as ``WanRotaryPosEmbed.forward``; the height/width parts come from its table.
+    The positions come as a tensor (:attr:`_Call.positions`), so a compiled forward serves every block.
     """
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    # The dtype recipe of WanRotaryPosEmbed.__init__, so positions inside its table give identical values.
+    dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p_t, p_h, p_w = rope.patch_size
@@ -196,10 +258,7 @@ def _rope_forward(state: _CallState, rope: Any) -> Callable:
             hidden_states.shape[3] // p_h,
             hidden_states.shape[4] // p_w,
         )
-        offset = state.current().frame_offset
-        positions = torch.arange(offset, offset + frames, device=rope.freqs_cos.device)
-        # The dtype recipe of WanRotaryPosEmbed.__init__, so positions inside its table give identical values.
-        dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64
+        positions = state.current().positions
         t_cos, t_sin = get_1d_rotary_pos_embed(
             rope.t_dim, positions, 10000.0, use_real=True, repeat_interleave_real=True, freqs_dtype=dtype
         )
@@ -237,11 +296,63 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
     return forward
 
 
+class _Runner:
+    """Runs the stock forward for one call: eagerly, or through the compiled graph of the call's kind.
+
+    Kinds (``StreamingConfig(compile=True)``): one block with the cache in its warm-up (a key mask) or steady
+    (every slot visible, no mask), with or without autograd. Each kind has its own compiled copy of one small
+    function (:func:`~hfpatch.core.compile.compiled_variant`), so each compiles once and none recompiles.
+    """
+
+    def __init__(self, config: StreamingConfig, original: Callable) -> None:
+        self.config, self.original = config, original
+        self.compiled: dict[str, Callable] = {}
+        self.static: set[int] = set()  # data_ptr of the tensors marked static for CUDA graphs
+
+    def kind(self, call: _Call) -> str | None:
+        if not self.config.compile or call.keys is None or call.read_index is not None:
+            return None  # no cache, a recache chunk, or the cache's first (allocating) call: eager
+        return ("warmup" if call.key_mask is not None else "steady") + (
+            "_grad" if torch.is_grad_enabled() else ""
+        )
+
+    def __call__(self, call: _Call, *args: Any) -> Any:
+        kind = self.kind(call)
+        if kind is None:
+            return self.original(*args)
+        fn = self.compiled.get(kind)
+        if fn is None:
+            original = self.original
+
+            def block_forward(*args):
+                return original(*args)
+
+            fn = self.compiled[kind] = compiled_variant(
+                block_forward, f"wan streaming {kind}", backend=self.config.compile_backend,
+                cuda_graphs=self.config.cuda_graphs,
+            )  # fmt: skip
+        if not self.config.cuda_graphs:
+            return fn(*args)
+        # The cache and the text keys/values live at fixed addresses for the whole stream: captured graphs read
+        # and write them in place instead of copying them in and out at every replay.
+        for tensor in [*call.keys, *call.values, *(t for kv in call.cross or () for t in kv)]:
+            if tensor.data_ptr() not in self.static:
+                torch._dynamo.mark_static_address(tensor)
+                self.static.add(tensor.data_ptr())
+        torch.compiler.cudagraph_mark_step_begin()
+        result = fn(*args)
+        # A replay reuses its output memory: hand the caller a tensor of its own.
+        if isinstance(result, tuple):
+            return tuple(t.clone() for t in result)
+        return type(result)(sample=result.sample.clone())
+
+
 def _transformer_forward(
     state: _CallState, config: StreamingConfig, model: Any, original: Callable
 ) -> Callable:
     """The transformer ``forward`` with ``frame_offset``, ``kv_cache`` and ``recache`` (cache mode runs block by
     block, a recache as one chunk)."""
+    runner = _Runner(config, original)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -287,6 +398,8 @@ def _transformer_forward(
             raise RuntimeError(
                 "the streaming Wan transformer is not re-entrant (a forward is already running)"
             )
+        if config.cuda_graphs:
+            check_cuda_graphs(hidden_states.device, "StreamingConfig")
 
         if kv_cache is not None and frames > n and not recache:
             # Block-causal: a block never depends on later blocks, so running block by block is exact.
@@ -312,14 +425,22 @@ def _transformer_forward(
         tokens_per_frame = (height // p_h) * (width // p_w)
         if timestep.ndim == 2:
             timestep = timestep.repeat_interleave(tokens_per_frame, dim=1)  # the stock per-token path
-        call = _Call(frame_offset, tokens_per_frame, encoder_hidden_states, kv_cache)
         device = hidden_states.device
+        positions = torch.arange(frame_offset, frame_offset + frames, device=device)
+        call = _Call(tokens_per_frame, positions)
         if kv_cache is not None:
-            call.weights = weights_version(model)
+            if kv_cache.keys is not None:  # the dtype is checked by the processors (autocast decides it)
+                kv_cache.check_layout(batch, tokens_per_frame, *_heads(model))
             plan = kv_cache.plan_chunk if recache else kv_cache.plan_block
             read, write = plan(frame_offset, frames)
-            call.read_index = _token_index(read, tokens_per_frame, device)
+            call.cache, call.keys, call.values = kv_cache, kv_cache.keys, kv_cache.values
             call.write_index = _token_index(write, tokens_per_frame, device)
+            if recache:
+                call.read_index = _token_index(read, tokens_per_frame, device)
+            else:
+                call.key_mask = kv_cache.key_mask(read + write, tokens_per_frame, device)
+            if not torch.is_grad_enabled():
+                call.cross = _cached_text(model, kv_cache, encoder_hidden_states)
         else:
             call.blocks = [
                 (
@@ -338,7 +459,8 @@ def _transformer_forward(
             ]
         state.call = call
         try:
-            result = original(
+            result = runner(
+                call,
                 hidden_states,
                 timestep,
                 encoder_hidden_states,
@@ -357,6 +479,11 @@ def _transformer_forward(
         return result
 
     return forward
+
+
+def _heads(model: Any) -> tuple[int, int]:
+    """(heads, head_dim) of the self-attention keys."""
+    return model.config.num_attention_heads, model.config.attention_head_dim
 
 
 def _output(sample: torch.Tensor) -> Any:

@@ -43,9 +43,22 @@ class StreamingConfig:
             every earlier frame of the stream (then the cache holds ``max_frames`` frames).
         sink_size: The first frames of the stream, always visible (attention sink, as in LongLive).
         max_frames: Cache capacity in frames when ``local_attn_size == -1``; a longer stream is an error.
+        compile: Run each cached block's forward (a denoising step or the context pass on one block of
+            ``num_frame_per_block`` frames) through ``torch.compile(fullgraph=True)``. Shapes are static (every
+            block attends to the whole preallocated cache, the frames it may not see masked out), so two graphs
+            serve a whole stream, each compiled once: the warm-up blocks, while the cache still has empty or
+            invisible slots (key mask), and the steady blocks once every cached frame is visible (no mask, the
+            kernel the stock attention gets). The first block of a new cache (which allocates it), re-encodes
+            (``recache``) and calls without a cache run eagerly. Outputs equal the eager forward (bit for bit
+            with ``compile_backend="eager"``/``"aot_eager"``; up to the compiler's fused arithmetic with inductor).
+        compile_backend: The ``torch.compile`` backend (``"inductor"``; ``"aot_eager"``/``"eager"`` to debug).
+        cuda_graphs: Also capture the compiled graphs as CUDA graphs (``mode="reduce-overhead"``; needs
+            ``compile=True``, inductor and a CUDA model): the cache and text keys/values stay at fixed
+            addresses, so each block replays its graph instead of launching its kernels one by one.
 
     Raises:
-        ValueError: If the window cannot hold the sink plus one block, or a size is not positive.
+        ValueError: If the window cannot hold the sink plus one block, a size is not positive, or the compile
+            options do not fit together.
 
     >>> StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3).cache_frames
     12
@@ -55,8 +68,23 @@ class StreamingConfig:
     local_attn_size: int = -1
     sink_size: int = 0
     max_frames: int = 240
+    compile: bool = False
+    compile_backend: str = "inductor"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("compile", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StreamingConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cuda_graphs and not self.compile:
+            raise ValueError(
+                "StreamingConfig(cuda_graphs=True) captures the compiled block forward as CUDA graphs: set "
+                "compile=True too"
+            )
+        if self.compile:
+            from ..core.compile import check_compile_backend
+
+            check_compile_backend(self.compile_backend, self.cuda_graphs, "StreamingConfig")
         for name in ("num_frame_per_block", "max_frames"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -89,6 +117,14 @@ def visible_frames(config: StreamingConfig, start: int, block_end: int) -> list[
     sink_end = min(start + config.sink_size, block_end)
     window_start = max(block_end - (config.local_attn_size - config.sink_size), sink_end)
     return list(range(start, sink_end)) + list(range(window_start, block_end))
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; to CUDA from pinned memory without waiting for the queued kernels (a
+    copy from pageable memory first waits for the stream, so the host could not queue the next block ahead)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _tensor_version(tensor: torch.Tensor) -> int | None:
@@ -307,6 +343,16 @@ class StreamingKVCache:
         for frame in range(frame_offset, frame_offset + num_frames):
             self._slot_frames[self.slot(frame)] = -1
 
+    def key_mask(self, slots: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor | None:
+        """The visible ``slots`` as a key mask over the whole buffer, ``[1, 1, 1, cache_frames * tokens]`` bool
+        (``True``: attend), or ``None`` when every slot is visible (a full window: no mask needed)."""
+        visible = sorted(set(slots))
+        if len(visible) == self.config.cache_frames:
+            return None
+        mask = torch.zeros(self.config.cache_frames, dtype=torch.bool)
+        mask[visible] = True
+        return to_device(mask.repeat_interleave(tokens_per_frame).view(1, 1, 1, -1), device)
+
     # -------------------------------------------------------------------------------- buffer access
     def ensure_allocated(self, key: torch.Tensor, tokens_per_frame: int) -> None:
         """Allocate the buffers for keys shaped like ``key`` ([B, tokens, H, D]) on first use; check later calls."""
@@ -316,10 +362,19 @@ class StreamingKVCache:
             self.values = [key.new_zeros(shape) for _ in range(self.num_layers)]
             self.tokens_per_frame = tokens_per_frame
             return
-        expected = (self.keys[0].shape[0], self.tokens_per_frame, *self.keys[0].shape[2:], self.keys[0].dtype)
-        given = (key.shape[0], tokens_per_frame, *key.shape[2:], key.dtype)
+        self.check_layout(key.shape[0], tokens_per_frame, *key.shape[2:], dtype=key.dtype)
+
+    def check_layout(
+        self, batch: int, tokens_per_frame: int, heads: int, head_dim: int, dtype: torch.dtype | None = None
+    ) -> None:
+        """Raise ``ValueError`` unless the allocated buffers hold keys of this layout (``dtype`` if given)."""
+        expected = (self.keys[0].shape[0], self.tokens_per_frame, *self.keys[0].shape[2:])
+        given = (batch, tokens_per_frame, heads, head_dim)
+        if dtype is not None:
+            expected, given = (*expected, self.keys[0].dtype), (*given, dtype)
         if given != expected:
+            names = "batch, tokens per frame, heads, head_dim" + (", dtype" if dtype is not None else "")
             raise ValueError(
-                f"this StreamingKVCache holds (batch, tokens per frame, heads, head_dim, dtype) = {expected}, "
-                f"got {given}; use one cache per sequence shape (or a new cache)"
+                f"this StreamingKVCache holds ({names}) = {expected}, got {given}; use one cache per sequence shape "
+                "(or a new cache)"
             )

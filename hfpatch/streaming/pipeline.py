@@ -90,7 +90,17 @@ def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.de
     device (a CPU generator drives a CUDA model's noise) and moved to ``device``; a list seeds each batch item."""
     from diffusers.utils.torch_utils import randn_tensor as diffusers_randn_tensor
 
-    return diffusers_randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=dtype)
+    device = torch.device(device)
+    generators = generator if isinstance(generator, list) else [generator]
+    if device.type == "cuda" and all(g is not None and g.device.type == "cpu" for g in generators):
+        # The same draws on the CPU, then an asynchronous copy from pinned memory: a copy from pageable memory
+        # first waits for every kernel queued on the stream, so the host would stall at every denoising step
+        # instead of queueing the next one.
+        noise = diffusers_randn_tensor(
+            tuple(shape), generator=generator, device=torch.device("cpu"), dtype=dtype
+        )
+        return noise.pin_memory().to(device, non_blocking=True)
+    return diffusers_randn_tensor(tuple(shape), generator=generator, device=device, dtype=dtype)
 
 
 def _renoise(x0: torch.Tensor, t: float, generator: Generators, num_train_timesteps: int) -> torch.Tensor:
@@ -194,6 +204,67 @@ def _schedule(prompts: PromptSchedule) -> list[tuple[int, torch.Tensor]]:
     return schedule
 
 
+def _pixel_frames(decoder: StreamingWanDecoder, vae_dtype, x0, mean, std) -> torch.Tensor:
+    """Decoded frames ``[B, f, 3, H, W]`` in ``[0, 1]`` of a block's clean latents."""
+    z = x0.to(vae_dtype) * std.to(x0) + mean.to(x0)
+    return (decoder.decode(z) / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+class _InlineDecode:
+    """Decode a block when it is done, on the current stream (CPU, or ``overlap_decode=False``)."""
+
+    deferred = False
+
+    def __init__(self, decoder: StreamingWanDecoder, vae_dtype: torch.dtype, mean, std) -> None:
+        self.decoder, self.vae_dtype, self.mean, self.std = decoder, vae_dtype, mean, std
+
+    def submit(self, x0: torch.Tensor) -> Any:
+        return _pixel_frames(self.decoder, self.vae_dtype, x0, self.mean, self.std)
+
+    def result(self, job: Any) -> torch.Tensor:
+        return job
+
+
+class _SideStreamDecode(_InlineDecode):
+    """Decode on a second CUDA stream, so the VAE runs while the transformer works on the next block.
+
+    The side stream waits for the block's latents (an event recorded on the current stream), and the
+    current stream waits for the decode before the frames are handed out; ``record_stream`` tells the
+    caching allocator which stream uses each tensor (the latents on the side stream, the frames on the
+    current one), so neither is reused while the other stream may still read it. The decoder's causal frame
+    cache lives on the side stream only.
+    """
+
+    deferred = True
+
+    def __init__(self, decoder: StreamingWanDecoder, vae_dtype: torch.dtype, mean, std) -> None:
+        super().__init__(decoder, vae_dtype, mean, std)
+        self.side = torch.cuda.Stream(device=decoder.vae.device)
+
+    def submit(self, x0: torch.Tensor) -> Any:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(x0.device))
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)
+            x0.record_stream(self.side)
+            frames = super().submit(x0)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return frames, done
+
+    def result(self, job: Any) -> torch.Tensor:
+        frames, done = job
+        current = torch.cuda.current_stream(frames.device)
+        current.wait_event(done)
+        frames.record_stream(current)
+        return frames
+
+
+def _decode_runner(device: torch.device, overlap_decode: bool) -> type[_InlineDecode]:
+    """How a stream decodes its blocks: on a side CUDA stream (``overlap_decode`` on CUDA) or in line."""
+    return _SideStreamDecode if overlap_decode and device.type == "cuda" else _InlineDecode
+
+
 class StreamingWanPipeline:
     """Block-by-block Wan video generation with a KV cache, streaming VAE decode and prompt switching.
 
@@ -285,6 +356,7 @@ class StreamingWanPipeline:
         output_type: str = "pt",
         use_cache: bool = True,
         global_sink: bool = True,
+        overlap_decode: bool = True,
     ) -> Iterator[StreamingOutput]:
         """Generate ``num_blocks`` blocks, yielding each as soon as it is decoded.
 
@@ -309,9 +381,13 @@ class StreamingWanPipeline:
                 LongLive 1.0's ``global_sink: true``) or restart the cache so that the first re-encoded frames
                 become the sink (``False``). An inference option, like LongLive's, not part of
                 :class:`StreamingConfig`: it changes only what a switch does, not how the model attends.
+            overlap_decode: On CUDA, decode each block on a second CUDA stream while the transformer works on
+                the next one: block ``k`` is yielded once block ``k + 1``'s transformer work is queued (frames
+                in order, one block later than in line, the same values: the same kernels run). Elsewhere (CPU)
+                the decode runs in line, as with ``False``.
 
         Yields:
-            :class:`StreamingOutput` per block.
+            :class:`StreamingOutput` per block, in order.
         """
         schedule = _schedule(prompt_embeds)
         if not use_cache and len(schedule) > 1:
@@ -329,15 +405,21 @@ class StreamingWanPipeline:
         batch = schedule[0][1].shape[0]
         shape = (batch, self.transformer.config.in_channels, n, height // scale, width // scale)
         dtype = self.transformer.dtype
-        mean = torch.tensor(vae_cfg.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae_cfg.latents_std).view(1, -1, 1, 1, 1)
+        # On the device once (as x0.to(...) would make them at every block), not copied from the host per block.
+        device = self.transformer.device
+        mean = torch.tensor(vae_cfg.latents_mean).view(1, -1, 1, 1, 1).to(device, dtype)
+        std = torch.tensor(vae_cfg.latents_std).view(1, -1, 1, 1, 1).to(device, dtype)
 
-        self.cache = StreamingKVCache(self.config, len(self.transformer.blocks))
-        decoder = StreamingWanDecoder(self.vae) if output_type == "pt" else None
+        self.cache = self._fresh_cache(batch, shape, dtype)
+        decode = None
+        if output_type == "pt":
+            runner = _decode_runner(device, overlap_decode)
+            decode = runner(StreamingWanDecoder(self.vae), self.vae.dtype, mean, std)
         # Clean latents of earlier blocks: enough for the last cache_frames (recache), all without a cache.
         history: list[torch.Tensor] = []
         keep = None if not use_cache else -(-self.config.cache_frames // n)
         prompt_index = 0
+        pending: tuple[StreamingOutput, Any] | None = None  # a block whose decode runs on the side stream
         for block in range(num_blocks):
             offset = block * n
             if prompt_index + 1 < len(schedule) and schedule[prompt_index + 1][0] == block:
@@ -350,6 +432,7 @@ class StreamingWanPipeline:
             x0 = self._denoise_block(
                 noise, prompt, offset, denoising_step_list, generator, context, context_noise
             )
+            job = decode.submit(x0) if decode is not None else None  # before the context pass: it may overlap
             if use_cache:  # the context pass: clean x0 at timestep context_noise
                 self.transformer(
                     x0,
@@ -361,11 +444,39 @@ class StreamingWanPipeline:
             history.append(x0)
             if keep is not None:
                 history = history[-keep:]
-            frames = None
-            if decoder is not None:
-                z = x0.to(self.vae.dtype) * std.to(x0) + mean.to(x0)
-                frames = (decoder.decode(z) / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
-            yield StreamingOutput(block, offset, x0, frames, prompt_index)
+            out = StreamingOutput(block, offset, x0, None, prompt_index)
+            if decode is None:
+                yield out
+            elif not decode.deferred:
+                out.frames = decode.result(job)
+                yield out
+            else:  # the previous block, now that this block's work is queued behind its decode
+                if pending is not None:
+                    pending[0].frames = decode.result(pending[1])
+                    yield pending[0]
+                pending = (out, job)
+        if pending is not None:
+            pending[0].frames = decode.result(pending[1])
+            yield pending[0]
+
+    def _fresh_cache(self, batch: int, shape: tuple[int, ...], dtype: torch.dtype) -> StreamingKVCache:
+        """An empty cache for a new stream: the previous one reset when it has the layout (same buffers, so a
+        compiled or CUDA-graph forward keeps its addresses), else a new one."""
+        cache = self.cache
+        if cache is not None and cache.config == self.config and cache.keys is not None:
+            _, _, _, h, w = shape
+            _, p_h, p_w = self.transformer.config.patch_size
+            tokens = (h // p_h) * (w // p_w)
+            heads, head_dim = (
+                self.transformer.config.num_attention_heads,
+                self.transformer.config.attention_head_dim,
+            )
+            buffer = cache.keys[0]
+            layout = (buffer.shape[0], cache.tokens_per_frame, *buffer.shape[2:], buffer.dtype, buffer.device)
+            if layout == (batch, tokens, heads, head_dim, dtype, self.transformer.device):
+                cache.reset()
+                return cache
+        return StreamingKVCache(self.config, len(self.transformer.blocks))
 
     def _recache(
         self,

@@ -312,6 +312,86 @@ def cross_rank_world(group: Any = None) -> int:
     return 1
 
 
+class _CompiledForwards:
+    """The encoders' ``forward`` through ``torch.compile``, one compiled copy per kind of chunk call.
+
+    A kind is (the module, its forward, autograd on or off, autocast state, the chunk's tensor shapes and
+    dtypes): pass 1 runs without a graph, pass 2 (and the kept chunk) with one, and a smaller last chunk has
+    shapes of its own. Each kind gets its own code object (:func:`~hfpatch.core.compile.compiled_variant`), so
+    each compiles once, with static shapes, and no graph is ever recompiled: a batch of equal chunks costs
+    two compilations (with and without a graph), a smaller last chunk two more. Nothing is padded, so every
+    chunk computes what the eager forward computes. The compiled forward is installed on the innermost module
+    (inside DDP/FSDP/accelerate wrappers, whose own forward runs as usual) for the duration of each chunk call
+    only. Random ops keep torch's generator (inductor's ``fallback_random``), so dropout masks replay exactly
+    in pass 2 and equal the eager ones.
+    """
+
+    #: Kinds kept compiled at once; beyond that the least recently used is dropped (recompiled if it returns).
+    MAX_KINDS = 8
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.variants: dict[tuple, Callable[..., Any]] = {}
+        self.warned = False
+
+    def _kind(self, inner: nn.Module, forward: Any, chunk: Any) -> tuple:
+        device_type = next((t.device.type for t in _tensors(chunk)), "cpu")
+        autocast = torch.is_autocast_enabled(device_type)
+        return (
+            id(inner),
+            getattr(forward, "__func__", forward),
+            torch.is_grad_enabled(),
+            autocast,
+            torch.get_autocast_dtype(device_type) if autocast else None,
+            tuple((tuple(t.shape), t.dtype, t.device) for t in _tensors(chunk)),
+        )
+
+    def _variant(self, kind: tuple, forward: Callable[..., Any]) -> Callable[..., Any]:
+        from ..core.compile import compiled_variant
+
+        variant = self.variants.pop(kind, None)
+        if variant is None:
+            if len(self.variants) >= self.MAX_KINDS:
+                self.variants.pop(next(iter(self.variants)))
+                if not self.warned:
+                    self.warned = True
+                    import warnings
+
+                    warnings.warn(
+                        f"GradCache(compile=True) met more than {self.MAX_KINDS} kinds of chunk (shapes, grad mode, "
+                        "autocast); every new kind compiles again. Pad the inputs to a fixed length (e.g. a "
+                        "tokenizer's padding='max_length') so chunks share their shapes.",
+                        stacklevel=4,
+                    )
+
+            def chunk_forward(*args: Any, **kwargs: Any) -> Any:
+                return forward(*args, **kwargs)
+
+            tag = f"GradCache chunk {'with' if kind[2] else 'without'} graph #{len(self.variants)}"
+            variant = compiled_variant(
+                chunk_forward, tag, backend=self.backend, fullgraph=False, options={"fallback_random": True}
+            )
+        self.variants[kind] = variant  # most recently used last
+        return variant
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module, chunk: Any) -> Iterator[None]:
+        """The innermost module's ``forward`` is the compiled one of this chunk's kind inside the block."""
+        from ..core.wrappers import unwrap_model
+
+        inner = unwrap_model(model)
+        previous = inner.__dict__.get("forward")  # an instance-level forward (accelerate's wrappers) or None
+        forward = inner.forward
+        inner.forward = self._variant(self._kind(inner, forward, chunk), forward)
+        try:
+            yield
+        finally:
+            if previous is None:
+                del inner.forward
+            else:
+                inner.forward = previous
+
+
 class GradCache:
     """Chunked contrastive training step with the exact full-batch gradient (see module docstring).
 
@@ -338,6 +418,9 @@ class GradCache:
         features_dict: Call the model with each chunk as one dict, ``model(chunk)``, instead of
             ``model(**chunk)``. Default: on for sentence-transformers models (``SentenceTransformer``, DDP
             wrapped or not), whose output dict's ``"sentence_embedding"`` is then the embedding.
+        compile: Run the encoder's ``forward`` through ``torch.compile`` in both passes (see "Compiled chunk
+            passes" in the module docstring): one static-shape graph per kind of chunk call, each compiled once.
+        compile_backend: The ``torch.compile`` backend (``"inductor"``; ``"aot_eager"``/``"eager"`` to debug).
         reuse_frozen_vision: For Qwen-VL models whose vision tower is frozen (e.g. LoRA on the language model
             only), run the tower once in the first pass and feed its outputs (``mm_encoder_outputs``) to the
             second pass instead of the pixels. Saves the tower's second forward and its activations; costs
@@ -368,6 +451,8 @@ class GradCache:
         vision_spec: VisionTokenSpec | None = None,
         reuse_frozen_vision: bool = False,
         features_dict: bool | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(
@@ -400,12 +485,19 @@ class GradCache:
         self.features_dict = [
             is_sentence_transformer(m) if features_dict is None else features_dict for m in self.models
         ]
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be a bool, got {compile!r}")
+        if compile:
+            from ..core.compile import check_compile_backend
+
+            check_compile_backend(compile_backend, False, "GradCache")
+        self.compiled = _CompiledForwards(compile_backend) if compile else None
 
     def __repr__(self) -> str:
         return (
             f"GradCache(models={len(self.models)}, chunk_size={self.chunk_size}, chunk_patches={self.chunk_patches}, "
             f"pooling={self.pooling!r}, autocast_dtype={self.autocast_dtype}, scaler={self.scaler is not None}, "
-            f"replay_rng={self.replay_rng}, cross_rank={self.cross_rank})"
+            f"replay_rng={self.replay_rng}, cross_rank={self.cross_rank}, compile={self.compiled is not None})"
         )
 
     # -- pieces ---------------------------------------------------------------------------------------
@@ -442,7 +534,11 @@ class GradCache:
         return contextlib.nullcontext()
 
     def _embed(self, model: nn.Module, chunk: Any, features_dict: bool = False) -> torch.Tensor:
-        output = _call(model, chunk, features_dict)
+        if self.compiled is not None:
+            with self.compiled.installed(model, chunk):
+                output = _call(model, chunk, features_dict)
+        else:
+            output = _call(model, chunk, features_dict)
         rep = (
             self.rep_fn(output, chunk)
             if self.rep_fn is not None

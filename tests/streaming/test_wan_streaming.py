@@ -134,7 +134,7 @@ def _rope_at(model, frames: int, offset: int):
     from hfpatch.patches.wan_streaming import _Call
 
     state = model.blocks[0].attn1.processor.state
-    state.call = _Call(frame_offset=offset, tokens_per_frame=4, prompt=None, cache=None)
+    state.call = _Call(tokens_per_frame=4, positions=torch.arange(offset, offset + frames))
     try:
         return model.rope(torch.zeros(1, 4, frames, 4, 4))
     finally:
