@@ -4,24 +4,42 @@ Each entry is ``(class key, "module:Family")``; :func:`hfpatch.core.registry.def
 table, so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
+#: The DiT transformer classes with a row in ``hfpatch.patches.dit.PLANS`` (a test keeps the two equal; listed here
+#: so that looking a class up imports nothing from diffusers).
+DIT_USP_CLASSES: tuple[str, ...] = (
+    "FluxTransformer2DModel",
+    "SD3Transformer2DModel",
+    "CogVideoXTransformer3DModel",
+    "HunyuanDiT2DModel",
+    "PixArtTransformer2DModel",
+    "WanTransformer3DModel",
+    "QwenImageTransformer2DModel",
+    "Flux2Transformer2DModel",
+    "LTXVideoTransformer3DModel",
+    "ChronoEditTransformer3DModel",
+    "WanVACETransformer3DModel",
+    "HunyuanVideoTransformer3DModel",
+    "HunyuanVideo15Transformer3DModel",
+    "LTX2VideoTransformer3DModel",
+    "MiniMaxH3Transformer3DModel",
+    "ChromaTransformer2DModel",
+    "BriaTransformer2DModel",
+    "BriaFiboTransformer2DModel",
+    "LongCatImageTransformer2DModel",
+    "OvisImageTransformer2DModel",
+    "Flux3Transformer2DModel",
+    "SkyReelsV2Transformer3DModel",
+    "HunyuanImageTransformer2DModel",
+    "CogView4Transformer2DModel",
+    "ErnieImageTransformer2DModel",
+    "Krea2Transformer2DModel",
+    "GlmImageTransformer2DModel",
+)
+
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Sequence-parallel attention (USP) for DiT transformers, plan-driven (hfpatch.patches.dit.PLANS:
     # diffusers' _cp_plan or hfpatch's table entry).
-    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.SD3Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.CogVideoXTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.HunyuanDiT2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.PixArtTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.WanTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.QwenImageTransformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.Flux2Transformer2DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.LTXVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.ChronoEditTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.WanVACETransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.HunyuanVideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.HunyuanVideo15Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.LTX2VideoTransformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
-    ("diffusers.MiniMaxH3Transformer3DModel", "hfpatch.patches.dit:PlannedDiTUSP"),
+    *((f"diffusers.{name}", "hfpatch.patches.dit:PlannedDiTUSP") for name in DIT_USP_CLASSES),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),

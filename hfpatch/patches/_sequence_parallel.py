@@ -80,11 +80,15 @@ class SplitInput:
         dim: Sequence dim of the tensor (of each tensor, for a tuple or list).
         ndim: Only shard tensors with this many dims; others pass through replicated (e.g. Wan's
             ``timestep`` is sharded when it is per-token ``[B, S]`` and left alone when it is ``[B]``).
+        joint: ``"front"``/``"back"``: the tensor holds replicated tokens (the text) before/after the sharded
+            ones, whose count is this call's sequence length (set by an earlier split of the plan): only those are
+            cut, the replicated ones stay in place (a packed ``[text, image]`` sequence or its mask).
     """
 
     name: str
     dim: int
     ndim: int | None = None
+    joint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,19 @@ class SplitOutput:
     ndim: int | None = None
     flatten_from: int | None = None
     index: int | None = None
+    joint: str | None = None
 
 
 @dataclass(frozen=True)
 class GatherOutput:
-    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding."""
+    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding.
+
+    ``joint="front"``/``"back"``: the output holds replicated tokens before/after this rank's shard (a packed
+    ``[text, image]`` sequence); only the shards are gathered, the replicated tokens are kept in place.
+    """
 
     dim: int
+    joint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,41 @@ class SequenceShard:
         full = all_gather(x.contiguous(), dim, self.group, backward="slice")
         return full.narrow(dim, 0, self.valid_len)
 
+    def _joint_parts(self, length: int, sharded: int, joint: str, where: str) -> list[int]:
+        if joint not in ("front", "back"):
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: joint must be 'front' or 'back', not {joint!r}"
+            )
+        if self.valid_len is None:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: a joint split/gather needs this call's sequence length, "
+                "set by an earlier split of the plan; none ran before it"
+            )
+        if length < sharded:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: {length} tokens cannot hold the {sharded} sharded ones "
+                "of this call"
+            )
+        return [length - sharded, sharded] if joint == "front" else [sharded, length - sharded]
+
+    def split_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
+        """Cut the ``valid_len`` sharded tokens of a ``[replicated, sharded]`` (``front``) or ``[sharded,
+        replicated]`` (``back``) sequence along ``dim``; the replicated ones stay whole, in place."""
+        sizes = self._joint_parts(x.shape[dim], self.valid_len or 0, joint, where)
+        first, second = x.split(sizes, dim)
+        if joint == "front":
+            return torch.cat([first, shard_sequence(second, dim, self.world, self.rank)], dim)
+        return torch.cat([shard_sequence(first, dim, self.world, self.rank), second], dim)
+
+    def gather_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
+        """Gather the shards of a ``[replicated, shard]`` / ``[shard, replicated]`` sequence (the inverse of
+        :meth:`split_joint`)."""
+        sizes = self._joint_parts(x.shape[dim], self.local_len or 0, joint, where)
+        first, second = x.split(sizes, dim)
+        if joint == "front":
+            return torch.cat([first, self.gather(second, dim)], dim)
+        return torch.cat([self.gather(first, dim), second], dim)
+
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
 
@@ -220,10 +265,12 @@ def _map_tensors(value: Any, fn) -> Any:
     return value
 
 
-def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str):
+def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str, joint: str | None = None):
     def split(x: torch.Tensor) -> torch.Tensor:
         if ndim is not None and x.dim() != ndim:
             return x
+        if joint is not None:
+            return state.split_joint(x, dim % x.dim(), joint, where)
         return state.split(x, dim % x.dim(), where)
 
     return split
@@ -254,8 +301,24 @@ def _matches(pattern: list[str], name: str) -> bool:
     return len(parts) == len(pattern) and all(p in ("*", n) for p, n in zip(pattern, parts))
 
 
+def _last_child(model: torch.nn.Module, path: str) -> str:
+    """``path`` with each ``-1`` segment replaced by the index of the last module of that list."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part == "-1":
+            parent = _resolve(model, ".".join(parts[:i]))
+            if not isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(parent):
+                raise ValueError(
+                    f"sequence-parallel plan names {path!r}: {'.'.join(parts[:i]) or 'the model'} is not a "
+                    "non-empty list of modules"
+                )
+            parts[i] = str(len(parent) - 1)
+    return ".".join(parts)
+
+
 def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[Spec, ...]]:
-    """``plan`` with every ``*`` path replaced by the submodule paths it matches (in module order). Pure.
+    """``plan`` with every ``*`` path replaced by the submodule paths it matches (in module order), and every
+    ``-1`` segment by the index of the last module of that list (``"blocks.-1"``: the last block). Pure.
 
     Raises:
         ValueError: A pattern that matches no submodule of ``model``.
@@ -267,6 +330,7 @@ def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[S
     expanded: dict[str, tuple[Spec, ...]] = {}
     names: list[str] | None = None
     for path, specs in plan.items():
+        path = _last_child(model, path)
         if "*" in path:
             if names is None:
                 names = [name for name, _ in model.named_modules() if name]
@@ -295,7 +359,7 @@ def _input_hook(module: torch.nn.Module, specs: list[SplitInput], state: Sequenc
     def split_inputs(_module, args, kwargs):
         args = list(args)
         for spec in specs:
-            split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}")
+            split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}", spec.joint)
             if spec.name in kwargs:
                 kwargs[spec.name] = _map_tensors(kwargs[spec.name], split)
             elif positions[spec.name] < len(args):
@@ -337,7 +401,7 @@ def apply_sequence_plan(
         for spec in specs:
             if isinstance(spec, SplitOutput):
                 where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
-                split = _splitter(state, spec.dim, spec.ndim, where)
+                split = _splitter(state, spec.dim, spec.ndim, where, spec.joint)
 
                 def split_output(
                     _m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from, index=spec.index
@@ -356,7 +420,9 @@ def apply_sequence_plan(
                 handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
 
-                def gather_output(_m, _args, _kwargs, out, dim=spec.dim):
+                def gather_output(_m, _args, _kwargs, out, dim=spec.dim, joint=spec.joint, where=path):
+                    if joint is not None:
+                        return state.gather_joint(out, dim, joint, where)
                     return state.gather(out, dim)
 
                 handles.append(patch.add_forward_hook(module, gather_output))

@@ -64,13 +64,13 @@ import copy
 import functools
 import inspect
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..core.config import ParallelConfig
+from ..core.config import ModelFacts, ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import class_key
 from ._sequence_parallel import (
@@ -135,10 +135,15 @@ class DiTPlan:
             of ``extra`` (QwenImage: the image tokens at ``img_in``'s output rather than block 0's input, so the
             full embedding is freed at once instead of living until block 0 returns).
         extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
-        refuse: ``forward`` arguments that must be ``None`` under sequence parallelism (checked per call,
-            before any collective), with the reason.
+        refuse: ``forward`` arguments that must be ``None`` (or ``False``) under sequence parallelism (checked
+            per call, before any collective), with the reason.
         refuse_config: ``config`` attribute -> (value, reason): a model configured so is refused at ``apply``
-            (a variant whose stock code indexes the token sequence by position, say).
+            (a variant whose stock code indexes the token sequence by position, say). ``value`` may be a
+            predicate of the attribute's value instead (``refused_unless(1)``).
+        check: ``(model, named forward arguments) -> None`` run per call before any collective: raises a
+            ``ValueError`` for inputs the plan cannot cut exactly (a batch whose samples pack text and image at
+            different offsets, say).
+        heads: The ``config`` attribute holding the attention head count (Ulysses splits heads).
     """
 
     attention: tuple[AttentionRoute, ...]
@@ -148,6 +153,18 @@ class DiTPlan:
     extra: SequencePlan = field(default_factory=dict)
     refuse: Mapping[str, str] = field(default_factory=dict)
     refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    check: Callable[[Any, dict[str, Any]], None] | None = None
+    heads: str = "num_attention_heads"
+
+
+def refused_unless(*allowed: Any) -> Callable[[Any], bool]:
+    """A :attr:`DiTPlan.refuse_config` predicate: refuse every value but ``allowed``."""
+
+    def refused(value: Any) -> bool:
+        return value not in allowed
+
+    refused.__qualname__ = f"refused_unless{allowed!r}"
+    return refused
 
 
 _TEXT = "the text tokens stay replicated (joint part of the attention)"
@@ -160,6 +177,45 @@ _WAN_PLAN: SequencePlan = {
     "": (SplitInput("timestep", dim=1, ndim=2),),
     "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
     "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+#: The packed image tokens [B, S, C] and their ids ([S, n], or deprecated [B, S, n]) cut at the model's input, the
+#: output gathered at ``proj_out``: the plan of every Flux-like model (and of Flux.1's _cp_plan minus the text).
+_IMAGE_TOKENS_PLAN: SequencePlan = {
+    "": (SplitInput("hidden_states", dim=1), SplitInput("img_ids", dim=-2)),
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+
+#: Flux-style ControlNet residuals: lists of [B, S, D] added per image token (to the image part of the joint
+#: sequence in the single-stream blocks), cut like the tokens.
+_CONTROLNET = (
+    SplitInput("controlnet_block_samples", dim=1),
+    SplitInput("controlnet_single_block_samples", dim=1),
+)
+
+
+def flux_like(processor: str, single: str | None = None, **row: Any) -> DiTPlan:
+    """The row of a Flux-like model: dual-stream ``transformer_blocks.*.attn`` (``processor``) and single-stream
+    ``single_transformer_blocks.*.attn`` (``single``, default ``processor``) both attend over ``[text, image]``
+    (text replicated, in front); the packed image tokens and their ids are cut at the model's input
+    (:data:`_IMAGE_TOKENS_PLAN`). ``row`` adds or overrides :class:`DiTPlan` fields.
+    """
+    return DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", (processor,), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", (single or processor,), joint="front"),
+        ),
+        **{"plan": _IMAGE_TOKENS_PLAN, **row},
+    )
+
+
+#: HunyuanVideo's layout (and its relatives'): the video tokens cut at the patch embedding's output, the rotary
+#: tables at the rope's, the output gathered at ``proj_out``.
+_HUNYUAN_PLAN: SequencePlan = {
+    "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
+    "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
     "proj_out": (GatherOutput(dim=1),),
 }
 
@@ -294,11 +350,7 @@ PLANS: dict[str, DiTPlan] = {
                 "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
             ),
         ),
-        plan={
-            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
-            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
-            "proj_out": (GatherOutput(dim=1),),
-        },
+        plan=_HUNYUAN_PLAN,
         refuse_config={
             "image_condition_type": (
                 "token_replace",
@@ -315,11 +367,7 @@ PLANS: dict[str, DiTPlan] = {
         attention=(
             AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideo15AttnProcessor2_0",), joint="back"),
         ),
-        plan={
-            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
-            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
-            "proj_out": (GatherOutput(dim=1),),
-        },
+        plan=_HUNYUAN_PLAN,
     ),
     # LTX-2 (audio + video): _cp_plan minus the text. Only the video tokens are cut (hidden_states, the
     # self-attention and a2v/v2a rotary tables: [B, S, D] for interleaved rope, [B, H, S, D/2] for split rope,
@@ -354,6 +402,125 @@ PLANS: dict[str, DiTPlan] = {
     # tables and per-row AdaLN indices, and both heads gather the full sequence before selecting their rows.
     "diffusers.MiniMaxH3Transformer3DModel": DiTPlan(
         attention=(AttentionRoute("transformer_blocks.*.attn", ("MiniMaxH3AttnProcessor",)),),
+    ),
+    # Chroma (Flux.1-schnell derived): Flux's layout; the key mask over [text, image] ([B, T + S]) is cut like
+    # the tokens (its text part replicated). The blocks make it a token mask m[i] * m[j]: exact when boolean;
+    # the 0/1 float mask ChromaPipeline passes is an additive bias (+1 on unmasked pairs), refused by the
+    # attention with a clear error.
+    "diffusers.ChromaTransformer2DModel": flux_like(
+        "FluxAttnProcessor",
+        plan={
+            "": (*_IMAGE_TOKENS_PLAN[""], SplitInput("attention_mask", dim=1, joint="front"), *_CONTROLNET),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Bria 3.x, LongCat-Image, Ovis-Image: Flux.1's layout with processors of their own (same code shape).
+    "diffusers.BriaTransformer2DModel": flux_like(
+        "BriaAttnProcessor",
+        plan={
+            "": (*_IMAGE_TOKENS_PLAN[""], *_CONTROLNET),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    "diffusers.LongCatImageTransformer2DModel": flux_like("LongCatImageAttnProcessor"),
+    "diffusers.OvisImageTransformer2DModel": flux_like("OvisImageAttnProcessor"),
+    # Bria FIBO: dual-stream blocks with its own processor, single-stream blocks with Bria's; per-block text
+    # encoder layers (replicated) are mixed into the text stream.
+    "diffusers.BriaFiboTransformer2DModel": flux_like("BriaFiboAttnProcessor", "BriaAttnProcessor"),
+    # FLUX.3: per-mode blocks (image, reference image, text: each self-attends within its mode), then single
+    # blocks over [text, image, reference]. The image tokens and their ids are cut at the input (the stock code
+    # takes the image length from the shard), the text stays replicated; only the image mode's blocks and the
+    # joint blocks are routed (the text mode's, same processor class, run the stock code).
+    "diffusers.Flux3Transformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("mode_blocks.image.*.attn", ("Flux3AttnProcessor",)),
+            AttentionRoute("single_transformer_blocks.*.attn", ("Flux3AttnProcessor",), joint="front"),
+        ),
+        plan=_IMAGE_TOKENS_PLAN,
+        refuse={
+            "image_cond_hidden_states": (
+                "the reference image tokens are a second sequence of their own length, joined behind the image "
+                "tokens: the replicated tokens would sit on both sides of the shard"
+            )
+        },
+    ),
+    # SkyReels-V2 (T2V, I2V): Wan's layout (rope output and patch embedding cut, attn1 routed, cross-attention
+    # local). Diffusion forcing expands per-frame timesteps to per-token modulation inside forward, and the
+    # block-causal variant builds a token x token mask: both refused.
+    "diffusers.SkyReelsV2Transformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("SkyReelsV2AttnProcessor",)),),
+        plan={k: v for k, v in _WAN_PLAN.items() if k != ""},
+        refuse={
+            "enable_diffusion_forcing": (
+                "the per-frame timesteps become a per-token modulation inside forward, which no plan entry reaches"
+            )
+        },
+        refuse_config={
+            "num_frame_per_block": (
+                refused_unless(1),
+                "the block-causal variant attends through a token x token mask over the sharded video",
+            )
+        },
+    ),
+    # HunyuanImage 2.1: HunyuanVideo's layout (video tokens behind which the refined, replicated text joins;
+    # a key mask over [image, text] with the image part all True).
+    "diffusers.HunyuanImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
+        ),
+        plan=_HUNYUAN_PLAN,
+    ),
+    # CogView4: the patch embedding returns (image, text): the image tokens are cut, with the rotary table
+    # ([S, D] each); the stock processor (SDPA) attends over [text, image].
+    "diffusers.CogView4Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogView4AttnProcessor",), joint="front"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "patch_embed": (SplitOutput(dim=1, index=0),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # ERNIE-Image: one packed, sequence-first [image, text] stream ([S, B, H]). The image tokens are cut at the
+    # patch embedding's output; the rotary table over [image, text] and the key mask (the text padded) are cut
+    # at their image part; the packed output of the last layer is gathered (the stock code slices the image off).
+    "diffusers.ErnieImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("layers.*.self_attention", ("ErnieImageSingleStreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "x_embedder": (SplitOutput(dim=1),),  # [B, S, H]
+            "pos_embed": (SplitOutput(dim=1, joint="back"),),  # [B, S + T, 1, D]
+            "layers.*": (SplitInput("attention_mask", dim=-1, joint="back"),),  # [B, 1, 1, S + T]
+            "final_linear": (GatherOutput(dim=0, joint="back"),),  # [S + T, B, C]
+        },
+    ),
+    # Krea 2: a single stream over [text, image] (the text fused from the encoder's layers first, replicated).
+    # The image tokens are cut at their embedding, the rotary table over [text, image] (from position_ids) and
+    # the key mask at their image part; the output layer gathers the image tokens.
+    "diffusers.Krea2Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn", ("Krea2AttnProcessor",), joint="front"),),
+        plan={
+            "img_in": (SplitOutput(dim=1),),
+            "rotary_emb": (SplitOutput(dim=0, joint="front"),),  # (cos, sin), each [T + S, D]
+            "transformer_blocks.*": (
+                SplitInput("attention_mask", dim=-1, joint="front"),
+            ),  # [B, 1, 1, T + S]
+            "final_layer": (GatherOutput(dim=1),),
+        },
+    ),
+    # GLM-Image: CogView4's layout (rotary table and image tokens cut, text replicated in front), plus the
+    # per-token prior (AR) tokens, cut after their projection. The KV cache of the reference images (kv_caches)
+    # holds keys of another pass: refused.
+    "diffusers.GlmImageTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("GlmImageAttnProcessor",), joint="front"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "image_projector": (SplitOutput(dim=1),),
+            "prior_projector": (SplitOutput(dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        refuse={"kv_caches": "the cached reference keys come from another forward, not cut by this plan"},
     ),
 }
 
@@ -686,6 +853,9 @@ class USPDispatchProcessor:
         else:
             (q_txt, k_txt, v_txt), (q_img, k_img, v_img) = (q0, k0, v0), (q1, k1, v1)
             mask_txt, mask_img = (None, None) if mask is None else mask.split(sizes, dim=1)
+        if mask_img is not None:  # the shard's padding keys (end of the last shards) are masked by USP itself
+            real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+            mask_img = mask_img[:, :real]
         if mask_img is not None and not bool(mask_img.all()):
             raise ValueError(
                 f"{self.where}: the attention mask masks image/video tokens, which are sharded over the ranks; "
@@ -813,6 +983,10 @@ class PlannedDiTUSP(SequenceParallelFamily):
             raise TypeError(f"hfpatch has no sequence-parallel plan for {type(target).__name__}")
         return found[1]
 
+    def facts(self, target: Any) -> ModelFacts:
+        heads = self._entry(target).heads
+        return ModelFacts(num_heads=getattr(target.config, heads), name=type(target).__name__)
+
     def plan_for(self, target: Any) -> SequencePlan:
         entry = self._entry(target)
         if entry.plan is not None:
@@ -858,9 +1032,10 @@ class PlannedDiTUSP(SequenceParallelFamily):
                 "hfpatch replaces it: load the model without it before hfpatch.apply"
             )
         for attr, (value, reason) in self._entry(target).refuse_config.items():
-            if getattr(target.config, attr, None) == value:
+            got = getattr(target.config, attr, None)
+            if value(got) if callable(value) else got == value:
                 raise ValueError(
-                    f"{type(target).__name__} with {attr}={value!r} is not supported under sequence parallelism "
+                    f"{type(target).__name__} with {attr}={got!r} is not supported under sequence parallelism "
                     f"({reason})"
                 )
         super().validate(target, config, options)
@@ -883,18 +1058,21 @@ class PlannedDiTUSP(SequenceParallelFamily):
             mesh.config.sequence_parallel == 1 or mesh.config.pipefusion > 1
         ):  # PipeFusion runs sp in its stages
             return
-        refuse = dict(self._entry(target).refuse)
-        if refuse:
+        entry = self._entry(target)
+        refuse, check = dict(entry.refuse), entry.check
+        if refuse or check is not None:
             from ..distributed.agreement import named_arguments
 
             def refuse_arguments(_module, args, kwargs):
                 named = named_arguments(type(target).forward, (target, *args), kwargs)
                 for name, reason in refuse.items():
-                    if named.get(name) is not None:
+                    if named.get(name) is not None and named.get(name) is not False:
                         raise ValueError(
                             f"{type(target).__name__}: {name}= is not supported under sequence parallelism ({reason}); "
                             "call without it, or patch.remove() first"
                         )
+                if check is not None:
+                    check(target, named)
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
         super().apply(target, patch, mesh, options)

@@ -68,7 +68,10 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
     split hook on the first block runs again on the full input and must cut the same shard.
     """
     from hfpatch import testing
+    from hfpatch.testing.dits import TINY_DITS, tiny_dit, tiny_dit_inputs
 
+    if family in TINY_DITS:  # the data-described rows (hfpatch.testing.dits)
+        return tiny_dit(family), tiny_dit_inputs(family), "hidden_states"
     if family.endswith("_cn"):  # ControlNet residuals (lists of [B, S, D], cut like the tokens)
         model, kwargs, name = build(family.removesuffix("_cn"))
         dim = model.config.num_attention_heads * model.config.attention_head_dim

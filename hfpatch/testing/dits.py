@@ -1,0 +1,326 @@
+"""Tiny stock diffusers DiT transformers described as data: one row per class, one builder.
+
+A row (:class:`TinyDiT`) names the diffusers class, the constructor arguments of a tiny random-weight model
+(4 heads of 8 channels, one or two blocks of each kind) and example ``forward`` arguments: tensors are described by
+small specs (:class:`Randn`, :class:`Grid`, :class:`Tensor`), every other value is passed as it is.
+:func:`tiny_dit` builds the model (seeded construction, every parameter re-drawn: some inits are zeros, which
+would hide bugs), :func:`tiny_dit_inputs` the arguments. The rows use 25 image/video tokens (5 x 5) where the
+model allows it, so no world size of 2-4 divides them and every sequence split pads.
+
+>>> from hfpatch.testing.dits import TINY_DITS, tiny_dit, tiny_dit_inputs
+>>> model = tiny_dit("chroma")
+>>> type(model).__name__, model.config.num_attention_heads
+('ChromaTransformer2DModel', 4)
+>>> tuple(model(**tiny_dit_inputs("chroma")).sample.shape)
+(1, 25, 16)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TINY_DITS", "Grid", "Randn", "Tensor", "TinyDiT", "tiny_dit", "tiny_dit_inputs"]
+
+
+# ----------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class Randn:
+    """A standard-normal tensor of ``shape`` (its generator seeded from the row's seed and its position)."""
+
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Position ids ``[prod(sizes), len(lead) + len(sizes)]`` (float): constant ``lead`` columns, then the
+    row-major coordinates of a grid of ``sizes`` (Flux-style ``img_ids``). ``batch`` prepends a batch dim."""
+
+    sizes: tuple[int, ...]
+    lead: tuple[float, ...] = (0.0,)
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """``torch.tensor(value, dtype=dtype)`` (masks, timesteps)."""
+
+    value: Any
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class TinyDiT:
+    """A tiny random-weight stock DiT and example inputs.
+
+    Args:
+        cls: The diffusers class name (``diffusers.<cls>``).
+        config: Constructor arguments.
+        inputs: ``forward`` keyword arguments: :class:`Randn`/:class:`Grid`/:class:`Tensor` specs, a list of
+            specs (a list of tensors), or plain values passed as they are.
+        tokens: Image/video tokens the sequence plan cuts (the sharded sequence's length).
+        routed: Attention modules hfpatch's sequence parallelism routes in this tiny model.
+        mask: An input whose value changes the output (a padded-text mask): tests check that it does.
+        unmasked: That input's value with nothing masked (a spec; default: all ones).
+    """
+
+    cls: str
+    config: Mapping[str, Any]
+    inputs: Mapping[str, Any]
+    tokens: int = 25
+    routed: int = 2
+    mask: str | None = None
+    unmasked: Any = None
+
+
+def _make(spec: Any, seed: int) -> Any:
+    if isinstance(spec, Randn):
+        return torch.randn(*spec.shape, generator=torch.Generator().manual_seed(seed))
+    if isinstance(spec, Grid):
+        axes = torch.meshgrid(*(torch.arange(n) for n in spec.sizes), indexing="ij")
+        coords = torch.stack(axes, -1).reshape(math.prod(spec.sizes), len(spec.sizes)).float()
+        lead = torch.tensor(spec.lead, dtype=torch.float32).expand(coords.shape[0], len(spec.lead))
+        ids = torch.cat([lead, coords], dim=1)
+        return ids if spec.batch is None else ids.expand(spec.batch, *ids.shape).clone()
+    if isinstance(spec, Tensor):
+        return torch.tensor(spec.value, dtype=getattr(torch, spec.dtype))
+    if isinstance(spec, list) and spec and all(isinstance(s, (Randn, Grid, Tensor)) for s in spec):
+        return [_make(s, seed * 100 + i) for i, s in enumerate(spec)]
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------- rows
+#: Flux-like image models: one dual- and one single-stream block, 4 heads of 8, 16 input channels, 2x2x4 rope.
+_FLUX_LIKE = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=16,
+    axes_dims_rope=(2, 2, 4),
+)
+#: Their inputs: 5 x 5 = 25 packed image tokens, 7 text tokens, 2D ids.
+_FLUX_INPUTS = dict(
+    hidden_states=Randn((1, 25, 16)),
+    encoder_hidden_states=Randn((1, 7, 16)),
+    timestep=Tensor([0.7]),
+    img_ids=Grid((5, 5)),
+    txt_ids=Tensor([[0.0, 0.0, 0.0]] * 7),
+)
+
+#: name -> row. Names are what the tests and :func:`tiny_dit` take.
+TINY_DITS: dict[str, TinyDiT] = {
+    "chroma": TinyDiT(
+        "ChromaTransformer2DModel",
+        {
+            **_FLUX_LIKE,
+            "approximator_num_channels": 8,
+            "approximator_hidden_dim": 16,
+            "approximator_layers": 1,
+        },
+        _FLUX_INPUTS,
+    ),
+    "bria": TinyDiT("BriaTransformer2DModel", _FLUX_LIKE, {**_FLUX_INPUTS, "timestep": Tensor([700.0])}),
+    "bria_fibo": TinyDiT(
+        "BriaFiboTransformer2DModel",
+        {**_FLUX_LIKE, "text_encoder_dim": 16},
+        {**_FLUX_INPUTS, "timestep": Tensor([700.0]), "text_encoder_layers": [Randn((1, 7, 16))] * 2},
+    ),
+    "longcat_image": TinyDiT(
+        "LongCatImageTransformer2DModel", {**_FLUX_LIKE, "pooled_projection_dim": 16}, _FLUX_INPUTS
+    ),
+    "ovis_image": TinyDiT("OvisImageTransformer2DModel", {**_FLUX_LIKE, "out_channels": 16}, _FLUX_INPUTS),
+    "chroma_mask": TinyDiT(  # a boolean key mask over [text, image], padded text (the joint split of the mask)
+        "ChromaTransformer2DModel",
+        {
+            **_FLUX_LIKE,
+            "approximator_num_channels": 8,
+            "approximator_hidden_dim": 16,
+            "approximator_layers": 1,
+        },
+        {**_FLUX_INPUTS, "attention_mask": Tensor([[True] * 5 + [False] * 2 + [True] * 25], "bool")},
+        mask="attention_mask",
+    ),
+    "flux3": TinyDiT(
+        "Flux3Transformer2DModel",
+        dict(
+            in_channels=16,
+            cond_in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=16,
+            timestep_channels=16,
+            axes_dims_rope=(2, 2, 2, 2),
+        ),
+        {
+            **_FLUX_INPUTS,
+            "img_ids": Grid((5, 5), lead=(0.0, 0.0)),
+            "txt_ids": Grid((7,), lead=(0.0, 0.0, 0.0)),
+        },
+    ),
+    "skyreels_v2": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, batch 2
+        "SkyReelsV2Transformer3DModel",
+        dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=64,
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 1, 10, 10)),
+            timestep=Tensor([500, 20], "long"),
+            encoder_hidden_states=Randn((2, 6, 16)),
+        ),
+    ),
+    "hunyuanimage": TinyDiT(  # 5 x 5 = 25 image tokens, batch 2, padded text
+        "HunyuanImageTransformer2DModel",
+        dict(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=1,
+            num_single_layers=1,
+            num_refiner_layers=1,
+            patch_size=(2, 2),
+            text_embed_dim=16,
+            rope_axes_dim=(4, 4),
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 10, 10)),
+            timestep=Tensor([500.0, 20.0]),
+            encoder_hidden_states=Randn((2, 6, 16)),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "long"),
+        ),
+        mask="encoder_attention_mask",
+    ),
+    "cogview4": TinyDiT(  # 5 x 5 = 25 image tokens, 6 text tokens
+        "CogView4Transformer2DModel",
+        dict(
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            text_embed_dim=16,
+            time_embed_dim=16,
+            condition_dim=8,
+            rope_axes_dim=(16, 16),
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 10, 10)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            timestep=Tensor([300.0]),
+            original_size=Tensor([[40.0, 40.0]]),
+            target_size=Tensor([[40.0, 40.0]]),
+            crop_coords=Tensor([[0.0, 0.0]]),
+        ),
+    ),
+    "ernie_image": TinyDiT(  # 5 x 5 = 25 image tokens, batch 2, padded text (text_lens)
+        "ErnieImageTransformer2DModel",
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_layers=2,
+            ffn_hidden_size=32,
+            in_channels=4,
+            out_channels=4,
+            patch_size=2,
+            text_in_dim=16,
+            rope_axes_dim=(2, 2, 4),
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 10, 10)),
+            timestep=Tensor([500.0, 20.0]),
+            text_bth=Randn((2, 6, 16)),
+            text_lens=Tensor([4, 6], "long"),
+        ),
+        mask="text_lens",
+        unmasked=Tensor([6, 6], "long"),
+    ),
+    "krea2": TinyDiT(  # 5 x 5 = 25 image tokens, batch 2, a stack of 2 text layers, padded text
+        "Krea2Transformer2DModel",
+        dict(
+            in_channels=16,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            timestep_embed_dim=16,
+            text_hidden_dim=16,
+            num_text_layers=2,
+            text_num_attention_heads=2,
+            text_num_key_value_heads=2,
+            text_intermediate_size=16,
+            num_layerwise_text_blocks=1,
+            num_refiner_text_blocks=1,
+            axes_dims_rope=(2, 2, 4),
+        ),
+        dict(
+            hidden_states=Randn((2, 25, 16)),
+            encoder_hidden_states=Randn((2, 6, 2, 16)),
+            timestep=Tensor([0.7, 0.2]),
+            position_ids=Tensor(
+                [[i, 0, 0] for i in range(6)] + [[6, h, w] for h in range(5) for w in range(5)], "long"
+            ),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "bool"),
+        ),
+        mask="encoder_attention_mask",
+    ),
+    "glm_image": TinyDiT(  # 5 x 5 = 25 image tokens, 6 text tokens, per-token prior tokens
+        "GlmImageTransformer2DModel",
+        dict(
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            text_embed_dim=16,
+            time_embed_dim=16,
+            condition_dim=8,
+            prior_vq_quantizer_codebook_size=11,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 10, 10)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            prior_token_id=Tensor([[(7 * i) % 11 for i in range(25)]], "long"),
+            prior_token_drop=Tensor([False], "bool"),
+            timestep=Tensor([300.0]),
+            target_size=Tensor([[40.0, 40.0]]),
+            crop_coords=Tensor([[0.0, 0.0]]),
+        ),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------- builders
+def tiny_dit(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny stock model of row ``name`` of :data:`TINY_DITS` (``overrides`` update its config)."""
+    import diffusers
+
+    from .models import _build
+
+    row = TINY_DITS[name]
+    return _build(getattr(diffusers, row.cls), dict(row.config), overrides, seed)
+
+
+def tiny_dit_inputs(name: str, seed: int = 1) -> dict[str, Any]:
+    """Fresh ``forward`` keyword arguments of row ``name`` (the same values for the same ``seed``)."""
+    return {key: _make(spec, seed * 1000 + i) for i, (key, spec) in enumerate(TINY_DITS[name].inputs.items())}
