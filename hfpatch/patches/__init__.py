@@ -34,6 +34,11 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "ErnieImageTransformer2DModel",
     "Krea2Transformer2DModel",
     "GlmImageTransformer2DModel",
+    "ZImageTransformer2DModel",
+    "Lumina2Transformer2DModel",
+    "PRXTransformer2DModel",
+    "JoyImageEditTransformer3DModel",
+    "JoyImageEditPlusTransformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

@@ -3,7 +3,8 @@
 A DiT family declares *where* its token sequence is cut and gathered as a plan, a dict from submodule path
 (``""`` is the model itself) to specs:
 
-* :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs,
+* :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs
+  (:class:`MeasureInput` only takes the sequence length from one),
 * :class:`SplitOutput` shards what the submodule returns (one element of a tuple output with ``index``),
 * :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
 
@@ -40,6 +41,7 @@ unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`hfpatch.all
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ from ..distributed.collectives import all_gather
 
 __all__ = [
     "GatherOutput",
+    "MeasureInput",
     "ReplicatedOutput",
     "SequenceParallelFamily",
     "SequencePlan",
@@ -83,12 +86,26 @@ class SplitInput:
         joint: ``"front"``/``"back"``: the tensor holds replicated tokens (the text) before/after the sharded
             ones, whose count is this call's sequence length (set by an earlier split of the plan): only those are
             cut, the replicated ones stay in place (a packed ``[text, image]`` sequence or its mask).
+        index: Only cut element ``index`` of a tuple/list argument (JoyImage's ``((cos, sin), text_freqs)``).
     """
 
     name: str
     dim: int
     ndim: int | None = None
     joint: str | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class MeasureInput:
+    """Take this call's sequence length from the argument ``name`` (its size along ``dim``) without cutting it.
+
+    For a model that packs its image tokens with the text before cutting them (a joint split, which needs the
+    sharded length, comes first in the plan): the length is measured where the image tokens are still alone.
+    """
+
+    name: str
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -129,7 +146,7 @@ class ReplicatedOutput:
     """
 
 
-Spec = SplitInput | SplitOutput | GatherOutput | ReplicatedOutput
+Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput
 #: Submodule path (``""`` = the model) -> the specs applied there.
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
@@ -168,6 +185,17 @@ class SequenceShard:
         self.valid_len = None
         self.local_len = None
         self.text_len.clear()
+
+    def measure(self, length: int, where: str) -> None:
+        """Record (or check) this call's sequence length without cutting anything."""
+        if self.valid_len is None:
+            self.valid_len = length
+            self.local_len = shard_len(length, self.world)
+        elif length != self.valid_len:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r} got a sequence of {length} tokens but this forward "
+                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
+            )
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
@@ -265,6 +293,17 @@ def _map_tensors(value: Any, fn) -> Any:
     return value
 
 
+def _cut_element(value: Any, fn, index: int | None) -> Any:
+    """:func:`_map_tensors` on ``value``, or only on its element ``index`` (a tuple/list; ``None`` passes)."""
+    if index is None:
+        return _map_tensors(value, fn)
+    if value is None:
+        return value
+    items = list(value)
+    items[index] = _map_tensors(items[index], fn)
+    return type(value)(items)
+
+
 def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str, joint: str | None = None):
     def split(x: torch.Tensor) -> torch.Tensor:
         if ndim is not None and x.dim() != ndim:
@@ -350,20 +389,32 @@ def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[S
 def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
     """Raise ``ValueError`` if ``plan`` names a submodule or an argument ``model`` does not have. Pure."""
     for path, specs in expand_plan(model, plan).items():
-        _positions(_resolve(model, path), [s for s in specs if isinstance(s, SplitInput)], path)
+        _positions(
+            _resolve(model, path), [s for s in specs if isinstance(s, (SplitInput, MeasureInput))], path
+        )
 
 
-def _input_hook(module: torch.nn.Module, specs: list[SplitInput], state: SequenceShard, path: str):
+def _input_hook(
+    module: torch.nn.Module, specs: list[SplitInput | MeasureInput], state: SequenceShard, path: str
+):
     positions = _positions(module, specs, path)
 
     def split_inputs(_module, args, kwargs):
         args = list(args)
         for spec in specs:
+            if isinstance(spec, MeasureInput):
+                value = kwargs.get(
+                    spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
+                )
+                if isinstance(value, torch.Tensor):
+                    state.measure(value.shape[spec.dim], f"{path}:{spec.name}")
+                continue
             split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}", spec.joint)
+            cut = functools.partial(_cut_element, fn=split, index=spec.index)
             if spec.name in kwargs:
-                kwargs[spec.name] = _map_tensors(kwargs[spec.name], split)
+                kwargs[spec.name] = cut(kwargs[spec.name])
             elif positions[spec.name] < len(args):
-                args[positions[spec.name]] = _map_tensors(args[positions[spec.name]], split)
+                args[positions[spec.name]] = cut(args[positions[spec.name]])
         return tuple(args), kwargs
 
     return split_inputs
@@ -395,7 +446,7 @@ def apply_sequence_plan(
     def install(path: str, specs: tuple[Spec, ...]) -> None:
         module = _resolve(model, path)
         handles = []
-        inputs = [s for s in specs if isinstance(s, SplitInput)]
+        inputs = [s for s in specs if isinstance(s, (SplitInput, MeasureInput))]
         if inputs:
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:

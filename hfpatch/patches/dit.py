@@ -75,6 +75,7 @@ from ..core.patch import Patch
 from ..core.registry import class_key
 from ._sequence_parallel import (
     GatherOutput,
+    MeasureInput,
     ReplicatedOutput,
     SequenceParallelFamily,
     SequencePlan,
@@ -112,7 +113,8 @@ class AttentionRoute:
         joint: ``None`` for self-attention over the sharded tokens only; ``"front"``/``"back"`` where the
             processor concatenates the replicated text tokens before/after the image tokens; ``"queries"``
             for a cross-attention whose queries are a replicated stream and whose keys/values are the sharded
-            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`).
+            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`); ``"keys"`` where
+            only the image tokens query and the replicated text joins as keys/values in front (PRX).
         optional: The path may match no module (SD3.5's ``attn2`` exists only in its dual-attention blocks).
     """
 
@@ -218,6 +220,33 @@ _HUNYUAN_PLAN: SequencePlan = {
     "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
     "proj_out": (GatherOutput(dim=1),),
 }
+
+
+def _same_size_images(model: Any, named: dict[str, Any]) -> None:
+    """Z-Image: every sample's image tokens must start at the same place of the packed sequence."""
+    images = named.get("x") or []
+    if images and isinstance(images[0], list):
+        raise ValueError(
+            f"{type(model).__name__}: the omni mode (lists of images per sample, [text, images, SigLIP] packed per "
+            "sample) is not supported under sequence parallelism; call with one image per sample"
+        )
+    if len({tuple(x.shape) for x in images}) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: images of different sizes in one batch are packed at different offsets "
+            "(masked per sample), which a sequence split cannot cut exactly; call with images of one size"
+        )
+
+
+def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
+    """Lumina 2: every sample's image tokens must start at the same place of the packed [text, image] sequence."""
+    mask = named.get("encoder_attention_mask")
+    if mask is not None and len(set(mask.sum(dim=1).tolist())) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: captions of different lengths in one batch put the image tokens at different "
+            "offsets of the packed sequence, which a sequence split cannot cut exactly; pad the prompts of one call "
+            "to the same number of valid tokens, or use CFG parallel (one prompt per rank)"
+        )
+
 
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
@@ -521,6 +550,81 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1),),
         },
         refuse={"kv_caches": "the cached reference keys come from another forward, not cut by this plan"},
+    ),
+    # Z-Image (Turbo, base): the image tokens (padded to a multiple of 32 with a learned pad token, which takes part
+    # in attention) are cut entering the noise refiner, whose blocks attend within the image; the unified
+    # sequence [image, text] then holds this rank's shard and the whole (replicated) text: its rotary table and
+    # key mask (captions of different padded lengths) are cut at their image part, and the final layer's output
+    # is gathered the same way. The caption refiner attends within the text (not routed).
+    "diffusers.ZImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("noise_refiner.*.attention", ("ZSingleStreamAttnProcessor",)),
+            AttentionRoute("layers.*.attention", ("ZSingleStreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "noise_refiner.0": (SplitInput("x", dim=1),),  # [B, S, D], S padded to a multiple of 32
+            "noise_refiner.*": (SplitInput("freqs_cis", dim=1),),  # complex [B, S, D/2]
+            "layers.*": (
+                SplitInput("freqs_cis", dim=1, joint="back"),  # [B, S + T, D/2]
+                SplitInput("attn_mask", dim=1, joint="back"),  # [B, S + T] when the captions differ in length
+            ),
+            "all_final_layer.*": (GatherOutput(dim=1, joint="back"),),
+        },
+        refuse={"controlnet_block_samples": "the residuals span the packed [image, text] sequence"},
+        check=_same_size_images,
+        heads="n_heads",
+    ),
+    # Lumina-Image 2.0: the refiners run on the text and on the image apart; then one packed [text, image] sequence
+    # (the valid caption tokens, then the image). Its length is taken from the noise refiner's input and the
+    # packed sequence is cut at its image part entering the first main block (with its rotary table per block);
+    # the output norm's projection is gathered the same way. The noise refiner attends within the whole image on
+    # every rank (not routed).
+    "diffusers.Lumina2Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("layers.*.attn", ("Lumina2AttnProcessor2_0",), joint="front"),),
+        plan={
+            "noise_refiner.0": (MeasureInput("hidden_states", dim=1),),
+            "layers.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "layers.*": (SplitInput("image_rotary_emb", dim=1, joint="front"),),  # complex [B, T + S, D/2]
+            "norm_out": (GatherOutput(dim=1, joint="front"),),
+        },
+        check=_same_caption_lengths,
+    ),
+    # PRX: the image tokens query [text, image] keys (no text queries; the text is projected to keys/values
+    # only, replicated). The image tokens are cut at their embedding, the rotary table ([B, 1, S, ...]) at the
+    # rope's output; the final layer's output is gathered.
+    "diffusers.PRXTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attention", ("PRXAttnProcessor2_0",), joint="keys"),),
+        plan={
+            "img_in": (SplitOutput(dim=1),),
+            "pe_embedder": (SplitOutput(dim=2),),
+            "final_layer": (GatherOutput(dim=1),),
+        },
+        heads="num_heads",
+    ),
+    # JoyImage-Edit: Wan-like patch embedding (cut as tokens), double-stream blocks attending over [image, text]
+    # (text replicated, behind); the image rotary table ((cos, sin), each [S, D]) is the first element of the
+    # blocks' rotary argument. Several images (edit inputs) form one longer token sequence.
+    "diffusers.JoyImageEditTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("double_blocks.*.attn", ("JoyImageAttnProcessor",), joint="back"),),
+        plan={
+            "img_in": (SplitOutput(dim=2, flatten_from=2),),
+            "double_blocks.*": (SplitInput("image_rotary_emb", dim=0, index=0),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # JoyImage-Edit-Plus: per-sample packed patches (padded to the batch's longest, padding masked); the patch
+    # tokens are cut entering the first block, with their rotary table ([B, N, D]) and the [image, text] key mask.
+    # A padded patch inside the image is a masked image token: refused by the attention with a clear error.
+    "diffusers.JoyImageEditPlusTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("double_blocks.*.attn", ("JoyImageEditPlusAttnProcessor",), joint="back"),),
+        plan={
+            "double_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "double_blocks.*": (
+                SplitInput("image_rotary_emb", dim=1),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "proj_out": (GatherOutput(dim=1),),
+        },
     ),
 }
 
@@ -830,6 +934,8 @@ class USPDispatchProcessor:
             )
         if self.joint == "queries":
             return self._attend_sharded_keys(query, key, value, attn_mask, scale)
+        if self.joint == "keys":
+            return self._attend_text_keys(query, key, value, attn_mask, scale)
         local = self.state.local_len if self.state.local_len is not None else query.shape[1]
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
@@ -871,6 +977,35 @@ class USPDispatchProcessor:
         if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
             joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def _attend_text_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
+        """The shard's queries over ``[replicated text, sharded image]`` keys/values (``joint="keys"``)."""
+        local = self.state.local_len
+        text = key.shape[1] - (local or 0)
+        if local is None or query.shape[1] != local or text < 0:
+            raise RuntimeError(
+                f"sequence-parallel attention got {query.shape[1]} queries and {key.shape[1]} keys at {self.where} "
+                f"but this call's shard holds {local}: the model ran without its sequence split. Call model(...), "
+                "not model.forward(...)."
+            )
+        mask, _ = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
+        mask_txt, mask_img = (None, None) if mask is None else mask.split([text, local], dim=1)
+        if mask_img is not None:
+            real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+            if not bool(mask_img[:, :real].all()):
+                raise ValueError(
+                    f"{self.where}: the attention mask masks image/video tokens, which are sharded over the ranks; "
+                    "sequence-parallel attention masks only the replicated text tokens"
+                )
+        (k_txt, k_img), (v_txt, v_img) = key.split([text, local], dim=1), value.split([text, local], dim=1)
+        # usp_attention's joint part comes with queries: zero rows, whose output is dropped (exact for the shard's
+        # queries, which attend over [text, image] keys as in the stock call; no gradient flows through them).
+        joint = (torch.zeros_like(k_txt), k_txt, v_txt) if text else None
+        out, _ = usp_attention_call(
+            self.state, query, k_img, v_img, joint=joint, joint_position="front",
+            joint_key_mask=mask_txt if text else None, scale=scale,
+        )  # fmt: skip
+        return out
 
     def _attend_sharded_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
         """Replicated queries over the sharded tokens' keys/values (``joint="queries"``)."""

@@ -305,6 +305,8 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
 def _sample(out: Any) -> torch.Tensor:
     """The model's output: ``sample``, with LTX-2's replicated ``audio_sample`` flattened after it."""
     audio = getattr(out, "audio_sample", None)
+    if isinstance(out.sample, list):  # Z-Image: one [C, F, H, W] per sample
+        return torch.stack(out.sample)
     if audio is None:
         return out.sample
     return torch.cat([out.sample.flatten(1), audio.flatten(1)], dim=1)
