@@ -39,6 +39,8 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "PRXTransformer2DModel",
     "JoyImageEditTransformer3DModel",
     "JoyImageEditPlusTransformer3DModel",
+    "MochiTransformer3DModel",
+    "CosmosTransformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

@@ -176,9 +176,9 @@ class SequenceShard:
         self.rank = dist.get_rank(group)
         self.valid_len: int | None = None
         self.local_len: int | None = None
-        #: Attention path -> replicated text tokens its joint attention took in this call (a stand-in that
-        #: splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
-        self.text_len: dict[str, int] = {}
+        #: (attention path, call index) -> replicated text tokens its joint attention took in this call (a
+        #: stand-in that splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
+        self.text_len: dict[Any, int] = {}
 
     def begin(self) -> None:
         """Forget the previous call's geometry (a new forward may have another sequence length)."""

@@ -626,6 +626,37 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
+    # Mochi 1: the video tokens cut entering the first block (the patch embedding runs per frame), with the rotary
+    # table ((cos, sin), each [S, H, D/2]); the stock processor (SDPA) attends once per sample over [video, that
+    # sample's valid text tokens] (text replicated, behind).
+    "diffusers.MochiTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("MochiAttnProcessor2_0",), joint="back"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Cosmos Predict 2 / 2.5: the video tokens cut entering the first block, with the rotary table ([S, D] each),
+    # the learned positions ([B, S, D]), ControlNet residuals and, for per-frame timesteps (video-to-world), the
+    # per-token modulation ([B, S, D]) the blocks and the output norm take. The self-attention (whose stock
+    # processor calls dispatch_attention_fn without parallel_config) is routed per stand-in; the
+    # cross-attention to the text (and image context) is local.
+    "diffusers.CosmosTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CosmosAttnProcessor2_0",)),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("extra_pos_emb", dim=1),  # learned positions [B, S, D] (None without them)
+                SplitInput("embedded_timestep", dim=1, ndim=3),
+                SplitInput("temb", dim=1, ndim=3),
+                SplitInput("controlnet_residual", dim=1),
+            ),
+            "norm_out": (SplitInput("embedded_timestep", dim=1, ndim=3), SplitInput("temb", dim=1, ndim=3)),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
 }
 
 
@@ -943,7 +974,8 @@ class USPDispatchProcessor:
         elif self.joint is not None:
             # The text length is inferred from this call's shard; model.forward(...) (no split hooks) after a
             # call would mistake image tokens for text and return a wrong result of the right shape.
-            seen = self.state.text_len.setdefault(self.where, text)
+            # Keyed by the call's index within the module (Mochi attends once per sample, each with its own text).
+            seen = self.state.text_len.setdefault((self.where, self.calls), text)
             if seen != text:
                 raise RuntimeError(
                     f"sequence-parallel attention got {query.shape[1]} query tokens at {self.where}: with this "
@@ -1063,6 +1095,37 @@ class USPSDPAProcessor(USPDispatchProcessor):
         return out.transpose(1, 2)
 
 
+class USPBoundDispatchProcessor(USPDispatchProcessor):
+    """Stand-in for a stock processor that calls ``dispatch_attention_fn`` without ``parallel_config`` (Cosmos').
+
+    Routed like :class:`USPSDPAProcessor`: a copy of the stock ``__call__`` per stand-in whose
+    ``dispatch_attention_fn`` is this stand-in's :meth:`dispatch` (own globals, own code object), run with
+    ``self`` = the stock processor.
+    """
+
+    def _bind(self) -> None:
+        self._view = self.stock
+        self._call = _bound_call(type(self.stock).__call__, self)
+
+    def dispatch(self, *args: Any, parallel_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        """``dispatch_attention_fn`` as the stock code calls it: :meth:`attend` (``parallel_config`` ignored)."""
+        return self.attend(*args, **kwargs)
+
+
+def _bound_call(stock_call: types.FunctionType, stand_in: USPBoundDispatchProcessor) -> types.FunctionType:
+    """A copy of a stock ``__call__`` whose ``dispatch_attention_fn`` is ``stand_in.dispatch`` (see :func:`_sdpa_call`)."""
+    scope = dict(stock_call.__globals__)
+    scope[DISPATCH] = stand_in.dispatch
+    code = stock_call.__code__.replace(
+        co_qualname=f"{stock_call.__code__.co_qualname} (hfpatch USP {stand_in.where})"
+    )
+    routed = types.FunctionType(
+        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
+    )
+    routed.__kwdefaults__ = stock_call.__kwdefaults__
+    return routed
+
+
 @functools.cache
 def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[USPDispatchProcessor]:
     """A ``base`` subclass whose ``__call__`` has ``stock_cls.__call__``'s signature."""
@@ -1078,14 +1141,20 @@ def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[
 def _route_kind(processor_cls: type) -> type[USPDispatchProcessor] | None:
     """The stand-in class that can route ``processor_cls``'s attention, or ``None``.
 
-    ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it; otherwise
-    ``F.scaled_dot_product_attention`` read from ``torch.nn.functional`` as a module global.
+    ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it, bound per stand-in where it
+    calls ``dispatch_attention_fn`` without ``parallel_config``; otherwise ``F.scaled_dot_product_attention`` read
+    from ``torch.nn.functional`` as a module global.
     """
     call = processor_cls.__call__
     if not isinstance(call, types.FunctionType):
         return None
     if DISPATCH in call.__code__.co_names and DISPATCH in call.__globals__:
-        return USPDispatchProcessor
+        # A processor that never reads self._parallel_config (Cosmos') cannot carry the stand-in to the router.
+        return (
+            USPDispatchProcessor
+            if "_parallel_config" in call.__code__.co_names
+            else USPBoundDispatchProcessor
+        )
     if _functional_names(call):
         return USPSDPAProcessor
     return None

@@ -410,6 +410,50 @@ TINY_DITS: dict[str, TinyDiT] = {
         ),
         mask="encoder_hidden_states_mask",
     ),
+    "mochi": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, batch 2, text of 4 and 6 valid tokens (one call per sample)
+        "MochiTransformer3DModel",
+        dict(
+            patch_size=2,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=2,
+            pooled_projection_dim=16,
+            in_channels=4,
+            text_embed_dim=16,
+            time_embed_dim=16,
+            max_sequence_length=8,
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 1, 10, 10)),
+            encoder_hidden_states=Randn((2, 6, 16)),
+            timestep=Tensor([500.0, 20.0]),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "long"),
+        ),
+        mask="encoder_attention_mask",
+    ),
+    "cosmos": TinyDiT(  # 2 x 5 x 5 = 50 video tokens, per-frame timesteps (video-to-world)
+        "CosmosTransformer3DModel",
+        dict(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=16,
+            num_layers=2,
+            mlp_ratio=1.0,
+            text_embed_dim=16,
+            adaln_lora_dim=8,
+            max_size=(8, 16, 16),
+            patch_size=(1, 2, 2),
+            concat_padding_mask=False,  # its resize needs torchvision
+            extra_pos_embed_type=None,  # the learned positions' norm refuses fp64 (the tests' rounding reference)
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 2, 10, 10)),
+            timestep=Tensor([[[[[0.7]], [[0.2]]]]]),
+            encoder_hidden_states=Randn((1, 6, 16)),
+        ),
+        tokens=50,
+    ),
 }
 
 
