@@ -41,6 +41,8 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "JoyImageEditPlusTransformer3DModel",
     "MochiTransformer3DModel",
     "CosmosTransformer3DModel",
+    "MotifVideoTransformer3DModel",
+    "AnyFlowTransformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

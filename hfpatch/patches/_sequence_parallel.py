@@ -285,11 +285,13 @@ class _FirstRankGrad(torch.autograd.Function):
 
 
 def _map_tensors(value: Any, fn) -> Any:
-    """Apply ``fn`` to a tensor, or to each tensor of a tuple/list (other values pass through)."""
+    """Apply ``fn`` to a tensor, or to each tensor of a tuple/list/dict (other values pass through)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
         return type(value)(fn(v) for v in value)
+    if type(value) is dict and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return {k: fn(v) for k, v in value.items()}  # AnyFlow's rotary {"query": ..., "key": ...}
     return value
 
 

@@ -657,6 +657,35 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
+    # Motif-Video: HunyuanVideo's layout (video tokens cut at the patch embedding, rotary tables at the rope, the
+    # text and image-prompt tokens replicated and joined behind). Its decoder layers attend from a second copy of
+    # the embedded video to the main stream's output as their context: refused.
+    "diffusers.MotifVideoTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
+        ),
+        plan=_HUNYUAN_PLAN,
+        refuse_config={
+            "num_decoder_layers": (
+                refused_unless(0),
+                "the decoder layers take the main stream's whole output as their context, which the split leaves "
+                "on its rank's shard",
+            )
+        },
+    ),
+    # AnyFlow (bidirectional): Wan's layout; its per-frame timesteps reach the blocks and the output norm as
+    # per-token embeddings returned by the condition embedder ([B, S, D] and [B, S, 6D]), cut there; the rotary
+    # table is a dict {query, key} of [1, 1, S, D].
+    "diffusers.AnyFlowTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("AnyFlowAttnProcessor",)),),
+        plan={
+            "rope": (SplitOutput(dim=2),),
+            "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
+            "condition_embedder": (SplitOutput(dim=1, index=0), SplitOutput(dim=1, index=1)),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
 }
 
 

@@ -454,6 +454,48 @@ TINY_DITS: dict[str, TinyDiT] = {
         ),
         tokens=50,
     ),
+    "motif_video": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, batch 2, padded text
+        "MotifVideoTransformer3DModel",
+        dict(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=1,
+            num_single_layers=1,
+            mlp_ratio=2.0,
+            text_embed_dim=16,
+            rope_axes_dim=(2, 2, 4),
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 1, 10, 10)),
+            timestep=Tensor([500.0, 20.0]),
+            encoder_hidden_states=Randn((2, 6, 16)),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "long"),
+        ),
+        mask="encoder_attention_mask",
+    ),
+    "anyflow": TinyDiT(  # 2 x 5 x 5 = 50 video tokens, per-frame timesteps
+        "AnyFlowTransformer3DModel",
+        dict(
+            num_attention_heads=4,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=64,
+        ),
+        dict(
+            hidden_states=Randn((1, 2, 4, 10, 10)),
+            timestep=Tensor([[700.0, 300.0]]),
+            r_timestep=Tensor([[500.0, 100.0]]),
+            encoder_hidden_states=Randn((1, 6, 16)),
+        ),
+        tokens=50,
+    ),
 }
 
 

@@ -313,8 +313,21 @@ def _sample(out: Any) -> torch.Tensor:
 
 
 def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale."""
-    return to_fp64(model), to_fp64(kwargs)
+    """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale.
+
+    Some stock code makes fp32 tensors on its own (``Timesteps`` embeddings ``.float()``, Motif-Video feeds them to
+    a Linear uncast): every module with parameters of the copy casts its floating inputs to fp64 first.
+    """
+    model64 = to_fp64(model)
+
+    def upcast(_module, args, kwargs):
+        cast = lambda v: v.double() if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    for module in model64.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(upcast, with_kwargs=True)
+    return model64, to_fp64(kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- rank functions
