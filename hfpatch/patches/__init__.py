@@ -43,6 +43,11 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "CosmosTransformer3DModel",
     "MotifVideoTransformer3DModel",
     "AnyFlowTransformer3DModel",
+    "DiTTransformer2DModel",
+    "CogView3PlusTransformer2DModel",
+    "EasyAnimateTransformer3DModel",
+    "AuraFlowTransformer2DModel",
+    "ConsisIDTransformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

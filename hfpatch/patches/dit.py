@@ -686,6 +686,55 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
+    # DiT (class-conditional): PixArt's layout (the patch embedding's output, sin-cos positions added, cut; attn1
+    # routed, SDPA); the output projection's result is gathered before the unpatchify.
+    "diffusers.DiTTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("AttnProcessor2_0",)),),
+        plan={"pos_embed": (SplitOutput(dim=1),), "proj_out_2": (GatherOutput(dim=1),)},
+    ),
+    # CogView3-Plus: the patch embedding returns [text, image] (positions added); the image tokens are cut entering
+    # the first block; CogVideoX's processor (SDPA) attends over [text, image].
+    "diffusers.CogView3PlusTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # EasyAnimate: the video tokens (embedded per frame) cut entering the first block, with the rotary table;
+    # its processor (SDPA) attends over [text, video].
+    "diffusers.EasyAnimateTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("EasyAnimateAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "rope_embedding": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # AuraFlow: the patch embedding's output (positions added) cut; register tokens and text replicated in front,
+    # in the joint blocks and in the single blocks' packed [text, image] sequence (AuraFlow's processor, SDPA).
+    "diffusers.AuraFlowTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("joint_transformer_blocks.*.attn", ("AuraFlowAttnProcessor2_0",), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("AuraFlowAttnProcessor2_0",), joint="front"),
+        ),
+        plan={"pos_embed": (SplitOutput(dim=1),), "proj_out": (GatherOutput(dim=1),)},
+    ),
+    # ConsisID: CogVideoX's layout (the video tokens cut entering the first block, after the stock code separates
+    # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
+    # keys the replicated face embedding: local, exact.
+    "diffusers.ConsisIDTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
+        plan={
+            "": (SplitInput("image_rotary_emb", dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
 }
 
 

@@ -3,8 +3,9 @@
 A row (:class:`TinyDiT`) names the diffusers class, the constructor arguments of a tiny random-weight model
 (4 heads of 8 channels, one or two blocks of each kind) and example ``forward`` arguments: tensors are described by
 small specs (:class:`Randn`, :class:`Grid`, :class:`Tensor`), every other value is passed as it is.
-:func:`tiny_dit` builds the model (seeded construction, every parameter re-drawn: some inits are zeros, which
-would hide bugs), :func:`tiny_dit_inputs` the arguments. The rows use 25 image/video tokens (5 x 5) where the
+:func:`tiny_dit` builds the model (seeded construction, every parameter re-drawn by the module it belongs to:
+normalisation scales around 1, everything else ``N(0, std^2)``; some inits are zeros, which would hide bugs),
+:func:`tiny_dit_inputs` the arguments. The rows use 25 image/video tokens (5 x 5) where the
 model allows it, so no world size of 2-4 divides them and every sequence split pads.
 
 >>> from hfpatch.testing.dits import TINY_DITS, tiny_dit, tiny_dit_inputs
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ class TinyDiT:
         routed: Attention modules hfpatch's sequence parallelism routes in this tiny model.
         mask: An input whose value changes the output (a padded-text mask): tests check that it does.
         unmasked: That input's value with nothing masked (a spec; default: all ones).
+        attributes: ``"module.path.attribute"`` -> value, set after construction (``*`` matches one path segment).
     """
 
     cls: str
@@ -75,6 +77,7 @@ class TinyDiT:
     routed: int = 2
     mask: str | None = None
     unmasked: Any = None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _make(spec: Any, seed: int) -> Any:
@@ -496,6 +499,109 @@ TINY_DITS: dict[str, TinyDiT] = {
         ),
         tokens=50,
     ),
+    "dit": TinyDiT(  # 5 x 5 = 25 image tokens, batch 2, class-conditional
+        "DiTTransformer2DModel",
+        dict(
+            num_attention_heads=4,
+            attention_head_dim=8,
+            in_channels=4,
+            num_layers=2,
+            norm_num_groups=4,
+            sample_size=10,
+            patch_size=2,
+            num_embeds_ada_norm=10,
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 10, 10)),
+            timestep=Tensor([500, 20], "long"),
+            class_labels=Tensor([3, 7], "long"),
+        ),
+        # no label dropout: a random draw per training forward (the fp64 twin and each run would draw apart)
+        attributes={"transformer_blocks.*.norm1.emb.class_embedder.dropout_prob": 0.0},
+    ),
+    "cogview3plus": TinyDiT(  # 5 x 5 = 25 image tokens, 6 text tokens
+        "CogView3PlusTransformer2DModel",
+        dict(
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            out_channels=4,
+            text_embed_dim=16,
+            time_embed_dim=16,
+            condition_dim=8,
+            pos_embed_max_size=8,
+            sample_size=10,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 10, 10)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            timestep=Tensor([300.0]),
+            original_size=Tensor([[40.0, 40.0]]),
+            target_size=Tensor([[40.0, 40.0]]),
+            crop_coords=Tensor([[0.0, 0.0]]),
+        ),
+    ),
+    "easyanimate": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, 6 text tokens
+        "EasyAnimateTransformer3DModel",
+        dict(
+            num_attention_heads=4,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=4,
+            patch_size=2,
+            num_layers=2,
+            mmdit_layers=2,
+            time_embed_dim=16,
+            text_embed_dim=16,
+            sample_width=10,
+            sample_height=10,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 1, 10, 10)),
+            timestep=Tensor([300.0]),
+            encoder_hidden_states=Randn((1, 6, 16)),
+        ),
+    ),
+    "auraflow": TinyDiT(  # 5 x 5 = 25 image tokens, 6 text tokens (+ register tokens)
+        "AuraFlowTransformer2DModel",
+        dict(
+            sample_size=10,
+            patch_size=2,
+            in_channels=4,
+            num_mmdit_layers=1,
+            num_single_dit_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=16,
+            caption_projection_dim=32,
+            out_channels=4,
+            pos_embed_max_size=64,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 10, 10)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            timestep=Tensor([300.0]),
+        ),
+    ),
+    "consisid": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, 6 text tokens, a face (perceiver after every block)
+        "ConsisIDTransformer3DModel",
+        dict(
+            num_attention_heads=4, attention_head_dim=12, in_channels=4, out_channels=4, time_embed_dim=16,
+            text_embed_dim=16, num_layers=2, sample_width=10, sample_height=10, sample_frames=1, patch_size=2,
+            max_text_seq_length=6, is_train_face=True, cross_attn_interval=1, cross_attn_dim_head=8,
+            cross_attn_num_heads=2, LFE_id_dim=8, LFE_vit_dim=8, LFE_depth=1, LFE_dim_head=8, LFE_num_heads=2,
+            LFE_num_id_token=2, LFE_num_querie=4, LFE_output_dim=32, LFE_ff_mult=1, LFE_num_scale=1,
+        ),
+        dict(
+            hidden_states=Randn((1, 1, 4, 10, 10)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            timestep=Tensor([300], "long"),
+            id_cond=Randn((1, 8)),
+            id_vit_hidden=[Randn((1, 3, 8))],
+        ),
+    ),
 }
 
 
@@ -504,10 +610,36 @@ def tiny_dit(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny stock model of row ``name`` of :data:`TINY_DITS` (``overrides`` update its config)."""
     import diffusers
 
-    from .models import _build
+    from .models import _seeded
 
     row = TINY_DITS[name]
-    return _build(getattr(diffusers, row.cls), dict(row.config), overrides, seed)
+    with _seeded(seed):
+        model = getattr(diffusers, row.cls)(**{**row.config, **overrides})
+    for path, value in row.attributes.items():
+        pattern, attribute = path.rsplit(".", 1)
+        parts = pattern.split(".")
+        for name, module in model.named_modules():
+            names = name.split(".")
+            if len(names) == len(parts) and all(p in ("*", n) for p, n in zip(parts, names)):
+                setattr(module, attribute, value)
+    return _redraw(model, seed)
+
+
+def _redraw(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Every parameter re-drawn from ``seed`` (some inits are zeros, which would hide bugs): the scale and shift of
+    normalisation layers (modules named ``*Norm*``) around 1 and 0, every other parameter ``N(0, std^2)``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            norm = "Norm" in type(module).__name__
+            for name, param in module.named_parameters(recurse=False):
+                if norm and name == "weight":
+                    param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+                elif norm:
+                    param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+                else:
+                    param.copy_(std * torch.randn(param.shape, generator=gen))
+    return model.eval()
 
 
 def tiny_dit_inputs(name: str, seed: int = 1) -> dict[str, Any]:

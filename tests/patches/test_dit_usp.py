@@ -441,6 +441,8 @@ def lifecycle_cases(families: list[str]) -> dict[str, dict[str, Any]]:
     results = {}
     for family in families:
         model, kwargs, _ = build(family)
+        with torch.no_grad():  # stock caches (AnyFlow's rotary table) are filled before the snapshot
+            model(**build(family)[1])
         before = _snapshot(model)
         config = ParallelConfig(ulysses=world)
         patch = hfpatch.apply(model, parallel=config)
