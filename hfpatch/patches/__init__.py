@@ -48,6 +48,7 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "EasyAnimateTransformer3DModel",
     "AuraFlowTransformer2DModel",
     "ConsisIDTransformer3DModel",
+    "Ideogram4Transformer2DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

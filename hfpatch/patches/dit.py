@@ -728,11 +728,31 @@ PLANS: dict[str, DiTPlan] = {
     # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
     # keys the replicated face embedding: local, exact.
     "diffusers.ConsisIDTransformer3DModel": DiTPlan(
-        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
+        ),
         plan={
             "": (SplitInput("image_rotary_emb", dim=0),),
             "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
             "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
+    # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
+    # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
+    # (packed samples) make a block-diagonal mask, refused by the attention with a clear error.
+    "diffusers.Ideogram4Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("layers.*.attention", ("Ideogram4AttnProcessor",)),),
+        plan={
+            "": (
+                SplitInput("hidden_states", dim=1),
+                SplitInput("encoder_hidden_states", dim=1),
+                SplitInput("position_ids", dim=1),
+                SplitInput("segment_ids", dim=1),
+                SplitInput("indicator", dim=1),
+                SplitInput("timestep", dim=1, ndim=2),  # per-token timesteps [B, L]
+            ),
+            "final_layer": (GatherOutput(dim=1),),
         },
     ),
 }
@@ -1060,6 +1080,7 @@ class USPDispatchProcessor:
                     f"call's shard of {local} tokens that leaves {text} text tokens, where this forward had {seen}; "
                     "the model ran without its sequence split. Call model(...), not model.forward(...)."
                 )
+        attn_mask = self._unmask_padding(attn_mask, local, text)
         mask, query_mask = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
         sizes = [text, local] if self.joint != "back" else [local, text]
         (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
@@ -1087,6 +1108,28 @@ class USPDispatchProcessor:
         if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
             joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def _unmask_padding(self, attn_mask: torch.Tensor | None, local: int, text: int) -> torch.Tensor | None:
+        """A query x key token mask with this shard's padding rows and columns set to "attend".
+
+        The padding at the end of the last shards (:mod:`hfpatch.attention.layout`) is masked as keys by USP itself
+        and its query rows are dropped at the gather; a mask the stock code built from a cut per-token input
+        (Ideogram 4's segment ids, padded with zeros) may disagree there, which must not make it unreadable.
+        """
+        real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+        if (
+            attn_mask is None
+            or attn_mask.dim() != 4
+            or real == local
+            or attn_mask.shape[-1] != attn_mask.shape[-2]
+        ):
+            return attn_mask
+        start = text if self.joint != "back" else 0
+        attend = True if attn_mask.dtype == torch.bool else 0.0
+        attn_mask = attn_mask.clone()
+        attn_mask[..., start + real : start + local, :] = attend
+        attn_mask[..., :, start + real : start + local] = attend
+        return attn_mask
 
     def _attend_text_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
         """The shard's queries over ``[replicated text, sharded image]`` keys/values (``joint="keys"``)."""
