@@ -49,6 +49,7 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "AuraFlowTransformer2DModel",
     "ConsisIDTransformer3DModel",
     "Ideogram4Transformer2DModel",
+    "HiDreamImageTransformer2DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

@@ -755,6 +755,23 @@ PLANS: dict[str, DiTPlan] = {
             "final_layer": (GatherOutput(dim=1),),
         },
     ),
+    # HiDream-I1: image tokens cut at the patch embedding, text (T5 and Llama layers) replicated and joined behind
+    # the image tokens in dual- and single-stream blocks (HiDream's processor, SDPA); the rotary table over
+    # [image, text] and the key multipliers (hidden_states_masks: [image] in the dual, [image, text] in the single
+    # blocks) cut at their image part. The MoE routes each token on its own (top-k, no capacity): exact per shard.
+    "diffusers.HiDreamImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("double_stream_blocks.*.block.attn1", ("HiDreamAttnProcessor",), joint="back"),
+            AttentionRoute("single_stream_blocks.*.block.attn1", ("HiDreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "x_embedder": (SplitOutput(dim=1),),
+            "pe_embedder": (SplitOutput(dim=1, joint="back"),),  # [B, S + T, 1, D/4, 2, 2]
+            "double_stream_blocks.*": (SplitInput("hidden_states_masks", dim=1),),
+            "single_stream_blocks.*": (SplitInput("hidden_states_masks", dim=1, joint="back"),),
+            "final_layer": (GatherOutput(dim=1),),
+        },
+    ),
 }
 
 

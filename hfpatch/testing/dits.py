@@ -647,6 +647,31 @@ TINY_DITS: dict[str, TinyDiT] = {
         ),
         tokens=31,
     ),
+    "hidream": TinyDiT(  # 5 x 5 = 25 image tokens; 6 T5 and 2 x 5 Llama text tokens; 2 experts, top-1
+        "HiDreamImageTransformer2DModel",
+        dict(
+            patch_size=2,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_channels=[16, 16],
+            text_emb_dim=16,
+            num_routed_experts=2,
+            num_activated_experts=1,
+            axes_dims_rope=(2, 2, 4),
+            max_resolution=(16, 16),
+            llama_layers=[0, 1],
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 10, 10)),
+            timesteps=Tensor([300], "long"),
+            encoder_hidden_states_t5=Randn((1, 6, 16)),
+            encoder_hidden_states_llama3=Randn((2, 1, 5, 16)),
+            pooled_embeds=Randn((1, 16)),
+        ),
+    ),
 }
 
 
