@@ -781,6 +781,136 @@ UNSUPPORTED: dict[str, str] = {
         "one forward attends over sequences of different lengths (history + current chunk, current chunk only) "
         "split at a positional boundary; an exact plan needs several sharded sequences per forward"
     ),
+    # Attention that is not full softmax attention over the sequence (a key mask at most).
+    "AceStepTransformer1DModel": (
+        "its sliding-window layers let each token attend only to keys within a window of its own position (a banded "
+        "token x token mask); sequence-parallel attention is full attention with a key mask"
+    ),
+    "AnyFlowFARTransformer3DModel": (
+        "frame-autoregressive: its self-attention is block-causal over frame chunks (a block mask and a KV cache of "
+        "earlier chunks), not full attention"
+    ),
+    "Cosmos3OmniTransformer": (
+        "its understanding tokens attend causally (is_causal) while generation tokens attend fully over one packed "
+        "multimodal sequence addressed by per-modality index tensors: a causal token x token mask"
+    ),
+    "Kandinsky6SRTransformer3DModel": (
+        "NABLA sparse attention: each query block attends to the key blocks whose pooled scores over the whole grid "
+        "pass a threshold, plus a sliding-tile mask: a data-dependent block pattern over the full sequence"
+    ),
+    "MiniMaxMusic3RVQDepthDecoder": (
+        "a causal (is_causal) decoder over the few RVQ levels of one frame: no long token sequence, and causal"
+    ),
+    "OmniGenTransformer2DModel": (
+        "the caller's 3D attention mask over the packed [text, images] sequence is causal for the text and "
+        "bidirectional within each image: a token x token mask"
+    ),
+    "PriorTransformer": "a causal mask over a short token sequence (the CLIP prior's 77 + 4 tokens)",
+    "QwenImage21Transformer2DModel": (
+        "text and image tokens are interleaved in one sequence and attend block-causally by segment (a flex block "
+        "mask or per-segment boundaries), with a reference KV cache: not full attention"
+    ),
+    "RFD4ProteinaTransformer": (
+        "pair-biased attention: every head adds a bias from an [N, N] pair representation (updated per layer), a "
+        "token x token term"
+    ),
+    "SanaTransformer2DModel": (
+        "linear (ReLU-kernel) attention sums over all keys without softmax (no log-sum-exp merge), and its Mix-FFN "
+        "runs a 3x3 depthwise convolution over the 2D token grid, mixing tokens across any cut"
+    ),
+    "SanaVideoTransformer3DModel": (
+        "linear (ReLU-kernel) attention without softmax, and its Mix-FFN runs depthwise convolutions over the "
+        "video's token grid, mixing tokens across any cut"
+    ),
+    "SanaWMTransformer3DModel": (
+        "gated delta-rule (linear recurrent) attention and short convolutions along time: a recurrence over the "
+        "sequence, not softmax attention"
+    ),
+    "SanaWMLTX2RefinerTransformer3DModel": (
+        "a chunk-causal autoregressive refiner: each chunk attends to a KV cache of earlier chunks"
+    ),
+    "T5FilmDecoder": "a causal decoder over note tokens (spectrogram diffusion), not a DiT over a token grid",
+    "WanAnimate2Transformer3DModel": (
+        "runs in two passes sharing a reference KV cache (kv_cache_mode 'extract' then 'cached'), with block masks "
+        "built from the packed grid"
+    ),
+    "NucleusMoEImageTransformer2DModel": (
+        "expert-choice MoE routing: each expert takes its top-C tokens over the whole image sequence, so a shard's "
+        "routing depends on the other shards' tokens"
+    ),
+    # The tokens are regrouped by position.
+    "WanAnimateTransformer3DModel": (
+        "the face adapter regroups the video tokens per frame by position (query.unflatten(1, (T, -1))) to attend "
+        "each frame to its own face-motion tokens, and the pose latents are added per frame to the patch grid: a "
+        "shard is not a whole number of frames"
+    ),
+    "HunyuanVideoFramepackTransformer3DModel": (
+        "packs the history latents (clean, 2x, 4x, each patchified at its own scale) in front of the current ones "
+        "and slices the current tokens off by position after the last block; the output norm and projection (with "
+        "parameters) then run on that slice, so the sequence must be whole before parameterised layers"
+    ),
+    # The sequence is gathered before layers with parameters.
+    "Kandinsky5Transformer3DModel": (
+        "the output layer (its AdaLN modulation and projection have parameters) needs the whole [B, F, H, W] grid "
+        "(fractal_unflatten reshapes to it), so the tokens are gathered before parameterised layers run; and "
+        "its NABLA mode is sparse attention"
+    ),
+    "Kandinsky6Transformer3DModel": (
+        "the output layer (parameters) runs on the whole [B, F, H, W] grid the stock code reshapes to after the "
+        "fused video/audio blocks, so the tokens are gathered before parameterised layers run"
+    ),
+    "StableAudioDiTModel": (
+        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
+        "projection, and the global token is prepended to the sequence"
+    ),
+    "StableAudio3DiTModel": (
+        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
+        "projection (the sequence must be whole before it)"
+    ),
+    "MiniMaxMusic3Transformer1DModel": (
+        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
+        "projection (the sequence must be whole before it)"
+    ),
+    "LongCatAudioDiTTransformer": (
+        "its rotary table is built from the sequence's own length (rotary_embed(x, x.shape[1]), one module shared "
+        "with the text), so it cannot be cut after the embedding, and the long skip adds the embedded input (held "
+        "in forward before the first block) to the last block's output"
+    ),
+    "LatteTransformer3DModel": (
+        "its temporal blocks fold the spatial tokens into the batch ([B * S, F, D]) with a timestep repeated per "
+        "spatial token, a batch-flattened tensor a sequence cut cannot reach"
+    ),
+    "AllegroTransformer3DModel": (
+        "its rotary embedding is a pair (per-axis frequency tables, per-token position grids) the processor indexes "
+        "per token, and its video mask is an additive -10000 bias over the video tokens"
+    ),
+    "LuminaNextDiT2DModel": (
+        "its proportional attention scales the softmax by log(sequence length) of the tokens the processor sees "
+        "(the pipeline passes base_sequence_length by default), which a cut changes"
+    ),
+    # Not a DiT over a token sequence of its own.
+    "DualTransformer2DModel": (
+        "a UNet component (two Transformer2DModel over one feature map, mixed by a ratio) inside UNet blocks whose "
+        "convolutions mix neighbouring positions"
+    ),
+    "Transformer2DModel": (
+        "the UNet block transformer: its continuous-input form normalises (GroupNorm) and projects a 2D feature "
+        "map inside UNet blocks whose convolutions mix neighbouring positions (the patched form is "
+        "PixArtTransformer2DModel's)"
+    ),
+    "TransformerTemporalModel": (
+        "a UNet motion module: it attends over the frames of each pixel inside UNet blocks, whose convolutions mix "
+        "neighbouring positions"
+    ),
+    "DreamLiteTransformer2DModel": (
+        "a continuous-input block transformer: GroupNorm over the whole 2D feature map, then a 1x1 convolution "
+        "projection on the reshaped map after the blocks (parameters on the whole grid)"
+    ),
+    "BriaFibo2Transformer2DModel": (
+        "the per-token noise mask and the output's image tokens are taken by position from counts of the whole "
+        "sequence (hidden_states[:, image_start : image_start + num_image_tokens]), and the gist tokens join in "
+        "front or behind depending on the batch's text lengths"
+    ),
 }
 
 
