@@ -1257,11 +1257,12 @@ class USPDispatchProcessor:
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
 
     def _unmask_padding(self, attn_mask: torch.Tensor | None, local: int, text: int) -> torch.Tensor | None:
-        """A query x key token mask with this shard's padding rows and columns set to "attend".
+        """A query x key token mask whose entries for this shard's padding tokens are those of a valid token.
 
         The padding at the end of the last shards (:mod:`hfpatch.attention.layout`) is masked as keys by USP itself
         and its query rows are dropped at the gather; a mask the stock code built from a cut per-token input
-        (Ideogram 4's segment ids, padded with zeros) may disagree there, which must not make it unreadable.
+        (Ideogram 4's segment ids, padded with zeros) may disagree there, which must not make it unreadable: the
+        padding tokens' rows and columns become those of a token every other token attends to.
         """
         real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
         if (
@@ -1272,11 +1273,17 @@ class USPDispatchProcessor:
         ):
             return attn_mask
         start = text if self.joint != "back" else 0
-        attend = True if attn_mask.dtype == torch.bool else 0.0
-        attn_mask = attn_mask.clone()
-        attn_mask[..., start + real : start + local, :] = attend
-        attn_mask[..., :, start + real : start + local] = attend
-        return attn_mask
+        pad = slice(start + real, start + local)
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        keep = keep.expand(*keep.shape[:2], *keep.shape[-2:]).clone()
+        keep[..., pad, pad] = True
+        tokens = keep.diagonal(dim1=-2, dim2=-1).clone()  # [B, 1|H, S]: each token's own entry
+        tokens[..., pad] = True
+        keep[..., pad, :] = tokens[..., None, :]
+        keep[..., :, pad] = tokens[..., :, None]
+        if attn_mask.dtype == torch.bool:
+            return keep
+        return torch.zeros_like(keep, dtype=attn_mask.dtype).masked_fill(~keep, float("-inf"))
 
     def _attend_text_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
         """The shard's queries over ``[replicated text, sharded image]`` keys/values (``joint="keys"``)."""
