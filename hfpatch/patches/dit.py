@@ -1505,6 +1505,9 @@ class PlannedDiTUSP(SequenceParallelFamily):
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
+        from .caches import check_caches
+
+        check_caches(target, sequence=config.sequence_parallel, cfg=1, data=1, two_call_cfg=False)
         if getattr(target, "_parallel_config", None) is not None:
             raise ValueError(
                 f"{type(target).__name__} has diffusers' own context parallelism enabled (enable_parallelism); "
@@ -1554,7 +1557,27 @@ class PlannedDiTUSP(SequenceParallelFamily):
                     check(target, named)
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
+        from .caches import _hooks, agree_caches
+
+        enabled = [hook for _, hook in _hooks(target)]
+
+        def check_caches_unchanged(_module, args, kwargs):
+            # A step cache enabled (or replaced) after apply would decide from this rank's shard alone.
+            if [hook for _, hook in _hooks(target)] != enabled:
+                raise RuntimeError(
+                    f"{type(target).__name__}: a diffusers step cache was enabled or changed after hfpatch.apply; "
+                    "its skip decisions would follow this rank's shard only. Enable the cache before "
+                    "hfpatch.apply, or patch.remove() and apply again."
+                )
+
+        patch.add_forward_pre_hook(target, check_caches_unchanged)
         super().apply(target, patch, mesh, options)
+        state = next(  # the stand-ins hold the model's SequenceShard
+            module.processor.state
+            for module in target.modules()
+            if isinstance(getattr(module, "processor", None), USPDispatchProcessor)
+        )
+        agree_caches(target, state, patch)
 
 
 # ----------------------------------------------------------------------------------------------- info
