@@ -62,7 +62,10 @@ def _cache(kind: str, pipe: Any) -> Any:
         threshold = 1.0 if type(pipe).__name__ == "QwenImagePipeline" else 1.2
         return diffusers.FirstBlockCacheConfig(threshold=threshold)
     if kind == "taylorseer":
-        return diffusers.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, max_order=1)
+        # fp32 Taylor factors: the default bf16 storage rounds the two runs' reassociation differences to bf16
+        return diffusers.TaylorSeerCacheConfig(
+            cache_interval=2, disable_cache_before_step=1, max_order=1, taylor_factors_dtype=torch.float32
+        )
     if kind == "magcache":
         return diffusers.MagCacheConfig(
             threshold=0.5,
