@@ -25,7 +25,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_DITS", "Grid", "Randn", "Tensor", "TinyDiT", "tiny_dit", "tiny_dit_inputs"]
+__all__ = [
+    "TINY_DITS",
+    "TINY_DIT_PIPES",
+    "Grid",
+    "Randn",
+    "Tensor",
+    "TinyDiT",
+    "TinyDiTPipe",
+    "tiny_dit",
+    "tiny_dit_inputs",
+    "tiny_dit_pipe",
+    "tiny_dit_pipe_inputs",
+]
 
 
 # ----------------------------------------------------------------------------------------------- specs
@@ -505,11 +517,12 @@ TINY_DITS: dict[str, TinyDiT] = {
             num_attention_heads=4,
             attention_head_dim=8,
             in_channels=4,
+            out_channels=8,  # learned sigma, as DiTPipeline expects
             num_layers=2,
             norm_num_groups=4,
             sample_size=10,
             patch_size=2,
-            num_embeds_ada_norm=10,
+            num_embeds_ada_norm=1000,  # DiTPipeline guides with the null class 1000
         ),
         dict(
             hidden_states=Randn((2, 4, 10, 10)),
@@ -715,3 +728,133 @@ def _redraw(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Mod
 def tiny_dit_inputs(name: str, seed: int = 1) -> dict[str, Any]:
     """Fresh ``forward`` keyword arguments of row ``name`` (the same values for the same ``seed``)."""
     return {key: _make(spec, seed * 1000 + i) for i, (key, spec) in enumerate(TINY_DITS[name].inputs.items())}
+
+
+# ----------------------------------------------------------------------------------------------- pipelines
+@dataclass(frozen=True)
+class TinyDiTPipe:
+    """A stock diffusers pipeline around a :data:`TINY_DITS` transformer, without text encoders (embeddings given).
+
+    Args:
+        cls: The diffusers pipeline class name.
+        transformer: Its transformer's :data:`TINY_DITS` row.
+        vae: ``(hfpatch.testing factory name, keyword arguments)``.
+        scheduler: ``(diffusers scheduler class name, keyword arguments)``.
+        call: ``__call__`` keyword arguments (specs as in :class:`TinyDiT`), ``num_inference_steps`` left out.
+        output: The output field holding the result (``images``/``frames``).
+        components: Other constructor arguments (``None`` for the text encoders and tokenizers by default).
+    """
+
+    cls: str
+    transformer: str
+    vae: tuple[str, Mapping[str, Any]]
+    scheduler: tuple[str, Mapping[str, Any]]
+    call: Mapping[str, Any]
+    output: str = "images"
+    components: Mapping[str, Any] = field(default_factory=lambda: {"text_encoder": None, "tokenizer": None})
+
+
+#: An AutoencoderKL with an 8x spatial factor: 80 x 80 pixels are 10 x 10 latents, 5 x 5 tokens of 2 x 2 patches.
+_KL_8X = ("tiny_autoencoder_kl", dict(down_block_types=("DownEncoderBlock2D",) * 4,
+                                      up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 16)))  # fmt: skip
+
+#: name -> tiny pipeline row (what tests/patches/test_dit_zoo_pipelines.py runs end to end).
+TINY_DIT_PIPES: dict[str, TinyDiTPipe] = {
+    "cogview4": TinyDiTPipe(  # true CFG (two calls per step), 25 image tokens, prompts of 6 and 4 tokens
+        "CogView4Pipeline",
+        "cogview4",
+        _KL_8X,
+        ("FlowMatchEulerDiscreteScheduler", {}),
+        dict(
+            prompt_embeds=Randn((1, 6, 16)),
+            negative_prompt_embeds=Randn((1, 4, 16)),
+            latents=Randn((1, 4, 10, 10)),
+            height=80,
+            width=80,
+            guidance_scale=4.0,
+            output_type="latent",
+        ),
+    ),
+    "skyreels_v2": TinyDiTPipe(  # true CFG, 1 x 5 x 5 video tokens, the tiny Wan 2.1 VAE
+        "SkyReelsV2Pipeline",
+        "skyreels_v2",
+        ("tiny_wan_vae", dict(version="2.1")),
+        (
+            "UniPCMultistepScheduler",
+            dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        ),
+        dict(
+            prompt_embeds=Randn((1, 6, 16)),
+            negative_prompt_embeds=Randn((1, 6, 16)),
+            latents=Randn((1, 4, 1, 10, 10)),
+            height=80,
+            width=80,
+            num_frames=1,
+            guidance_scale=4.0,
+            output_type="latent",
+        ),
+        output="frames",
+    ),
+    "cogview3plus": TinyDiTPipe(  # batched CFG ([uncond, cond] in one call), 25 image tokens
+        "CogView3PlusPipeline",
+        "cogview3plus",
+        _KL_8X,
+        ("DDIMScheduler", {}),
+        dict(
+            prompt_embeds=Randn((1, 6, 16)),
+            negative_prompt_embeds=Randn((1, 6, 16)),
+            latents=Randn((1, 4, 10, 10)),
+            height=80,
+            width=80,
+            guidance_scale=4.0,
+            output_type="latent",
+        ),
+    ),
+    "zimage": TinyDiTPipe(  # batched CFG over lists of samples (not split by CFG parallel), 5 x 5 image tokens
+        "ZImagePipeline",
+        "zimage",
+        _KL_8X,
+        ("FlowMatchEulerDiscreteScheduler", {}),
+        dict(
+            prompt_embeds=[Randn((6, 16))],
+            negative_prompt_embeds=[Randn((4, 16))],
+            latents=Randn((1, 4, 10, 10)),
+            height=80,
+            width=80,
+            guidance_scale=4.0,
+            output_type="latent",
+        ),
+    ),
+}
+
+
+def tiny_dit_pipe(name: str, seed: int = 0) -> Any:
+    """The tiny stock pipeline of row ``name`` of :data:`TINY_DIT_PIPES` (progress bar off).
+
+    >>> import torch
+    >>> from hfpatch.testing.dits import tiny_dit_pipe, tiny_dit_pipe_inputs
+    >>> tuple(tiny_dit_pipe("cogview4")(**tiny_dit_pipe_inputs("cogview4"), num_inference_steps=2).images.shape)
+    (1, 4, 10, 10)
+    """
+    import diffusers
+
+    from . import models
+
+    row = TINY_DIT_PIPES[name]
+    factory, vae_kwargs = row.vae
+    scheduler_cls, scheduler_kwargs = row.scheduler
+    pipe = getattr(diffusers, row.cls)(
+        transformer=tiny_dit(row.transformer, seed=seed),
+        vae=getattr(models, factory)(seed=seed, **vae_kwargs),
+        scheduler=getattr(diffusers, scheduler_cls)(**scheduler_kwargs),
+        **row.components,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_dit_pipe_inputs(name: str, seed: int = 1) -> dict[str, Any]:
+    """Fresh ``__call__`` keyword arguments of row ``name`` (the same values for the same ``seed``)."""
+    return {
+        key: _make(spec, seed * 1000 + i) for i, (key, spec) in enumerate(TINY_DIT_PIPES[name].call.items())
+    }
