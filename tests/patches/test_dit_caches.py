@@ -187,7 +187,10 @@ def refusal_cases() -> dict[str, str]:
             messages[case] = "no error"
 
     expect("sea", "ltx", "sea", ParallelConfig(ring=world))
+    expect("sea_cfg", "ltx", "sea", ParallelConfig(cfg=2, ulysses=world // 2))
+    expect("sea_two_call", "qwenimage", "sea", ParallelConfig(cfg=2, ring=world // 2))
     expect("faster_cfg", "ltx", "faster", ParallelConfig(cfg=2, ulysses=world // 2))
+    expect("faster_two_call", "qwenimage", "faster", ParallelConfig(cfg=2, ring=world // 2))
     expect("pab_two_call", "qwenimage", "pab", ParallelConfig(cfg=2, ulysses=world // 2))
     expect("after_apply", "ltx", "fbc", ParallelConfig(ulysses=world), after=True)
     pipe = _pipe("ltx")
@@ -239,8 +242,10 @@ def test_caches_that_cannot_agree_are_refused_on_every_rank(rank_pool):
     results = rank_pool(2).run(refusal_cases)
     assert results[0] == results[1]
     messages = results[0]
-    assert "SeaCache enabled: it all-reduces its skip vote over the default process group" in messages["sea"]
-    assert "FasterCache enabled: its denoiser hook splits each call's batch" in messages["faster_cfg"]
+    for case in ("sea", "sea_cfg", "sea_two_call"):
+        assert "SeaCache enabled: it all-reduces its skip vote over the default process group" in messages[case]
+    for case in ("faster_cfg", "faster_two_call"):
+        assert "FasterCache enabled: its denoiser hook splits each call's batch" in messages[case]
     assert "PyramidAttentionBroadcast enabled: its counters advance at every call" in messages["pab_two_call"]
     assert "step cache was enabled or changed after hfpatch.apply" in messages["after_apply"]
     assert "MagCache in calibration mode" in messages["mag_calibrate"]
