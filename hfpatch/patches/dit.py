@@ -248,6 +248,29 @@ def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
         )
 
 
+def _one_segment(model: Any, named: dict[str, Any]) -> None:
+    """Ideogram 4: one attention segment per sample (several make a block-diagonal mask over the sharded tokens)."""
+    segments = named.get("segment_ids")
+    if segments is not None and bool((segments != segments[:, :1]).any()):
+        raise ValueError(
+            f"{type(model).__name__}: segment_ids with several segments per sample (packed samples attending "
+            "within their segment) make a block-diagonal mask over the sharded tokens; call with one segment per "
+            "sample"
+        )
+
+
+def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
+    """JoyImage-Edit-Plus: no padded (masked) patch among the sharded tokens."""
+    shapes, hidden_states = named.get("shape_list"), named.get("hidden_states")
+    if shapes is None or hidden_states is None or named.get("encoder_hidden_states_mask") is None:
+        return
+    if any(sum(t * h * w for t, h, w in sample) != hidden_states.shape[1] for sample in shapes):
+        raise ValueError(
+            f"{type(model).__name__}: samples with fewer patches than the batch's longest are padded with masked "
+            "patches, which are sharded over the ranks; call with samples of one patch count"
+        )
+
+
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
     "diffusers.WanTransformer3DModel": DiTPlan(
@@ -614,7 +637,7 @@ PLANS: dict[str, DiTPlan] = {
     ),
     # JoyImage-Edit-Plus: per-sample packed patches (padded to the batch's longest, padding masked); the patch
     # tokens are cut entering the first block, with their rotary table ([B, N, D]) and the [image, text] key mask.
-    # A padded patch inside the image is a masked image token: refused by the attention with a clear error.
+    # A padded patch (a sample shorter than the batch's longest) would be a masked image token: refused per call.
     "diffusers.JoyImageEditPlusTransformer3DModel": DiTPlan(
         attention=(AttentionRoute("double_blocks.*.attn", ("JoyImageEditPlusAttnProcessor",), joint="back"),),
         plan={
@@ -625,6 +648,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "proj_out": (GatherOutput(dim=1),),
         },
+        check=_no_padded_patches,
     ),
     # Mochi 1: the video tokens cut entering the first block (the patch embedding runs per frame), with the rotary
     # table ((cos, sin), each [S, H, D/2]); the stock processor (SDPA) attends once per sample over [video, that
@@ -740,7 +764,7 @@ PLANS: dict[str, DiTPlan] = {
     # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
     # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
     # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
-    # (packed samples) make a block-diagonal mask, refused by the attention with a clear error.
+    # (packed samples) make a block-diagonal mask over the shards: refused per call.
     "diffusers.Ideogram4Transformer2DModel": DiTPlan(
         attention=(AttentionRoute("layers.*.attention", ("Ideogram4AttnProcessor",)),),
         plan={
@@ -754,6 +778,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "final_layer": (GatherOutput(dim=1),),
         },
+        check=_one_segment,
     ),
     # HiDream-I1: image tokens cut at the patch embedding, text (T5 and Llama layers) replicated and joined behind
     # the image tokens in dual- and single-stream blocks (HiDream's processor, SDPA); the rotary table over

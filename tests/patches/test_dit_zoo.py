@@ -91,6 +91,67 @@ def test_zoo_attends_from_each_rank_shard(rank_pool):
             assert len(seen["calls"]) == TINY_DITS[name].routed, (name, seen)
 
 
+def zoo_error_cases() -> dict[str, str]:
+    """Refusals of the new rows, raised before any collective (the same message on every rank)."""
+    world = dist.get_world_size()
+    messages: dict[str, str] = {}
+
+    def expect(case: str, name: str, fn, **overrides: Any) -> None:
+        model, kwargs = tiny_dit(name, **overrides), tiny_dit_inputs(name)
+        try:
+            with torch.no_grad():
+                fn(model, kwargs)
+        except ValueError as exc:
+            messages[case] = str(exc)
+        else:
+            messages[case] = "no error"
+
+    def call(changes: dict[str, Any]):
+        def run(model, kwargs):
+            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=world)):
+                model(**{**kwargs, **changes})
+
+        return run
+
+    expect("block_causal", "skyreels_v2", call({}), num_frame_per_block=2)
+    expect(
+        "diffusion_forcing",
+        "skyreels_v2",
+        call({"enable_diffusion_forcing": True, "timestep": torch.ones(2, 1)}),
+    )
+    expect(
+        "reference_images",
+        "flux3",
+        call({"image_cond_hidden_states": torch.ones(1, 4, 16), "image_cond_ids": torch.zeros(4, 4)}),
+    )
+    two_sizes = [torch.ones(4, 1, 10, 10), torch.ones(4, 1, 10, 12)]
+    expect("image_sizes", "zimage", call({"x": two_sizes}))
+    expect(
+        "caption_lengths",
+        "lumina2",
+        call({"encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])}),
+    )
+    expect("segments", "ideogram4", call({"segment_ids": torch.tensor([[1] * 16 + [2] * 15])}))
+    expect("kv_caches", "glm_image", call({"kv_caches": object()}))
+    return messages
+
+
+def test_zoo_refusals_raise_before_collectives_on_every_rank(rank_pool):
+    results = rank_pool(2).run(zoo_error_cases)
+    assert results[0] == results[1]
+    messages = results[0]
+    assert (
+        "num_frame_per_block=2 is not supported under sequence parallelism (the block-causal"
+        in messages["block_causal"]
+    )
+    assert "enable_diffusion_forcing= is not supported" in messages["diffusion_forcing"]
+    assert "image_cond_hidden_states= is not supported" in messages["reference_images"]
+    assert "images of different sizes in one batch" in messages["image_sizes"]
+    assert "captions of different lengths in one batch" in messages["caption_lengths"]
+    assert "several segments per sample" in messages["segments"]
+    assert "kv_caches= is not supported" in messages["kv_caches"]
+
+
 @pytest.mark.parametrize("name", [name for name, row in TINY_DITS.items() if row.mask])
 def test_zoo_mask_changes_the_stock_output(name):
     """The masked rows can fail: their mask moves the unpatched output by far more than any tolerance."""
