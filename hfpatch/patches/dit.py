@@ -1529,9 +1529,15 @@ class PlannedDiTUSP(SequenceParallelFamily):
         return [(path, module, route.processors) for path, module, route in self._routes(target)]
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        from .caches import cache_names, check_caches
+
+        if config.pipefusion > 1 and cache_names(target):
+            raise ValueError(
+                f"{type(target).__name__} has diffusers step caches enabled ({', '.join(cache_names(target))}); "
+                "PipeFusion reuses stale activations of its own and does not compose with them: disable the cache"
+            )
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
-        from .caches import check_caches
 
         check_caches(target, sequence=config.sequence_parallel, cfg=1, data=1, two_call_cfg=False)
         if getattr(target, "_parallel_config", None) is not None:
