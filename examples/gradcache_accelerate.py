@@ -59,7 +59,11 @@ def main() -> None:
     )
     model = tiny_qwen3_vl()
     if args.checkpointing:
-        model.activation_checkpointing_enable()
+        # transformers' current name; releases before it call it gradient_checkpointing_enable
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
+        enable()
     if args.lora:
         from peft import LoraConfig, get_peft_model
 

@@ -7,8 +7,8 @@ Every rank holds 1/N of the rows of every feature map; the result equals one-dev
     torchrun --nproc-per-node 2 examples/parallel_vae_decode.py --tiny --train       # one training step
 
 ``--check`` decodes once more unpatched on rank 0 and prints the largest difference; ``--train`` runs a
-reconstruction loss through the split encoder and decoder and sums the parameter gradients over the ranks
-(:func:`hfpatch.all_reduce_gradients`) before the optimizer step.
+reconstruction loss through the split encoder and decoder and averages the parameter gradients over the
+ranks (:func:`hfpatch.all_reduce_gradients`; under DDP nothing is needed) before the optimizer step.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         recon = vae.decode(vae.encode(target).latent_dist.mode()).sample
         loss = torch.nn.functional.mse_loss(recon, target)  # the same loss on every rank
         loss.backward()
-        all_reduce_gradients(vae)  # each rank holds the gradient of its rows: sum them
+        all_reduce_gradients(vae)  # each rank holds N x the gradient of its rows: average them
         optimizer.step()
         print(f"rank {rank}: training step done, loss {loss.item():.4f}")
     patch.remove()

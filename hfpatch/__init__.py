@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.patch import Patch, PatchError
     from .core.registry import PatchFamily
     from .distributed.agreement import InputMismatchError
-    from .distributed.data import data_parallel_sampler, step_generator
+    from .distributed.data import data_parallel_sampler, step_generator, step_rng
     from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
 
@@ -42,6 +42,7 @@ _LAZY = {
     "register_ddp_hook": ".distributed.gradients",
     "data_parallel_sampler": ".distributed.data",
     "step_generator": ".distributed.data",
+    "step_rng": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".core.apply",
@@ -84,4 +85,5 @@ __all__ = [
     "register_ddp_hook",
     "register_patch",
     "step_generator",
+    "step_rng",
 ]

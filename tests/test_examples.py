@@ -51,10 +51,9 @@ def test_example_wan_usp_torchrun_tiny_equals_unpatched(tmp_path):
     assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     lines = out.stdout.splitlines()
     assert "plan: ParallelConfig(data=1, cfg=2, ring=1, ulysses=1, vae=2)" in lines
-    for rank in (0, 1):
-        assert any(
-            line.startswith(f"rank {rank}: output equals the unpatched pipeline's up to fp32 reassociation")
-            for line in lines
+    for rank in (0, 1):  # in the output, not at a line start: the two ranks' prints may interleave
+        assert (
+            f"rank {rank}: output equals the unpatched pipeline's up to fp32 reassociation" in out.stdout
         ), out.stdout
     assert f"saved {output} (tiny mode: the frames as a tensor, no mp4)" in lines
     import torch

@@ -1,20 +1,25 @@
 """LoRA fine-tuning of a stock diffusers transformer with sequence parallelism, in a DreamBooth-LoRA-style loop.
 
-The structure of diffusers' ``train_dreambooth_lora_*.py`` (Accelerator, ``add_adapter(LoraConfig)``,
-``accelerator.prepare``, flow-matching loss, ``save_state``/``load_state`` checkpoints, validation on the
-main process), on the tiny random-weight Wan transformer from ``hfpatch.testing`` so it runs on CPU in
-seconds. The hfpatch lines are marked ``# hfpatch``; without them (``--no-hfpatch``) this is the plain
-script, which the tests run on one process as the reference.
+The structure of diffusers' ``train_dreambooth_lora_*.py``: an Accelerator with gradient accumulation
+(``accelerator.accumulate`` given a LIST of models, as diffusers' scripts do), the VAE encoding pixels with
+a posterior SAMPLE, a text encoder (optionally trained with its own LoRA, ``--train-text-encoder``),
+``add_adapter(LoraConfig)``, ``accelerator.prepare``, the flow-matching loss, gradient clipping,
+``save_state``/``load_state`` checkpoints, and validation on the main process (also in the middle of
+training, ``--validate-every``). Tiny random-weight Wan transformer, Wan VAE and T5 encoder from
+``hfpatch.testing``, so it runs on CPU in seconds. The hfpatch lines are marked ``# hfpatch``; without them
+(``--no-hfpatch``) this is the plain script, which the tests run on one process as the reference.
 
     # 2 CPU processes, one sequence-parallel group (on GPUs: torchrun / accelerate launch without the CPU flag)
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --resume
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
-        examples/integrations/lora_sp_accelerate.py --steps 4
+        examples/integrations/lora_sp_accelerate.py --steps 4 --grad-accum 2 --train-text-encoder
+    # 4 processes: 2 data replicas x Ulysses 2
+    torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
     python examples/integrations/lora_sp_accelerate.py --no-hfpatch --steps 4   # the unpatched reference
 
-Per step the main process records the loss (the mean over data replicas), and at the end the LoRA weights
-and a validation loss, in ``<output-dir>/<results-file>`` (JSON).
+Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
+the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON).
 """
 
 from __future__ import annotations
@@ -29,38 +34,47 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from peft import LoraConfig
+from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
 import hfpatch  # hfpatch
-from hfpatch.distributed.data import data_parallel_sampler, step_generator  # hfpatch
-from hfpatch.distributed.gradients import register_ddp_hook  # hfpatch
-from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing import tiny_t5_encoder, tiny_t5_tokenizer, tiny_wan_transformer, tiny_wan_vae
 
-LATENT_SHAPE = (4, 1, 8, 8)  # channels, frames, height, width: 16 tokens after the 1x2x2 patch embedding
+PIXEL_SHAPE = (
+    3,
+    1,
+    64,
+    64,
+)  # channels, frames, height, width: 8x8 latents, 16 tokens after the 1x2x2 patches
+PROMPTS = ["a sks dog", "a sks dog on grass", "sks dog", "a photo of sks dog"]
 
 
 class InstanceDataset(torch.utils.data.Dataset):
-    """Fixed (latents, prompt embeddings) pairs: stands in for VAE-encoded instance images and their prompt."""
+    """Fixed (pixels, prompt token ids) pairs: stands in for DreamBooth's instance images and prompt."""
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.tokenizer = tiny_t5_tokenizer(model_max_length=8)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        latents = torch.randn(LATENT_SHAPE, generator=torch.Generator().manual_seed(1000 + i))
-        return latents, wan_prompt_embeds(1, 6, seed=2000 + i)[0]
+        pixels = torch.rand(PIXEL_SHAPE, generator=torch.Generator().manual_seed(1000 + i)) * 2 - 1
+        ids = self.tokenizer(PROMPTS[i % len(PROMPTS)], padding="max_length", max_length=8, truncation=True)
+        return pixels, torch.tensor(ids.input_ids)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="total optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=2, help="per data-parallel replica")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--batch-size", type=int, default=2, help="per data-parallel replica and micro-step")
     parser.add_argument("--num-samples", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="accelerator.clip_grad_norm_")
+    parser.add_argument("--train-text-encoder", action="store_true", help="a LoRA on the text encoder too")
     parser.add_argument(
         "--optimizer",
         default="adamw",
@@ -70,6 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ulysses", type=int, default=0, help="sp degree (default: every process)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --no-hfpatch on one process: train on the global batch of this many data replicas, each "
+        "replica's samples and random draws as its own process would make them (the reference of a run "
+        "with data replicas)",
+    )
+    parser.add_argument("--validate-every", type=int, default=0, help="validation on the main process")
     parser.add_argument("--output-dir", default="lora-sp-output")
     parser.add_argument("--results-file", default="results.json")
     parser.add_argument("--checkpoint-at", type=int, default=0, help="accelerator.save_state after this step")
@@ -90,60 +114,120 @@ def latest_checkpoint(output_dir: str) -> tuple[str, int] | None:
 
 
 def flow_matching_loss(
-    model: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch.Tensor, generator: torch.Generator
+    transformer: torch.nn.Module,
+    text_encoder: torch.nn.Module,
+    vae: torch.nn.Module,
+    pixels: torch.Tensor,
+    input_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Rectified-flow loss: predict ``noise - latents`` at a random point between them (SD3/Flux/Wan)."""
+    """Rectified-flow loss: predict ``noise - latents`` at a random point between them (SD3/Flux/Wan).
+
+    Draws from the global RNGs, on the device of the tensors (no generator), as diffusers' scripts do: the
+    caller decides what seeds them (``hfpatch.step_rng`` in the training loop).
+    """
+    dtype = next(transformer.parameters()).dtype
+    with torch.no_grad():  # the VAE stays in fp32 (diffusers' scripts upcast it too)
+        latents = vae.encode(pixels.float()).latent_dist.sample()  # a random draw: the posterior sample
+    with contextlib.nullcontext() if text_encoder.training else torch.no_grad():
+        prompt_embeds = text_encoder(input_ids)[0]
     # Drawn in fp32 whatever the model dtype: an fp64 twin run then draws the same values.
-    noise = torch.randn(latents.shape, generator=generator).to(latents.dtype)
-    sigmas = torch.rand(latents.shape[0], generator=generator).to(latents.dtype)
+    noise = torch.randn_like(latents).to(dtype)
+    sigmas = torch.rand(latents.shape[0], device=latents.device).to(dtype)
+    latents = latents.to(dtype)
     sigma = sigmas.view(-1, *([1] * (latents.ndim - 1)))
     noisy = (1 - sigma) * latents + sigma * noise
-    pred = model(
+    pred = transformer(
         hidden_states=noisy, timestep=sigmas * 1000, encoder_hidden_states=prompt_embeds, return_dict=False
     )[0]
     return ((pred - (noise - latents)) ** 2).flatten(1).mean(1).mean()
+
+
+def training_step_loss(
+    models: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    args: argparse.Namespace,
+    micro_step: int,
+    patch: hfpatch.Patch | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The loss of one micro-step on this process's batch (``--replicas``: the mean over the replicas')."""
+    pixels, input_ids = batch
+    pixels, input_ids = pixels.to(device), input_ids.to(device)  # the loader is not prepared
+    losses = []
+    for replica in range(args.replicas):
+        # Every random draw of the step from (seed, micro-step, data replica): the same on every rank of a
+        # sequence-parallel group, and after a resume, whatever the main process drew for validation.
+        data_rank = replica if args.replicas > 1 else None
+        with hfpatch.step_rng(args.seed, micro_step, patch, data_rank=data_rank):  # hfpatch
+            # DistributedSampler gives replica r every R-th sample of the global batch.
+            part = slice(replica, None, args.replicas)
+            losses.append(flow_matching_loss(*models, pixels[part], input_ids[part]))
+    return torch.stack(losses).mean()
 
 
 def lora_weights(model: torch.nn.Module) -> dict[str, list[float]]:
     return {k: v.detach().double().flatten().tolist() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def build_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn.Module, ...]:
+    transformer, vae, text_encoder = tiny_wan_transformer(), tiny_wan_vae("2.1"), tiny_t5_encoder()
+    for model in (transformer, vae, text_encoder):
+        model.requires_grad_(False)
+    torch.manual_seed(args.seed)  # the LoRA init draws from the global RNG: the same on every process
+    lora = dict(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian")
+    transformer.add_adapter(LoraConfig(**lora, target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    if args.train_text_encoder:
+        # diffusers calls text_encoder.add_adapter(...); transformers 5.24 wants peft >= 0.22 for that, which
+        # is not released: peft's own injection is the same LoRA.
+        inject_adapter_in_model(LoraConfig(**lora, target_modules=["q", "k", "v", "o"]), text_encoder)
+    transformer.train()
+    text_encoder.train(args.train_text_encoder)  # its forward keeps a graph only when it trains
+    if dtype != torch.float32:  # the fp64 twin (tests: rounding noise) casts the same fp32 weights
+        transformer, text_encoder = transformer.to(dtype), text_encoder.to(dtype)
+    return transformer, text_encoder, vae
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    accelerator = Accelerator()
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    if args.replicas > 1 and (not args.no_hfpatch or accelerator.num_processes > 1):
+        raise SystemExit("--replicas emulates data replicas in ONE unpatched process (--no-hfpatch)")
     os.makedirs(args.output_dir, exist_ok=True)
 
-    transformer = tiny_wan_transformer()
-    transformer.requires_grad_(False)
-    torch.manual_seed(args.seed)  # the LoRA init draws from the global RNG: the same on every process
-    transformer.add_adapter(
-        LoraConfig(
-            r=args.rank,
-            lora_alpha=args.rank,
-            init_lora_weights="gaussian",
-            target_modules=["to_k", "to_q", "to_v", "to_out.0"],
-        )
-    )
-    if dtype != torch.float32:  # the fp64 twin (tests: rounding noise) casts the same fp32 weights
-        transformer = transformer.to(dtype)
-    lora_init = lora_weights(transformer)
+    transformer, text_encoder, vae = build_models(args, dtype)
+    lora_init = {"transformer": lora_weights(transformer)}
+    if args.train_text_encoder:
+        lora_init["text_encoder"] = lora_weights(text_encoder)
     patch = None
     if not args.no_hfpatch:
-        patch = hfpatch.apply(transformer, parallel=accelerator.num_processes)  # hfpatch
+        world = accelerator.num_processes
+        parallel = (
+            hfpatch.ParallelConfig(data=world // args.ulysses, ulysses=args.ulysses)
+            if args.ulysses
+            else world
+        )
+        patch = hfpatch.apply(transformer, parallel=parallel)  # hfpatch: before accelerator.prepare
 
     dataset = InstanceDataset(args.num_samples)
     # One shard per data replica; the ranks of a sequence-parallel group load the same batch. Not passed to
-    # accelerator.prepare, which would shard it again over every process.
-    sampler = data_parallel_sampler(dataset, patch, seed=args.seed)  # hfpatch
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    if args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=args.lr)
+    # accelerator.prepare, which would shard it again over every process; each pass is a new epoch.
+    sampler = hfpatch.data_parallel_sampler(dataset, patch, seed=args.seed)  # hfpatch
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size * args.replicas, sampler=sampler, drop_last=True
+    )
+    trained = [transformer, text_encoder] if args.train_text_encoder else [transformer]
+    params = [p for model in trained for p in model.parameters() if p.requires_grad]
+    optimizer = (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(params, lr=args.lr)
+    if args.train_text_encoder:
+        transformer, text_encoder, optimizer = accelerator.prepare(transformer, text_encoder, optimizer)
     else:
-        optimizer = torch.optim.AdamW(params, lr=args.lr)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    transformer = register_ddp_hook(transformer)  # hfpatch: DDP sums sp shares, averages replicas
+        transformer, optimizer = accelerator.prepare(transformer, optimizer)
+        text_encoder.to(accelerator.device)
+    vae.to(accelerator.device)
+    # No hfpatch line here: DDP's gradient averaging is right for the patched transformer and for the
+    # text encoder that feeds it, with accumulation syncing at every micro-step or not.
 
     first_step = 0
     if args.resume:
@@ -154,25 +238,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         accelerator.load_state(path)  # LoRA + optimizer + per-process RNG states
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for epoch in itertools.count():
-            sampler.set_epoch(epoch)
-            yield from loader
+        while True:
+            yield from loader  # the sampler moves to the next epoch at each pass
 
-    losses: dict[int, float] = {}
     # A resumed run skips the batches already trained on (what accelerator.skip_first_batches does).
-    stream = itertools.islice(batches(), first_step, None)
-    transformer.train()
+    stream = itertools.islice(batches(), first_step * args.grad_accum, None)
+    models_to_accumulate = [transformer, text_encoder] if args.train_text_encoder else [transformer]
+    models = (transformer, text_encoder, vae)
+    losses: dict[int, float] = {}
+    validations: dict[int, float] = {}
     for step in range(first_step, args.steps):
-        latents, prompt_embeds = (t.to(accelerator.device, dtype) for t in next(stream))
-        # Noise and timesteps from (seed, step, data replica): the same on every rank of a group, and the
-        # same after a resume, whatever RNG state load_state restored.
-        generator = step_generator(args.seed, step, patch)  # hfpatch
-        loss = flow_matching_loss(transformer, latents, prompt_embeds, generator)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses[step] = accelerator.reduce(loss.detach(), "mean").item()  # sp ranks hold equal losses
+        step_losses = []
+        for micro in range(args.grad_accum):
+            micro_step = step * args.grad_accum + micro
+            with accelerator.accumulate(models_to_accumulate):  # a list, as diffusers' scripts pass it
+                loss = training_step_loss(
+                    models, next(stream), args, micro_step, patch, accelerator.device, dtype
+                )
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm:
+                    accelerator.clip_grad_norm_(params, args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            step_losses.append(accelerator.reduce(loss.detach(), "mean").item())  # sp ranks: equal losses
+        losses[step] = sum(step_losses) / len(step_losses)
         accelerator.print(f"step {step}: loss {losses[step]:.6f}")
+        if args.validate_every and (step + 1) % args.validate_every == 0 and accelerator.is_main_process:
+            validations[step] = validate(accelerator, models, dataset, patch, seed=None)
         if args.checkpoint_at and step + 1 == args.checkpoint_at:
             accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step + 1}"))
             if args.stop_after_checkpoint:
@@ -180,22 +272,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {"losses": losses, "world": accelerator.num_processes}
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(transformer)
-        # Validation on the main process only: unpatched, so it needs no other rank.
-        with patch.disabled() if patch is not None else contextlib.nullcontext(), torch.no_grad():  # hfpatch
-            latents, prompt_embeds = (t[None].to(accelerator.device, dtype) for t in dataset[0])
-            val = flow_matching_loss(model, latents, prompt_embeds, torch.Generator().manual_seed(123))
+        final = {"transformer": lora_weights(accelerator.unwrap_model(transformer))}
+        if args.train_text_encoder:
+            final["text_encoder"] = lora_weights(accelerator.unwrap_model(text_encoder))
         results.update(
             plan=None if patch is None else repr(patch.plan),
-            validation_loss=val.item(),
+            validation_loss=validate(accelerator, models, dataset, patch, seed=123),
+            mid_run_validations=validations,
             lora_init=lora_init,
-            lora_final=lora_weights(model),
+            lora_final=final,
         )
         with open(os.path.join(args.output_dir, args.results_file), "w") as f:
             json.dump(results, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
+
+
+def validate(
+    accelerator: Accelerator,
+    models: tuple[torch.nn.Module, ...],
+    dataset: InstanceDataset,
+    patch: hfpatch.Patch | None,
+    seed: int | None,
+) -> float:
+    """A validation loss on the main process only: unpatched, so it needs no other rank.
+
+    ``seed=None`` draws from the global RNG, as diffusers' ``log_validation`` does without ``--seed`` (or
+    with ``--seed 0``, which its ``if args.seed`` treats as none): only the main process's RNG moves.
+    """
+    transformer, text_encoder, vae = (accelerator.unwrap_model(m) for m in models)
+    pixels, input_ids = (t[None].to(accelerator.device) for t in dataset[0])
+    modes = [m.training for m in (transformer, text_encoder)]
+    for model in (transformer, text_encoder):
+        model.eval()
+    with patch.disabled() if patch is not None else contextlib.nullcontext(), torch.no_grad():  # hfpatch
+        with torch.random.fork_rng() if seed is not None else contextlib.nullcontext():
+            if seed is not None:
+                torch.manual_seed(seed)
+            loss = flow_matching_loss(transformer, text_encoder, vae, pixels, input_ids)
+    for model, mode in zip((transformer, text_encoder), modes):
+        model.train(mode)
+    return loss.item()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import ring_shift
 from .layout import group_rank, group_size, valid_prefix
-from .local import accum_dtype, local_attention, local_attention_backward
+from .local import accum_dtype, local_attention, local_attention_backward, resolve_backend, to_layout
 from .merge import merge_attention, merge_blocks
 
 __all__ = ["ring_attention"]
@@ -135,6 +135,11 @@ class _RingAttention(torch.autograd.Function):
         has_joint_q = jq is not None
         if has_joint_q and djoint_out is None:
             djoint_out = torch.zeros_like(joint_out)
+        # Into the kernel's memory layout once, not once per block (a no-op for the tensors already there).
+        layout = resolve_backend(backend, q.device, q.dtype).layout
+        q, out, dout = (_h(to_layout(_h(t), layout)) for t in (q, out, dout))
+        if has_joint_q:
+            jq, joint_out, djoint_out = (_h(to_layout(_h(t), layout)) for t in (jq, joint_out, djoint_out))
 
         def block_grads(k_blk, v_blk, b=slice(None)):
             """``[B, H, S, D]`` (dq, dk, dv, djq) contributions of one K/V block (image and joint queries);
@@ -272,6 +277,8 @@ def ring_attention(
     True
     """
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    # One kernel for every block, forward and backward ("auto" resolved once, here, on every rank alike).
+    backend = resolve_backend(backend, query.device, query.dtype, query.shape[-1]).name
     if group is not None:
         key, value = key.contiguous(), value.contiguous()
     return _RingAttention.apply(

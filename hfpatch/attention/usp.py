@@ -2,7 +2,9 @@
 
 1. All-to-all over the Ulysses group: sequence shards -> head shards (:mod:`hfpatch.attention.ulysses`);
    the rank now holds the contiguous block ``ring_index`` of the global sequence for its heads.
-2. Ring attention over the Ring group on those blocks (:mod:`hfpatch.attention.ring`).
+2. Ring attention over the Ring group on those blocks (:mod:`hfpatch.attention.ring`); with a ring degree
+   of 1 the rank holds the whole sequence of its heads and no log-sum-exp is needed: one call of the same
+   ``F.scaled_dot_product_attention`` the stock model makes (``dense``), so SDPA picks the same kernel.
 3. The inverse all-to-all; joint (text) output heads are all-gathered over the Ulysses group.
 
 Axes of degree 1 (``None`` groups) skip their communication entirely; with both ``None`` this is plain
@@ -20,23 +22,73 @@ rank's shard is its slice of the loss gradient). Then:
 - hence parameter gradients (and gradients of any replicated input) must be all-reduced with SUM over the
   ``"sp"`` group (ring x ulysses) to equal the single-process gradients.
 
+The models patched by :func:`hfpatch.apply` wrap this function in boundaries that scale the output gradient
+by the group size, so that a MEAN over the group (DDP's, FSDP2's, :func:`hfpatch.all_reduce_gradients`) is
+right instead (:mod:`hfpatch.distributed.gradients`); calling it directly, the SUM above applies.
+
 A loss term on a replicated output (say the text tokens) is seen in full by every rank: count it on one
 rank only, or scale it by ``1 / sp_size``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .layout import group_size
 from .ring import ring_attention
 from .ulysses import gather_joint_heads, heads_to_sequence, sequence_to_heads, slice_joint_heads
 
-__all__ = ["ulysses_attention", "usp_attention"]
+__all__ = ["sdpa_bshd", "ulysses_attention", "usp_attention"]
 
 Tensor = torch.Tensor
 _JOINT_POSITIONS = ("front", "back")
+#: ``(q_bshd, k_bshd, v_bshd, key_mask | None, scale) -> out_bshd``: one attention over a whole sequence.
+DenseAttention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", "float | None"], Tensor]
+
+
+def sdpa_bshd(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, scale: float | None) -> Tensor:
+    """``F.scaled_dot_product_attention`` on ``[B, S, H, D]`` tensors, as a stock DiT processor calls it."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def _dense_attention(q, k, v, joint, joint_position, joint_key_mask, valid_len, scale, attend):
+    """Ring degree 1: the whole (head-sharded) sequence is here, so one ``attend`` call computes it.
+
+    The joint tokens are joined where the stock model has them and padded keys are cut off, so ``attend``
+    sees exactly the call the unpatched model makes, for this rank's heads; padded query rows output zeros.
+    """
+    if q.shape[2] == 0:  # an idle Ulysses rank (fewer heads than ranks): empty outputs, still in the graph
+        # (every input takes part, so the backward runs the same collectives as on the other ranks)
+        link = sum(t.sum() for t in (k, v, *(joint or ())))
+        return q + link, None if joint is None else joint[0] + link
+    length = q.shape[1]
+    n = length if valid_len is None else valid_len
+    q, k, v = (t if n == length else t[:, :n] for t in (q, k, v))
+    mask = None
+    if joint is not None:
+        front = joint_position == "front"
+
+        def join(text: Tensor, image: Tensor) -> Tensor:
+            return torch.cat([text, image] if front else [image, text], dim=1)
+
+        q, k, v = (join(t, x) for t, x in zip(joint, (q, k, v)))
+        if joint_key_mask is not None:
+            mask = join(joint_key_mask, joint_key_mask.new_ones(joint_key_mask.shape[0], n))[:, None, None, :]
+    out = attend(q, k, v, mask, scale)
+    joint_out = None
+    if joint is not None:
+        text = joint[0].shape[1]
+        joint_out, out = (out[:, :text], out[:, text:]) if front else (out[:, n:], out[:, :n])
+    if n < length:
+        out = F.pad(out, (0, 0, 0, 0, 0, length - n))
+    return out, joint_out
 
 
 def _check_inputs(query, key, value, joint, joint_position, valid_len, world, joint_key_mask=None) -> None:
@@ -122,6 +174,7 @@ def usp_attention(
     joint_key_mask: Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    dense: DenseAttention | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact softmax attention over a sequence sharded across ``ring x ulysses`` ranks.
 
@@ -143,12 +196,18 @@ def usp_attention(
             mask; replicated like the joint tokens). Masked joint keys get no attention weight and no gradient;
             queries (sharded and joint) are never masked, as in SDPA with a key mask. ``None``: all keys.
         scale: Softmax scale (default ``D ** -0.5``).
-        backend: Local kernel name (:mod:`hfpatch.attention.local`), ``"auto"`` by default.
+        backend: Local kernel of Ring's blocks (:mod:`hfpatch.attention.local`), ``"auto"`` by default: the
+            kernel the unpatched model's SDPA would run, in its form that returns the log-sum-exp.
+        dense: The attention of a ring degree of 1 (Ulysses alone, or one rank) with ``backend="auto"``,
+            where no log-sum-exp is needed: one call over the whole sequence of this rank's heads,
+            ``(q, k, v, key_mask, scale)`` on ``[B, S, H, D]`` (``key_mask``: ``[B or 1, 1, 1, S_k]`` bool or
+            ``None``). Default :func:`sdpa_bshd`: the same ``F.scaled_dot_product_attention`` the stock model
+            calls, so SDPA picks the same kernel. A named ``backend`` runs Ring's path instead.
 
     Returns:
         ``(out [B, S_local, H, D], joint_out [B, S_txt, H, D] or None)``; ``joint_out`` is identical on
         every rank of the sp group. Gradients follow the sum-of-losses convention of this module: all-reduce
-        parameter grads with SUM over the sp group.
+        parameter grads with SUM over the sp group (patched models: a mean, see the module docstring).
 
     Raises:
         ValueError: Inconsistent shapes, dtypes, ``joint_position`` or ``valid_len`` (before any collective).
@@ -170,10 +229,16 @@ def usp_attention(
     heads = query.shape[2]
     q, k, v = (sequence_to_heads(t, ulysses_group, heads) for t in (query, key, value))
     jq, jk, jv = (None if t is None else slice_joint_heads(t, ulysses_group) for t in joint)
-    out, joint_out = ring_attention(
-        q, k, v, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
-        joint_key_mask=joint_key_mask, scale=scale, backend=backend,
-    )  # fmt: skip
+    if group_size(ring_group) == 1 and backend == "auto":
+        out, joint_out = _dense_attention(
+            q, k, v, None if jq is None else (jq, jk, jv), joint_position, joint_key_mask, valid_len, scale,
+            sdpa_bshd if dense is None else dense,
+        )  # fmt: skip
+    else:
+        out, joint_out = ring_attention(
+            q, k, v, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
+            joint_key_mask=joint_key_mask, scale=scale, backend=backend,
+        )  # fmt: skip
     del q, k, v, jq, jk, jv  # without autograd, free the resharded inputs before resharding the output
     out = heads_to_sequence(out, ulysses_group, heads)
     if joint_out is not None:

@@ -99,7 +99,7 @@ class Patch:
         children: Patches of components (a pipeline patch holds its transformer/VAE patches).
         part_of: For a component's patch, the name of the pipeline patch that owns it.
         reduce_group: Process group the patched module splits its work over (``None``: not split). Gradients
-            of a split module are per-rank shares to be summed over it (:func:`hfpatch.all_reduce_gradients`).
+            of a split module are averaged over it (DDP does; :func:`hfpatch.all_reduce_gradients` without DDP).
     """
 
     name: str

@@ -31,8 +31,8 @@ class PatchFamily:
         role: ``"transformer"``, ``"vae"``, ``"pipeline"`` or ``"model"`` (shown by ``hfpatch info``). A
             pipeline's components are patched before the pipeline itself (see :func:`hfpatch.apply`).
         split_axis: Mesh axis over which the family splits the module's work (``"sp"``, ``"vae"``) or
-            ``None``. Gradients of a split module are per-rank shares; :func:`hfpatch.all_reduce_gradients`
-            sums them over this axis.
+            ``None``. Gradients of a split module are averaged over this axis (DDP/FSDP2 do;
+            :func:`hfpatch.all_reduce_gradients` in a plain loop); see :mod:`hfpatch.distributed.gradients`.
 
     A family is stateless: :func:`hfpatch.apply` calls :meth:`facts` and :meth:`validate` on every rank
     before any collective or mutation, then :meth:`apply`, which must mutate only through the given

@@ -7,12 +7,19 @@ gives them different batches, which the same-input guard reports as
 :class:`hfpatch.InputMismatchError`. Shard over the ``data`` axis only instead:
 
 * :func:`data_parallel_sampler` -- a ``DistributedSampler`` with ``num_replicas`` / ``rank`` set to the data
-  axis (``patch.num_data_ranks`` / ``patch.data_rank``). Keep that DataLoader out of
-  ``accelerator.prepare`` (prepare would shard it again over every process) and move batches to
-  ``accelerator.device`` yourself.
-* :func:`step_generator` -- a ``torch.Generator`` seeded from ``(seed, step, data_rank)`` for the noise and
-  timesteps of each step: identical within a group, different across replicas, and identical after a
-  resume whatever RNG state was restored.
+  axis (``patch.num_data_ranks`` / ``patch.data_rank``) that moves to the next epoch each time it is
+  iterated (as accelerate's prepared loaders do). Keep that DataLoader out of ``accelerator.prepare``
+  (prepare would shard it again over every process) and move batches to ``accelerator.device`` yourself.
+* :func:`step_rng` -- a ``with`` block in which torch's global RNGs (CPU and CUDA), Python's ``random`` and
+  NumPy's are seeded from ``(seed, step, data_rank)``: EVERY random draw of a training step made inside it
+  (the VAE posterior sample, noise, timesteps, caption dropout, dropout layers, draws inside diffusers'
+  helpers that take no generator) is identical within a group, different across replicas, identical after
+  a resume, and untouched by what the main process alone drew before (validation). The states are
+  restored on exit.
+* :func:`step_generator` -- a ``torch.Generator`` seeded the same way, for code that passes generators
+  explicitly. Keep it on the CPU and draw with diffusers' ``randn_tensor(shape, generator=g,
+  device=device, dtype=dtype)``, which draws on the generator's device and moves the result, so the same
+  line runs on CPU and CUDA.
 
 Why not accelerate's mesh-aware sharding: accelerate 1.15 gives the ranks of one replica the same batches
 only for the ``tp``/``cp`` dims of a ``ParallelismConfig`` device mesh, and those dims switch accelerate to
@@ -23,8 +30,9 @@ RNG after ``accelerator.load_state``: accelerate saves and restores each process
 (``random_states_<i>.pkl``), so a script that draws noise from the global RNG gets back what each process
 had. That is only right if the states were identical within every group at save time and nothing
 rank-dependent consumed them (``set_seed(..., device_specific=True)``, a shuffled loader per rank, dropout
-on some ranks only). Seeding a generator per step from ``(seed, step, data_rank)`` needs none of that:
-after a resume at step ``k`` the draws of step ``k`` are the ones an uninterrupted run makes.
+on some ranks only, validation on the main process). Seeding every step from ``(seed, step, data_rank)``
+needs none of that: after a resume at step ``k`` the draws of step ``k`` are the ones an uninterrupted run
+makes.
 
 >>> from hfpatch import ParallelConfig
 >>> from hfpatch.distributed.data import data_coordinates, step_seed
@@ -38,6 +46,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +61,7 @@ __all__ = [
     "data_parallel_position",
     "data_parallel_sampler",
     "step_generator",
+    "step_rng",
     "step_seed",
 ]
 
@@ -111,6 +123,31 @@ def data_parallel_position(patch_or_model: Any = None) -> tuple[int, int]:
     return data_coordinates(rank, world, _plan_of(patch_or_model))
 
 
+class _EpochAdvancingSampler(torch.utils.data.DistributedSampler):
+    """A ``DistributedSampler`` that moves to the next epoch at each ``__iter__`` until ``set_epoch`` is called.
+
+    Outside ``accelerator.prepare`` nothing calls ``set_epoch`` for the script (accelerate's prepared loaders
+    do), and a stock ``DistributedSampler`` then repeats epoch 0's order forever. The count is per sampler
+    object and identical on every rank, so the ranks of a group still load the same batches; a script that
+    calls ``set_epoch`` itself takes over from then on.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._iterations = 0
+        self._explicit_epoch = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self._explicit_epoch = True
+        super().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._explicit_epoch:
+            self.epoch = self._iterations
+            self._iterations += 1
+        return super().__iter__()
+
+
 def data_parallel_sampler(
     dataset: Any,
     patch_or_model: Any = None,
@@ -121,17 +158,22 @@ def data_parallel_sampler(
 ) -> torch.utils.data.DistributedSampler:
     """A ``DistributedSampler`` over the data axis of ``patch_or_model``: one shard per replica.
 
-    Pass it as ``DataLoader(dataset, sampler=..., batch_size=per_replica_batch)``; call
-    ``sampler.set_epoch(epoch)`` each epoch when shuffling. Keep that loader out of
-    ``accelerator.prepare`` (it would re-shard over every process). With ``None`` it shards over every
-    process, as plain DDP does.
+    Pass it as ``DataLoader(dataset, sampler=..., batch_size=per_replica_batch)``. Each pass over the loader
+    is the next epoch (a new shuffle), as with accelerate's prepared loaders, unless the script calls
+    ``sampler.set_epoch(epoch)`` itself. Keep that loader out of ``accelerator.prepare`` (it would re-shard
+    over every process). With ``None`` it shards over every process, as plain DDP does.
 
     >>> from hfpatch.distributed.data import data_parallel_sampler
-    >>> list(data_parallel_sampler(range(6), None, shuffle=False))  # one process: everything
+    >>> sampler = data_parallel_sampler(range(6), None, shuffle=False)
+    >>> list(sampler)  # one process: everything
     [0, 1, 2, 3, 4, 5]
+    >>> shuffled = data_parallel_sampler(range(6), None)
+    >>> first, second = list(shuffled), list(shuffled)
+    >>> first != second, sorted(first) == sorted(second)  # each pass a new epoch
+    (True, True)
     """
     data_rank, num_data_ranks = data_parallel_position(patch_or_model)
-    return torch.utils.data.DistributedSampler(
+    return _EpochAdvancingSampler(
         dataset, num_replicas=num_data_ranks, rank=data_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
 
@@ -164,3 +206,63 @@ def step_generator(
     """
     data_rank = data_parallel_position(patch_or_model)[0]
     return torch.Generator(device=device).manual_seed(step_seed(seed, step, data_rank))
+
+
+@contextmanager
+def step_rng(
+    seed: int, step: int, patch_or_model: Any = None, *, data_rank: int | None = None
+) -> Iterator[int]:
+    """Seed every global RNG from ``(seed, step, data replica)`` inside the block; restore them after.
+
+    Wrap a training step's random draws (or the whole step) in it: torch's CPU RNG and the RNG of every
+    initialised CUDA device, Python's ``random`` and NumPy's global RNG start from :func:`step_seed`. So the
+    ranks of a sequence-parallel group draw the same VAE posterior sample, noise, timesteps, caption
+    dropout and dropout masks, each data replica its own, a resumed run the same as an uninterrupted one,
+    and a draw made on some ranks only (validation on the main process) changes nothing inside the next
+    block. Draws need no ``generator=`` and follow the device they are made on (``torch.randn_like``,
+    ``torch.rand(..., device=device)``). Yields the seed.
+
+    Args:
+        seed, step: The run's seed and the (micro-)step's index.
+        patch_or_model: The patch (or patched model, also wrapped) whose data replica this process is in;
+            ``None``: every process its own replica.
+        data_rank: The data replica to seed for, instead of this process's (a one-process reference that
+            emulates several replicas).
+
+    >>> import torch
+    >>> from hfpatch.distributed.data import step_rng
+    >>> with step_rng(0, 7):
+    ...     a = torch.randn(3)
+    >>> with step_rng(0, 7):
+    ...     torch.equal(a, torch.randn(3))
+    True
+    """
+    if data_rank is None:
+        data_rank = data_parallel_position(patch_or_model)[0]
+    value = step_seed(seed, step, data_rank)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    python_state = random.getstate()
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            # Not torch.manual_seed: with CUDA not yet initialised it queues a seeding that would outlive the block.
+            torch.default_generator.manual_seed(value)
+            for device in devices:
+                torch.cuda.default_generators[device].manual_seed(value)
+            random.seed(value)
+            if numpy_random is not None:
+                numpy_random.seed(value % 2**32)
+            yield value
+    finally:
+        random.setstate(python_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)
+
+
+def _numpy_random() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random

@@ -1,41 +1,152 @@
-"""Gradient reduction for models whose work is split over ranks (sequence-parallel DiTs, patch-parallel VAEs).
+"""Gradients of models whose work is split over ranks (sequence-parallel DiTs, patch-parallel VAEs).
 
-Two ways, one per kind of training loop; use exactly one:
+The convention (the one Megatron-LM's context parallelism uses): the ranks of a split group compute ONE
+result together and every rank computes the same loss from the full output. The gradient entering the
+split model's output is multiplied by the group size ``N`` (:func:`grad_scaled_by_group`), so each rank's
+parameter gradient is ``N`` times its shard's share, and the **mean** over the group is the unpatched
+gradient. Floating inputs that require grad (text embeddings from a trained text encoder, latents from a
+generator) have their gradient averaged over the group at the model's input (:func:`grad_averaged_over_group`),
+so whatever feeds the split model receives the full gradient on every rank.
 
-* plain loop (no DDP): :func:`all_reduce_gradients` after ``backward`` sums the per-rank shares;
-* DDP / ``accelerator.prepare``: :func:`register_ddp_hook` once after wrapping; DDP's own gradient
-  all-reduce then sums the shares of each group and averages over the data replicas, with no manual scaling.
+Why a mean and not a sum of shares: a mean is what DDP and FSDP2 already compute, and it is idempotent, so
+every training-script setup is right with no extra line:
+
+* DDP (``accelerator.prepare``) averages each gradient over all ``data x N`` ranks: the mean over a group is
+  the group's gradient, the mean over groups averages the data replicas.
+* Gradient accumulation with DDP syncing at every micro-step (diffusers' scripts pass a *list* to
+  ``accelerator.accumulate``, so DDP never enters ``no_sync``): the already-averaged gradient of the first
+  micro-step is identical on every rank and averages to itself; only the new share is combined. A sum would
+  count the first micro-step ``N`` times.
+* A trained module upstream of the split model (a LoRA text encoder) gets the full gradient on every rank,
+  under DDP or in a plain loop.
+* FSDP2's reduce-scatter averages the same way.
+
+Without DDP/FSDP (a plain loop), :func:`all_reduce_gradients` averages the split model's parameter
+gradients over its group once before the optimizer step. Calling it under DDP is harmless (the mean of
+equal values), only wasted bandwidth.
+
+>>> import torch
+>>> from hfpatch.distributed.gradients import grad_scaled_by_group
+>>> x = torch.ones(2, requires_grad=True)
+>>> grad_scaled_by_group(x, None).sum().backward()   # no group (one rank): the identity
+>>> x.grad
+tensor([1., 1.])
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_gradients", "register_ddp_hook"]
+__all__ = [
+    "all_reduce_gradients",
+    "grad_averaged_over_group",
+    "grad_scaled_by_group",
+    "register_ddp_hook",
+]
 
-#: Attribute marking a DDP module whose gradients :func:`register_ddp_hook` already reduces.
-_HOOKED = "_hfpatch_ddp_hook"
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
+# ----------------------------------------------------------------------------------------------- boundaries
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _AverageGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import runtime
+        from .collectives import _record
+
+        grad = grad.contiguous().clone()
+        world = dist.get_world_size(ctx.group)
+        try:
+            dist.all_reduce(grad, group=ctx.group)
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error("all_reduce", ctx.group, exc) from exc
+        # A ring all-reduce sends 2 (W - 1) / W of the tensor per rank.
+        _record("all_reduce", 2 * (world - 1) * grad.numel() * grad.element_size() // world)
+        return grad.div_(world), None
+
+
+def grad_scaled_by_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity at a split model's OUTPUT; backward multiplies the gradient by the size of ``group``.
+
+    Every rank of ``group`` computes the same loss from the output, so the gradient arriving here is the
+    full one on each rank; scaled by ``N``, the shard-local backward that follows leaves ``N`` times the
+    rank's share in every parameter gradient, whose mean over the group is the unpatched gradient.
+    """
+    size = _group_size(group)
+    if size == 1 or not x.requires_grad:
+        return x
+    return _ScaleGrad.apply(x, float(size))
+
+
+def grad_averaged_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity at a split model's INPUT; backward averages the gradient over ``group`` (one all-reduce).
+
+    The gradient of a replicated input is ``N`` times this rank's share (see :func:`grad_scaled_by_group`);
+    its mean over the group is the full gradient, which every rank then passes on to whatever produced the
+    input (a trained text encoder), so nothing upstream needs a reduction of its own.
+    """
+    if _group_size(group) == 1 or not x.requires_grad:
+        return x
+    return _AverageGrad.apply(x, group)
+
+
+def average_input_gradients(tree: Any, group: Any) -> Any:
+    """``tree`` (args, kwargs: nested tuples, lists, dicts) with :func:`grad_averaged_over_group` on every
+    floating tensor that requires grad; the same structure, other leaves untouched."""
+    if _group_size(group) == 1 or not torch.is_grad_enabled():
+        return tree
+    from torch.utils._pytree import tree_map
+
+    def wrap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return grad_averaged_over_group(value, group)
+        return value
+
+    return tree_map(wrap, tree)
+
+
+# ----------------------------------------------------------------------------------------------- plain loops
 _FROM_PATCH = object()
 
 
 def all_reduce_gradients(
     tensors: torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module], group_or_patch: Any = _FROM_PATCH
 ) -> None:
-    """Sum the ``.grad`` of ``tensors`` (or of modules' parameters) over a process group, in place.
+    """Average the ``.grad`` of ``tensors`` (or of modules' parameters) over a process group, in place.
 
-    After ``loss.backward()`` on a model patched to split its work (sequence-parallel transformer,
-    patch-parallel VAE) every rank holds its shard's share of each gradient; their SUM over the group that
-    split the work is the unpatched gradient, for parameters and inputs alike. Call this once before the
-    optimizer step (it is linear, so gradient accumulation is fine). One flat all-reduce per dtype.
+    After ``loss.backward()`` on a model patched to split its work, each rank's parameter gradients are
+    ``N`` times its shard's share (module docstring); their MEAN over the group that split the work is the
+    unpatched gradient. Call this once before the optimizer step in a loop without DDP/FSDP (under DDP or
+    FSDP2 it is not needed: they average already, and averaging again changes nothing). Linear, so gradient
+    accumulation is fine. One flat all-reduce per dtype and device.
 
     Args:
-        tensors: A module, or an iterable of tensors/modules whose ``.grad`` to reduce.
+        tensors: A module, or an iterable of tensors/modules whose ``.grad`` to average.
         group_or_patch: A process group, or the :class:`hfpatch.Patch` of the module (its ``reduce_group``:
             the ``sp`` group of a sequence-parallel transformer, the ``vae`` group of a split VAE), or
             ``None`` (a degree-1 mesh axis: nothing to do). Default: the live patch of the modules given,
@@ -44,38 +155,38 @@ def all_reduce_gradients(
 
     Raises:
         ValueError: torch.distributed runs more than one rank but no group could be found (an unpatched
-            module and no group given), or the ranks disagree on the gradients to reduce.
+            module and no group given), or the ranks disagree on the gradients to average.
+        TypeError: The parameters are sharded by FSDP2 (DTensor): its reduce-scatter has averaged them.
 
     >>> import torch
     >>> from hfpatch.distributed.gradients import all_reduce_gradients
     >>> layer = torch.nn.Linear(2, 2)
-    >>> all_reduce_gradients(layer)  # not patched, one process: nothing to reduce
+    >>> all_reduce_gradients(layer)  # not patched, one process: nothing to average
     """
     items = [tensors] if isinstance(tensors, torch.nn.Module) else list(tensors)
-    for item in items:
-        if isinstance(item, torch.nn.Module) and _find_ddp(item, hooked_only=True) is not None:
-            raise ValueError(
-                "all_reduce_gradients: this DDP model's gradients are already summed over its sequence-parallel "
-                "group by hfpatch's DDP comm hook (register_ddp_hook); reducing again would double them. "
-                "Drop the all_reduce_gradients call."
-            )
-    group = _resolve_group(items, group_or_patch)
-    if group is None:
-        return
-    # Every tensor that requires grad takes part in the layout check; one that has a grad on some rank is
-    # reduced everywhere (a missing grad counts as zeros), one that has none on any rank keeps .grad None,
-    # as in the unpatched step (an optimizer skips it rather than decaying it).
     params = [
         p for item in items for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item])
     ]
     params = [p for p in params if p.requires_grad]
+    if any(type(p).__name__ == "DTensor" for p in params):
+        raise TypeError(
+            "all_reduce_gradients: these parameters are sharded by FSDP2 (DTensor); its reduce-scatter already "
+            "averaged their gradients over the mesh, which is what hfpatch's convention needs. Drop the call."
+        )
+    group = _resolve_group(items, group_or_patch)
+    if group is None:
+        return
+    world = dist.get_world_size(group)
+    # Every tensor that requires grad takes part in the layout check; one that has a grad on some rank is
+    # averaged everywhere (a missing grad counts as zeros), one that has none on any rank keeps .grad None,
+    # as in the unpatched step (an optimizer skips it rather than decaying it).
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
         by_kind.setdefault((p.dtype, p.device), []).append(p)
     for (dtype, device), group_params in by_kind.items():
         sizes = torch.tensor([len(group_params), sum(p.numel() for p in group_params)], device=device)
-        if dist.get_world_size(group) > 1:
-            seen = [torch.empty_like(sizes) for _ in range(dist.get_world_size(group))]
+        if world > 1:
+            seen = [torch.empty_like(sizes) for _ in range(world)]
             dist.all_gather(seen, sizes, group=group)
             if any(not torch.equal(s, sizes) for s in seen):
                 raise ValueError(
@@ -90,7 +201,8 @@ def all_reduce_gradients(
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group_params]
         )
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG: sum, then divide
+        flat.div_(world)
         offset = 0
         for p in group_params:
             reduced = flat[offset : offset + p.numel()].view_as(p)
@@ -112,7 +224,7 @@ def _resolve_group(items: list[Any], group_or_patch: Any) -> Any:
     groups = {id(p.reduce_group): p.reduce_group for p in patches if p is not None}
     if len(groups) > 1:
         raise ValueError(
-            "all_reduce_gradients: the modules are split over different groups; reduce each on its own"
+            "all_reduce_gradients: the modules are split over different groups; average each on its own"
         )
     if groups:
         return next(iter(groups.values()))
@@ -125,14 +237,14 @@ def _resolve_group(items: list[Any], group_or_patch: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- DDP
-def _find_ddp(model: Any, hooked_only: bool = False) -> Any:
+def _find_ddp(model: Any) -> Any:
     """The ``DistributedDataParallel`` layer among ``model``'s wrappers (compile around DDP too), or None."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ..core.wrappers import unwrap_once
 
     while isinstance(model, torch.nn.Module):
-        if isinstance(model, DistributedDataParallel) and (not hooked_only or model.__dict__.get(_HOOKED)):
+        if isinstance(model, DistributedDataParallel):
             return model
         inner = unwrap_once(model)
         if inner is None:
@@ -141,101 +253,43 @@ def _find_ddp(model: Any, hooked_only: bool = False) -> Any:
     return None
 
 
-class _ShareSum:
-    """State of the DDP comm hook: divides each bucket by the number of data replicas, then sums it."""
-
-    def __init__(self, module: torch.nn.Module, group: Any) -> None:
-        self.module = module
-        self.group = group
-        self.world = dist.get_world_size(group)
-
-    def divisor(self) -> int:
-        from ..core.apply import get_patch
-
-        # Read at every step: after patch.remove() or inside patch.disabled() each rank holds a whole
-        # gradient again, and DDP's plain mean is right.
-        patch = get_patch(self.module)
-        if patch is None or patch.is_disabled or patch.reduce_group is None:
-            return self.world
-        return self.world // dist.get_world_size(patch.reduce_group)
-
-
-def _share_sum_hook(state: _ShareSum, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    tensor = bucket.buffer()
-    divisor = state.divisor()
-    if divisor != 1:
-        tensor.div_(divisor)  # before the sum, as DDP's default hook does (no overflow in half precision)
-    work = dist.all_reduce(tensor, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-# DDP checks the hook's annotations by identity; ``from __future__ import annotations`` made them strings.
-_share_sum_hook.__annotations__.update(
-    {"state": _ShareSum, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-)
-
-
 def register_ddp_hook(model: torch.nn.Module) -> torch.nn.Module:
-    """Make DDP's gradient all-reduce right for a model hfpatch splits over ranks; returns ``model``.
+    """Deprecated and unnecessary: DDP's own gradient averaging is right for hfpatch models; returns ``model``.
 
-    Call once on what ``accelerator.prepare`` (or ``DistributedDataParallel(...)``) returned. DDP then sums
-    every bucket over its process group and divides by the number of data replicas (DDP's group size over
-    the size of the patch's ``reduce_group``) instead of by the group size: the per-rank shares of one
-    sequence-parallel group add up to that group's gradient, and the groups are averaged, as one process
-    training on the whole global batch with a mean loss would. No manual loss scaling, no
-    :func:`all_reduce_gradients` call (it refuses a hooked model rather than double the gradients); gradient
-    accumulation (``no_sync``, ``accelerator.accumulate``) and ``accelerator.clip_grad_norm_`` see full
-    gradients as usual.
-
-    Why a comm hook (and not DDP over the data group plus a separate sum over the ``sp`` group): accelerate
-    builds the DDP itself in ``prepare`` from ``DistributedDataParallelKwargs``, which has no process group
-    and only built-in hook types (fp16/bf16 compression, PowerSGD), and accelerate's ``ParallelismConfig``
-    has no axis for "these ranks share one sample": ``tp`` replaces DDP by tensor parallelism, ``cp`` is
-    FSDP2-only and ``sp`` DeepSpeed-only. A hook on the DDP accelerate returned keeps ``prepare``,
-    ``accumulate``, ``clip_grad_norm_`` and ``save_state``/``load_state`` exactly as they are, and costs
-    nothing extra: the one all-reduce DDP already does carries the sum.
-
-    Args:
-        model: A DDP module (possibly inside ``torch.compile``) around a model patched by ``hfpatch.apply``.
+    Earlier versions installed a comm hook that SUMMED the shares of a sequence-parallel group. Gradients are
+    now scaled so that DDP's stock mean is right (module docstring), which also keeps gradient accumulation
+    with a sync at every micro-step and trained modules upstream of the patched model exact. This function
+    only checks what it can (a DDP over the patch's world) and warns; remove the call.
 
     Raises:
-        TypeError: ``model`` is not DDP-wrapped in a run of several processes (then call
-            :func:`all_reduce_gradients` after backward). In one process it is returned as it is.
-        ValueError: The inner model is not patched, DDP's group is not the patch's world, or a hook was
-            registered already.
+        ValueError: DDP's process group does not span the ranks of the patch's plan (each group would then
+            average over the wrong ranks).
 
-    >>> import torch
+    >>> import torch, warnings
     >>> from hfpatch.distributed.gradients import register_ddp_hook
     >>> layer = torch.nn.Linear(2, 2)
-    >>> register_ddp_hook(layer) is layer  # one process: accelerate returns the model unwrapped; no-op
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     register_ddp_hook(layer) is layer
     True
     """
     from ..core.apply import get_patch
     from ..core.wrappers import unwrap_model
 
+    warnings.warn(
+        "hfpatch.register_ddp_hook is no longer needed: DDP's own gradient averaging is right for models "
+        "patched by hfpatch (gradients are scaled so that the mean over a sequence-parallel group is the "
+        "full gradient). Remove the call; it does nothing.",
+        FutureWarning,
+        stacklevel=2,
+    )
     ddp = _find_ddp(model)
-    if ddp is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return model  # one process (accelerate does not wrap it): nothing to reduce, the same script runs
-    if ddp is None:
-        raise TypeError(
-            f"register_ddp_hook: {type(model).__name__} is not wrapped in DistributedDataParallel; without DDP "
-            "call hfpatch.all_reduce_gradients(model) after backward instead"
-        )
-    if ddp.__dict__.get(_HOOKED):
-        raise ValueError("register_ddp_hook: this DDP model already has hfpatch's comm hook")
-    inner = unwrap_model(ddp)
-    patch = get_patch(inner)
-    if patch is None:
-        raise ValueError(
-            f"register_ddp_hook: {type(inner).__name__} inside DDP is not patched by hfpatch.apply (DDP's own "
-            "averaging is already right for it); apply hfpatch before accelerator.prepare / DDP"
-        )
-    state = _ShareSum(inner, ddp.process_group)
-    if patch.plan.world_size > 1 and patch.plan.world_size != state.world:
-        raise ValueError(
-            f"register_ddp_hook: DDP reduces over {state.world} ranks but {patch.plan} spans "
-            f"{patch.plan.world_size}; build DDP over every rank of the plan (accelerate does)"
-        )
-    ddp.register_comm_hook(state, _share_sum_hook)
-    ddp.__dict__[_HOOKED] = True
+    patch = get_patch(unwrap_model(model))
+    if ddp is not None and patch is not None and patch.plan.world_size > 1:
+        ddp_world = dist.get_world_size(ddp.process_group)
+        if ddp_world % patch.plan.world_size:
+            raise ValueError(
+                f"register_ddp_hook: DDP averages over {ddp_world} ranks, which is not a whole number of "
+                f"{patch.plan} replicas; build DDP over every rank (accelerate does)"
+            )
     return model

@@ -23,9 +23,12 @@ whose index in the ``sp`` group is ``p``. Padded tokens are masked as keys insid
 at the gather, so they never reach the output; a tuple or list (rotary ``(cos, sin)``, ControlNet
 residuals) has each of its tensors sharded the same way.
 
-Gradients: the gather's backward is a slice (every rank computes the same loss from the full output), so
-each rank's gradients are its own partial sum. Parameter gradients, and those of every input, equal the
-unpatched ones after an all-reduce SUM over the ``sp`` group: :func:`hfpatch.all_reduce_gradients`.
+Gradients (:mod:`hfpatch.distributed.gradients`): every rank computes the same loss from the full output;
+the gather's backward scales the gradient by ``N`` and takes this rank's slice, so each rank's parameter
+gradients are ``N`` times its shard's share and their MEAN over the ``sp`` group (what DDP and FSDP2
+compute, or :func:`hfpatch.all_reduce_gradients` in a plain loop) is the unpatched gradient. Inputs of the
+model that require grad have their gradient averaged over the group in backward: every rank hands the full
+input gradient to whatever produced the input.
 
 >>> from hfpatch.patches._sequence_parallel import GatherOutput, SplitInput, SplitOutput
 >>> plan = {  # Wan's plan
@@ -56,6 +59,7 @@ from ..core.patch import Patch
 from ..core.registry import PatchFamily
 from ..distributed.agreement import check_same_inputs, named_arguments
 from ..distributed.collectives import all_gather
+from ..distributed.gradients import average_input_gradients, grad_scaled_by_group
 
 __all__ = [
     "GatherOutput",
@@ -141,8 +145,9 @@ class GatherOutput:
 class ReplicatedOutput:
     """A submodule output every rank computes in full (a replicated stream's output: LTX-2's audio).
 
-    Every rank returns the same tensor, so a loss on it would count ``N`` times in the SUM of the ranks'
-    gradients: rank 0 of the ``sp`` group takes its gradient, the others get none (forward: identity).
+    Every rank returns the same tensor, and the attention couples it with the sharded stream, whose
+    gradients are per-rank shares: rank 0 of the ``sp`` group takes its gradient (scaled by ``N``, as at a
+    gather), the others get none, so the replicated stream's gradients are shares too (forward: identity).
     """
 
 
@@ -218,7 +223,7 @@ class SequenceShard:
                 "sequence-parallel gather before any split: the plan has no split on this path"
             )
         full = all_gather(x.contiguous(), dim, self.group, backward="slice")
-        return full.narrow(dim, 0, self.valid_len)
+        return grad_scaled_by_group(full.narrow(dim, 0, self.valid_len), self.group)
 
     def _joint_parts(self, length: int, sharded: int, joint: str, where: str) -> list[int]:
         if joint not in ("front", "back"):
@@ -482,7 +487,10 @@ def apply_sequence_plan(
             elif isinstance(spec, ReplicatedOutput):
 
                 def replicated_output(_m, _args, _kwargs, out):
-                    return _map_tensors(out, lambda x: _FirstRankGrad.apply(x, state.rank == 0))
+                    return _map_tensors(
+                        out,
+                        lambda x: grad_scaled_by_group(_FirstRankGrad.apply(x, state.rank == 0), state.group),
+                    )
 
                 handles.append(patch.add_forward_hook(module, replicated_output))
         installed[path] = (module, handles)
@@ -501,6 +509,8 @@ def apply_sequence_plan(
                     handle.remove()
                 install(path, specs)
         state.begin()
+        # A trained module upstream (text encoder, adapter) then gets the full gradient on every rank.
+        return average_input_gradients((args, kwargs), state.group)
 
     patch.add_forward_pre_hook(model, begin_call)
     for path, specs in plan.items():
@@ -592,8 +602,11 @@ def usp_attention_call(
     joint_position: str = "front",
     joint_key_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    backend: str = "auto",
+    dense: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated)."""
+    """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated);
+    ``backend``/``dense`` as there (Ring's kernel; the ring-degree-1 attention)."""
     from ..attention.usp import usp_attention
 
     if state.local_len is None or query.shape[1] != state.local_len:
@@ -616,4 +629,6 @@ def usp_attention_call(
         joint_position=joint_position,
         joint_key_mask=joint_key_mask,
         scale=scale,
+        backend=backend,
+        dense=dense,
     )

@@ -17,7 +17,8 @@ tiles (shapes of the others come from a FakeTensor run, no compute), the tiles a
 stock blend replays with every tile known, so the result equals single-process tiled decoding.
 
 Everything is differentiable: gradients of inputs equal the unpatched ones on every rank; parameter
-gradients are per-rank partial sums, to be summed over the VAE group (:func:`hfpatch.all_reduce_gradients`).
+gradients are ``N`` times per-rank partial sums, whose mean over the VAE group (DDP's, FSDP2's, or
+:func:`hfpatch.all_reduce_gradients`) is the unpatched gradient (:mod:`hfpatch.distributed.gradients`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..core.config import ParallelConfig
 from ..core.registry import PatchFamily
 from ..distributed.agreement import check_same_inputs
 from ..distributed.collectives import all_gather, halo_exchange
+from ..distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
 from ._halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
 
 __all__ = [
@@ -124,34 +126,22 @@ class VAEShardState:
 
 
 # ----------------------------------------------------------------------------------------------- ops
-class _SumGradOverRanks(torch.autograd.Function):
-    """Identity whose backward sums the gradient over the VAE ranks (each rank's part covers its own rows)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def scatter_rows(x: torch.Tensor, sizes: list[int], state: VAEShardState) -> torch.Tensor:
     """This rank's rows (dim -2) of ``x``, which every rank holds in full.
 
     Its backward puts the row gradients into a zero tensor of the full shape, so everything upstream (e.g.
-    Wan's ``post_quant_conv`` on the full latents) gets its rank's part only; the session entry sums the
-    input gradient over the ranks (:class:`_SumGradOverRanks`), parameter gradients are summed by the user.
+    Wan's ``post_quant_conv`` on the full latents) gets its rank's part only; the session entry averages the
+    input gradient over the ranks, parameter gradients are averaged by DDP or
+    :func:`hfpatch.all_reduce_gradients` (:mod:`hfpatch.distributed.gradients`).
     """
     return x.narrow(-2, row_offsets(sizes)[state.rank], sizes[state.rank])
 
 
 def gather_rows(x: torch.Tensor, state: VAEShardState) -> torch.Tensor:
-    """All ranks' rows (dim -2) concatenated; backward takes the local slice (every rank has the same loss)."""
-    return all_gather(x, x.dim() - 2, state.group, state.sizes(x.shape[-2]), backward="slice")
+    """All ranks' rows (dim -2) concatenated; backward takes the local slice of ``N`` x the gradient (every rank
+    has the same loss; :func:`hfpatch.distributed.gradients.grad_scaled_by_group`)."""
+    full = all_gather(x, x.dim() - 2, state.group, state.sizes(x.shape[-2]), backward="slice")
+    return grad_scaled_by_group(full, state.group)
 
 
 def all_reduce_stats(x: torch.Tensor, state: VAEShardState) -> torch.Tensor:
@@ -398,8 +388,15 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
-def session_forward(original: Callable, state: VAEShardState, kind: str) -> Callable:
-    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple)."""
+def session_forward(
+    original: Callable, state: VAEShardState, kind: str, cleanup: Callable[[], Any] | None = None
+) -> Callable:
+    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple).
+
+    ``cleanup`` runs when the call raises (an out-of-memory error, say): the Wan VAE keeps its per-conv frame
+    cache on the module (``clear_cache``), which would otherwise hold the failed call's activations (and
+    their graph) until the next call.
+    """
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
@@ -416,18 +413,33 @@ def session_forward(original: Callable, state: VAEShardState, kind: str) -> Call
             )
             if x.shape[0] == 0:  # an empty batch has no rows to split: run it as the unpatched VAE does
                 return original(x, *args, **kwargs)
-        if state.mode is None and x.requires_grad:
-            x = _SumGradOverRanks.apply(x, state.group)
-        with state.session():
-            out = original(x, *args, **kwargs)
-            rows = state.latent_rows
-        if rows is None or state.output == "shard":
-            return out  # tiled (already full) or the caller wants the local rows
+        if state.mode is None:
+            # Each rank's input gradient covers its own rows, N-scaled: their mean is the full gradient.
+            x = grad_averaged_over_group(x, state.group)
+        try:
+            with state.session():
+                out = original(x, *args, **kwargs)
+                rows = state.latent_rows
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
+        if rows is None:
+            return out  # tiled: already full
+        if state.output == "shard":
+            # The local rows; the gradient is then that of the SUM of the ranks' losses on their rows.
+            def finish(t: torch.Tensor) -> torch.Tensor:
+                return grad_scaled_by_group(t, state.group)
+        else:
+
+            def finish(t: torch.Tensor) -> torch.Tensor:
+                return gather_rows(t, state)
+
         if kind == "encode":
-            return gather_rows(out, state)
+            return finish(out)
         if isinstance(out, tuple):
-            return (gather_rows(out[0], state), *out[1:])
-        out.sample = gather_rows(out.sample, state)
+            return (finish(out[0]), *out[1:])
+        out.sample = finish(out.sample)
         return out
 
     return forward

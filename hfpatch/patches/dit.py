@@ -427,7 +427,7 @@ PLANS: dict[str, DiTPlan] = {
     # self-attention and text cross-attention local. Video self-attention (attn1) is routed; the audio-to-video
     # attention (video queries, audio keys) is local and exact; the video-to-audio attention (audio queries,
     # video keys) is routed as joint="queries" (exact merge over the video shards). The audio output is
-    # replicated: rank 0 takes its gradient (ReplicatedOutput), so the SUM over ranks counts it once.
+    # replicated: rank 0 takes its (N-scaled) gradient (ReplicatedOutput), so the group's mean counts it once.
     "diffusers.LTX2VideoTransformer3DModel": DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn1", ("LTX2AudioVideoAttnProcessor",)),
@@ -1185,6 +1185,8 @@ class USPDispatchProcessor:
 
     #: The function the routed stock code attends through (for messages).
     routed: ClassVar[str] = DISPATCH
+    #: Whether the stock code picks its kernel through diffusers' attention backends (honoured here).
+    uses_dispatch: ClassVar[bool] = True
 
     def __init__(self, stock: Any, state: SequenceShard, joint: str | None, where: str) -> None:
         self.stock = stock
@@ -1226,7 +1228,9 @@ class USPDispatchProcessor:
     ) -> torch.Tensor:
         """``dispatch_attention_fn`` over the whole sequence: ``[B, S, H, D]`` in and out, as the stock call.
 
-        ``backend`` (a diffusers attention backend) is not used: hfpatch's local kernels compute each block.
+        ``backend`` (the processor's diffusers attention backend; ``None``: diffusers' active one) is honoured:
+        at a ring degree of 1 the call is diffusers' own ``dispatch_attention_fn`` with it, under Ring its
+        log-sum-exp form (:mod:`hfpatch.patches._attention_backends`; refused by name where there is none).
         """
         self.calls += 1
         if dropout_p or is_causal or enable_gqa or attention_kwargs:
@@ -1272,9 +1276,19 @@ class USPDispatchProcessor:
                 "sequence-parallel attention masks only the replicated text tokens"
             )
         joint = (q_txt, k_txt, v_txt) if text else None
+        kernel, dense = "auto", None
+        if self.uses_dispatch:
+            from ._attention_backends import attention_kernels
+
+            ring = (
+                1
+                if self.state.ring_group is None
+                else torch.distributed.get_world_size(self.state.ring_group)
+            )
+            kernel, dense = attention_kernels(backend, _stock_dispatch, ring, self.where)
         out, joint_out = usp_attention_call(
             self.state, q_img, k_img, v_img, joint=joint, joint_position=self.joint or "front",
-            joint_key_mask=mask_txt if text else None, scale=scale,
+            joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
         )  # fmt: skip
         if joint_out is None:
             return out
@@ -1374,6 +1388,7 @@ class USPSDPAProcessor(USPDispatchProcessor):
     """
 
     routed: ClassVar[str] = f"F.{SDPA}"
+    uses_dispatch: ClassVar[bool] = False
 
     def _bind(self) -> None:
         self._view = self.stock

@@ -165,8 +165,13 @@ class WanVAEParallel(VAEParallelFamily):
 
         patch.wrap_method(target.encoder, "forward", lambda f: coder_forward(f, state, 2**downsamples))
         patch.wrap_method(target.decoder, "forward", lambda f: coder_forward(f, state, 1))
-        patch.wrap_method(target, "_encode", lambda f: session_forward(f, state, "encode"))
-        patch.wrap_method(target, "_decode", lambda f: session_forward(f, state, "decode"))
+        # An error mid-call (out of memory) leaves no frame cache behind: clear_cache releases it.
+        patch.wrap_method(
+            target, "_encode", lambda f: session_forward(f, state, "encode", target.clear_cache)
+        )
+        patch.wrap_method(
+            target, "_decode", lambda f: session_forward(f, state, "decode", target.clear_cache)
+        )
         patch.wrap_method(target, "tiled_encode", lambda f: tiled_forward(f, state, per_call=False))
         patch.wrap_method(target, "tiled_decode", lambda f: tiled_forward(f, state, per_call=False))
         patch.wrap_method(target, "clear_cache", lambda f: tile_boundary(f, state))

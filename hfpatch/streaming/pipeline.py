@@ -82,14 +82,23 @@ def warp_denoising_steps(
     return out
 
 
-def _renoise(
-    x0: torch.Tensor, t: float, generator: torch.Generator | None, num_train_timesteps: int
-) -> torch.Tensor:
+Generators = torch.Generator | list[torch.Generator] | None
+
+
+def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.device, dtype: torch.dtype):
+    """Noise by diffusers' convention (``diffusers.utils.torch_utils.randn_tensor``): drawn on the generator's
+    device (a CPU generator drives a CUDA model's noise) and moved to ``device``; a list seeds each batch item."""
+    from diffusers.utils.torch_utils import randn_tensor as diffusers_randn_tensor
+
+    return diffusers_randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=dtype)
+
+
+def _renoise(x0: torch.Tensor, t: float, generator: Generators, num_train_timesteps: int) -> torch.Tensor:
     """Flow-matching forward process ``(1 - sigma) x0 + sigma * noise`` at timestep ``t``."""
     if t == 0:
         return x0
     sigma = t / num_train_timesteps
-    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+    noise = randn_tensor(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
     return (1 - sigma) * x0 + sigma * noise
 
 
@@ -232,7 +241,7 @@ class StreamingWanPipeline:
         prompt: torch.Tensor,
         offset: int,
         steps: Sequence[float],
-        generator: torch.Generator | None,
+        generator: Generators,
         context: torch.Tensor | None,
         context_noise: float,
     ) -> torch.Tensor:
@@ -241,13 +250,17 @@ class StreamingWanPipeline:
         for i, t in enumerate(steps):
             if context is None:
                 v = self.transformer(
-                    x, torch.full((batch,), float(t)), prompt, kv_cache=self.cache, frame_offset=offset
+                    x,
+                    torch.full((batch,), float(t), device=x.device),
+                    prompt,
+                    kv_cache=self.cache,
+                    frame_offset=offset,
                 ).sample
             else:
                 ts = torch.cat(
                     [
-                        torch.full((batch, context.shape[2]), float(context_noise)),
-                        torch.full((batch, n), float(t)),
+                        torch.full((batch, context.shape[2]), float(context_noise), device=x.device),
+                        torch.full((batch, n), float(t), device=x.device),
                     ],
                     dim=1,
                 )
@@ -268,7 +281,7 @@ class StreamingWanPipeline:
         width: int,
         denoising_step_list: Sequence[float] = (1000.0, 750.0, 500.0, 250.0),
         context_noise: float = 0.0,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         output_type: str = "pt",
         use_cache: bool = True,
         global_sink: bool = True,
@@ -286,7 +299,9 @@ class StreamingWanPipeline:
             context_noise: Timestep given to the context pass that writes a finished block's clean latents into
                 the cache, and to the re-encode at a prompt switch (0 in the released Self-Forcing and
                 LongLive configs). The latents themselves are not re-noised, as in both references.
-            generator: Random generator for the initial and re-noising noise (CPU).
+            generator: Random generator(s) for the initial and re-noising noise, by diffusers' convention: on
+                the CPU or on the transformer's device (a CPU generator gives the same video on any device),
+                or a list of one per batch item.
             output_type: ``"pt"`` (decoded frames) or ``"latent"`` (no decode).
             use_cache: ``False`` recomputes every earlier frame at every step instead of reading the cache
                 (a reference for tests and benchmarks: same result, cost growing with the video).
@@ -329,7 +344,8 @@ class StreamingWanPipeline:
                 prompt_index += 1
                 self._recache(history, schedule[prompt_index][1], offset, context_noise, global_sink)
             prompt = schedule[prompt_index][1]
-            noise = torch.randn(shape, generator=generator).to(self.transformer.device, dtype)
+            # Drawn in float32 and cast, so that a bf16 model gets the fp32 model's noise.
+            noise = randn_tensor(shape, generator, self.transformer.device, torch.float32).to(dtype)
             context = None if use_cache or not history else torch.cat(history, 2)
             x0 = self._denoise_block(
                 noise, prompt, offset, denoising_step_list, generator, context, context_noise
@@ -337,7 +353,7 @@ class StreamingWanPipeline:
             if use_cache:  # the context pass: clean x0 at timestep context_noise
                 self.transformer(
                     x0,
-                    torch.full((batch,), float(context_noise)),
+                    torch.full((batch,), float(context_noise), device=x0.device),
                     prompt,
                     kv_cache=self.cache,
                     frame_offset=offset,

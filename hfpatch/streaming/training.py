@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .kv_cache import StreamingConfig, StreamingKVCache
-from .pipeline import _renoise
+from .pipeline import Generators, _renoise, randn_tensor
 
 __all__ = ["ChunkInfo", "StreamingTrainingModel"]
 
@@ -168,13 +168,14 @@ class StreamingTrainingModel:
         return self.prompt_embeds is None or self.current_length + self.min_new_frames > self.max_length
 
     def generate_next_chunk(
-        self, requires_grad: bool, generator: torch.Generator | None = None
+        self, requires_grad: bool, generator: Generators = None
     ) -> tuple[torch.Tensor, ChunkInfo]:
         """Generate the next chunk of the sequence; see the module docstring.
 
         Args:
             requires_grad: Generator path (graph at each block's exit step) or critic path (no graph).
-            generator: Per-rank generator for the noise.
+            generator: Per-rank generator(s) for the noise, by diffusers' convention (``randn_tensor``): on the
+                CPU or on the model's device, or a list of one per batch item.
 
         Returns:
             ``(chunk [B, C, chunk_size, h, w], ChunkInfo)``.
@@ -212,13 +213,13 @@ class StreamingTrainingModel:
         return chunk, info
 
     def _generate_block(
-        self, offset: int, exit_step: int, requires_grad: bool, generator: torch.Generator | None
+        self, offset: int, exit_step: int, requires_grad: bool, generator: Generators
     ) -> torch.Tensor:
         """Few-step denoising of one block; a graph only at ``exit_step``; then the context pass."""
         batch = self.prompt_embeds.shape[0]
         device, dtype = self.transformer.device, self.transformer.dtype
         shape = (batch, self.latent_shape[0], self.config.num_frame_per_block, *self.latent_shape[1:])
-        x = torch.randn(shape, generator=generator).to(device, dtype)
+        x = randn_tensor(shape, generator, device, torch.float32).to(dtype)  # drawn as the pipeline draws it
         steps = self.denoising_step_list
         for i, t in enumerate(steps[: exit_step + 1]):
             grad = requires_grad and i == exit_step

@@ -36,7 +36,8 @@ class StreamingWanDecoder:
             split over ranks by ``hfpatch.apply`` (the decoder is called directly, outside the split).
 
     The first latent frame of a stream decodes to one pixel frame, each later one to
-    ``vae.config.scale_factor_temporal`` frames. Call :meth:`reset` before a new video.
+    ``vae.config.scale_factor_temporal`` frames. Call :meth:`reset` before a new video. A call that raises
+    (out of memory) resets the cache: nothing stays allocated, and the next call starts a new video.
     """
 
     def __init__(self, vae: Any) -> None:
@@ -71,13 +72,17 @@ class StreamingWanDecoder:
         _check_not_split(self.vae)  # every rank would decode the whole frame: refuse rather than waste memory
         x = self.vae.post_quant_conv(z)  # a 1x1x1 convolution: frame-local, no cache needed
         outs = []
-        for i in range(x.shape[2]):
-            outs.append(
-                self.vae.decoder(
-                    x[:, :, i : i + 1], feat_cache=self._feat_map, feat_idx=[0], first_chunk=self._first
+        try:
+            for i in range(x.shape[2]):
+                outs.append(
+                    self.vae.decoder(
+                        x[:, :, i : i + 1], feat_cache=self._feat_map, feat_idx=[0], first_chunk=self._first
+                    )
                 )
-            )
-            self._first = False
+                self._first = False
+        except BaseException:
+            self.reset()  # a frame half-way through the convolutions: the cache is neither kept nor valid
+            raise
         out = torch.cat(outs, dim=2)
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)

@@ -15,7 +15,12 @@ the batch cannot simply be split into micro-batches with gradient accumulation. 
    forwards.
 
 The parameter gradients are those of one forward/backward over the whole batch, up to floating-point
-reassociation. The cost is one extra no-grad forward of all but one chunk: about +1/3 of a plain step when a
+reassociation, for a deterministic encoder. With dropout (or any other random op) in the encoder, each chunk
+draws its masks in step 1 and replays them in step 3 (``replay_rng``), so the loss and gradient are exactly
+those of the whole batch under THE MASKS GRADCACHE DREW; one full-batch forward would draw other masks (a
+different sample of the same distribution), so the two differ by the dropout noise itself (0.3-1.4% of the
+loss reported for a BERT with dropout 0.1), not by rounding. Equality with a plain step to rounding needs
+the encoder deterministic (``model.eval()`` or dropout 0), as the tests run it. The cost is one extra no-grad forward of all but one chunk: about +1/3 of a plain step when a
 backward costs twice a forward (large matrices), more where backward is relatively cheaper (small models on
 CPU: +30-40% measured), plus per-call overhead that grows as chunks shrink.
 
@@ -68,6 +73,7 @@ Mixed precision and distribution:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -203,7 +209,7 @@ def _frozen_vision_encoder(model: nn.Module) -> nn.Module:
     """The Qwen-VL base model (the module with ``get_image_features`` and a ``visual`` tower) inside ``model``
     (peft/DDP wrappers included), checked to have a frozen tower."""
     for module in model.modules():
-        visual = getattr(module, "visual", None)
+        visual = module._modules.get("visual")  # its own child (a peft wrapper forwards attribute lookups)
         if isinstance(visual, nn.Module) and callable(getattr(module, "get_image_features", None)):
             trainable = [n for n, p in visual.named_parameters() if p.requires_grad]
             if trainable:
@@ -211,6 +217,15 @@ def _frozen_vision_encoder(model: nn.Module) -> nn.Module:
                     f"reuse_frozen_vision=True but the vision tower of {type(module).__name__} has trainable "
                     f"parameters ({trainable[:3]}...); their gradients would be lost. Freeze the tower "
                     "(requires_grad_(False)) or leave reuse_frozen_vision off."
+                )
+            if "mm_encoder_outputs" not in inspect.signature(module.forward).parameters:
+                # An older transformers takes it into **kwargs and ignores it: text-only embeddings, wrong grads.
+                import transformers
+
+                raise ValueError(
+                    f"reuse_frozen_vision=True needs a transformers release whose {type(module).__name__}.forward "
+                    f"takes mm_encoder_outputs (5.24 does; the installed {transformers.__version__} does not, and "
+                    "would ignore the cached tower outputs); upgrade transformers or leave reuse_frozen_vision off."
                 )
             return module
     raise ValueError(
@@ -277,6 +292,24 @@ def _batch_len(chunk: Any) -> int | None:
         return None
     tensors = _tensors(chunk)
     return tensors[0].shape[0] if tensors else None
+
+
+def cross_rank_world(group: Any = None) -> int:
+    """Ranks whose embeddings ``cross_rank=True`` gathers: ``group``'s size, or 1 in a single process.
+
+    One process (no process group, no launcher) is a world of one: the same script runs unchanged before it
+    is launched on several. Launched on several without a process group is an error (nothing to gather with).
+    """
+    from hfpatch.distributed import runtime
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    if runtime.launched_world_size() > 1:
+        raise ValueError(
+            "cross_rank=True in a run launched on several processes needs the torch.distributed process group: "
+            "initialise it (torch.distributed.init_process_group, or let accelerate/Trainer do it) first."
+        )
+    return 1
 
 
 class GradCache:
@@ -424,11 +457,9 @@ class GradCache:
         from hfpatch.distributed.collectives import all_gather
 
         leaves = [r.detach().requires_grad_() for r in reps]
-        if not self.cross_rank:
+        world = cross_rank_world(self.process_group) if self.cross_rank else 1
+        if world == 1:
             return leaves, leaves, 1
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("cross_rank=True needs an initialised torch.distributed process group.")
-        world = dist.get_world_size(self.process_group)
         counts = torch.tensor([r.shape[0] for r in reps], device=reps[0].device)
         every = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(every, counts, group=self.process_group)

@@ -111,7 +111,10 @@ def chunked_pixel_loss(
 
     Args:
         decode: Latents -> images in ``[-1, 1]``: returns a tensor, an object with ``.sample`` (diffusers
-            ``DecoderOutput``) or a tuple whose first element is the images. For example
+            ``DecoderOutput``) or a tuple whose first element is the images; or a diffusers VAE itself
+            (decoded with ``vae.decode(z)``; a decode that raises, e.g. out of memory, then leaves no frame
+            cache behind: ``vae.clear_cache()`` for ``AutoencoderKLWan``, which keeps the frames of a failed
+            call on the module; a lambda hides the VAE from hfpatch). For example
             ``lambda z: vae.decode(z / vae.config.scaling_factor).sample``, a frozen VAE, or a VAE patched
             by ``hfpatch.apply`` (patch-parallel decode: every rank of the VAE group calls with the same
             latents, and an int or ``"auto"`` chunk size gives every rank the same plan; do not use
@@ -164,6 +167,7 @@ def chunked_pixel_loss(
     """
     loss_kind = _check_loss(loss)
     _check_plan_options(chunk_size, memory_budget_bytes)
+    decode = _as_decode(decode)
     groups = _groups(latents, targets, masks)
     denominator = _denominator(groups)
     if reference or os.environ.get(REFERENCE_ENV, "0") == "1":
@@ -234,6 +238,28 @@ def _chunk_error_sum(
     if masks is not None:
         error = error * masks.float()
     return error.sum()
+
+
+class _VAEDecode:
+    """``vae.decode(z)`` that clears the VAE's frame cache (``clear_cache``) when it raises."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        self.vae = vae
+
+    def __call__(self, latents: torch.Tensor) -> Any:
+        try:
+            return self.vae.decode(latents)
+        except BaseException:
+            clear = getattr(self.vae, "clear_cache", None)
+            if callable(clear):
+                clear()
+            raise
+
+
+def _as_decode(decode: Decode | torch.nn.Module) -> Decode:
+    if isinstance(decode, torch.nn.Module) and callable(getattr(decode, "decode", None)):
+        return _VAEDecode(decode)
+    return decode
 
 
 def _stack(items: _Items) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .gradcache import GradCache, _unwrap, is_sentence_transformer, split_inputs
+from .gradcache import GradCache, _unwrap, cross_rank_world, is_sentence_transformer, split_inputs
 from .vlm_split import VisionTokenSpec
 
 __all__ = ["GradCacheLoss", "tiny_sentence_transformer"]
@@ -163,7 +163,9 @@ def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     """Every rank's ``x`` concatenated along dim 0 (uneven sizes allowed), without gradient."""
     from hfpatch.distributed.collectives import all_gather
 
-    world = dist.get_world_size(group)
+    world = cross_rank_world(group)
+    if world == 1:  # one process: nothing to gather
+        return x
     count = torch.tensor([x.shape[0]], device=x.device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)

@@ -138,8 +138,8 @@ def test_local_attention_flash_cpu_bfloat16_close_to_float32():
 
 
 def test_resolve_backend_unknown_or_unsupported_raises_with_choices():
-    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; registered: auto, "):
-        resolve_backend("flash3", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash2'; registered: auto, "):
+        resolve_backend("flash2", "cpu", torch.float32)
     with pytest.raises(
         ValueError, match="'efficient_cuda' cannot run on cpu .* available there: math, flash_cpu"
     ):
@@ -259,7 +259,7 @@ def test_ring_attention_bfloat16_accumulates_in_float32():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["efficient_cuda", "xformers"])
+@pytest.mark.parametrize("name", ["cudnn", "flash", "efficient_cuda", "flash3", "xformers"])
 def test_cuda_backend_matches_math_forward_and_block_backward(name):
     if name not in available_backends("cuda", torch.bfloat16):
         pytest.skip(f"{name} is not available here")

@@ -1,10 +1,19 @@
-"""``examples/integrations/lora_sp_accelerate.py`` trains the same LoRA at world 2 (sequence parallel, under
-accelerate's DDP, with a checkpoint and a resume in the middle) as the unpatched script on ONE process.
+"""``examples/integrations/lora_sp_accelerate.py`` under accelerate/DDP trains what the unpatched script trains
+on ONE process with the same global batch.
 
-Four launches: the reference in fp32 and in fp64 (one process each; their gap is the rounding noise of this
-training run), then two ranks via ``torch.distributed.run`` for steps 0-1 (``save_state`` after step 2's
-predecessor) and a second launch resuming from that checkpoint for steps 2-3. The losses of every step and
-the LoRA weight updates must equal the fp32 reference within ``reassociation_tol`` of that noise.
+Both runs accumulate gradients over 2 micro-steps with ``accelerator.accumulate`` given a LIST of models (as
+diffusers' scripts do: DDP then syncs at every micro-step), clip gradients, encode pixels with the VAE's
+posterior SAMPLE, and train a LoRA on the text encoder that feeds the patched transformer as well as on the
+transformer. No hfpatch line follows ``accelerator.prepare``.
+
+* world 2 (Ulysses 2, one replica), with validation on the main process after every step (it draws from the
+  main process's global RNG) and a ``save_state`` / ``load_state`` resume in the middle: two launches.
+* world 4 (2 data replicas x Ulysses 2): against one process that trains on both replicas' samples with the
+  draws each replica makes (``--replicas 2``).
+
+Each reference runs in fp32 and fp64; their gap is the rounding noise of this training run. The losses of
+every step and the LoRA weight updates (transformer and text encoder) must equal the fp32 reference within
+``reassociation_tol`` of that noise.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from hfpatch.testing.tolerance import reassociation_tol, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,10 +33,10 @@ SCRIPT = ROOT / "examples" / "integrations" / "lora_sp_accelerate.py"
 STEPS, CHECKPOINT = 4, 2
 # SGD: AdamW's first updates are ~lr * sign(grad), which turns rounding noise on tiny gradients into
 # lr-sized weight differences (the script's default stays AdamW, as DreamBooth's).
-COMMON = ["--steps", str(STEPS), "--optimizer", "sgd"]
+COMMON = ["--steps", str(STEPS), "--optimizer", "sgd", "--grad-accum", "2", "--train-text-encoder"]
 
 
-def _run(args: list[str], out: Path, world: int = 1) -> None:
+def _run(args: list[str], out: Path, world: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "HFPATCH_TIMEOUT_S": "120"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -33,59 +44,73 @@ def _run(args: list[str], out: Path, world: int = 1) -> None:
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     )
     command = [sys.executable, *launcher, str(SCRIPT), *COMMON, "--output-dir", str(out), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    name = args[args.index("--results-file") + 1] if "--results-file" in args else "results.json"
+    return json.loads((out / name).read_text()) if (out / name).exists() else {}
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
+def _updates(result: dict) -> dict[str, torch.Tensor]:
+    return {
+        f"{model}:{k}": torch.tensor(
+            [b - a for a, b in zip(result["lora_init"][model][k], v)], dtype=torch.float64
+        )
+        for model, weights in result["lora_final"].items()
+        for k, v in weights.items()
+    }
 
 
-def _updates(result: dict) -> dict[str, list[float]]:
-    return {k: [b - a for a, b in zip(result["lora_init"][k], v)] for k, v in result["lora_final"].items()}
-
-
-def test_lora_sp_accelerate_matches_one_process(tmp_path):
-    import torch
-
-    _run(["--no-hfpatch"], tmp_path / "ref32")
-    _run(["--no-hfpatch", "--dtype", "float64"], tmp_path / "ref64")
-    sp = tmp_path / "sp"
-    _run(["--checkpoint-at", str(CHECKPOINT), "--stop-after-checkpoint"], sp, world=2)
-    assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
-    _run(["--resume", "--results-file", "resumed.json"], sp, world=2)
-
-    ref32, ref64 = _load(tmp_path / "ref32" / "results.json"), _load(tmp_path / "ref64" / "results.json")
-    first, resumed = _load(sp / "results.json"), _load(sp / "resumed.json")
-    assert first["world"] == resumed["world"] == 2 and "ulysses=2" in first["plan"], first["plan"]
-    assert sorted(first["losses"]) == ["0", "1"] and sorted(resumed["losses"]) == ["2", "3"]
-
+def _compare(losses: dict[str, float], final: dict, ref32: dict, ref64: dict) -> str:
     steps = [str(s) for s in range(STEPS)]
-    losses = torch.tensor([{**first["losses"], **resumed["losses"]}[s] for s in steps])
+    got = torch.tensor([losses[s] for s in steps])
     loss32 = torch.tensor([ref32["losses"][s] for s in steps])
     loss64 = torch.tensor([ref64["losses"][s] for s in steps], dtype=torch.float64)
-    loss_noise = rel_error(loss32, loss64)
-    loss_error = rel_error(losses, loss32)
+    loss_noise, loss_error = rel_error(loss32, loss64), rel_error(got, loss32)
     assert loss_error <= reassociation_tol(loss_noise), (loss_error, loss_noise)
 
     # The LoRA updates (final - initial), each tensor relative to its fp64 update (at least 1% of the largest:
     # lora_B starts at zero, so a tensor's update can be tiny next to the others).
-    got, want, want64 = (
-        {k: torch.tensor(v, dtype=torch.float64) for k, v in _updates(r).items()}
-        for r in (resumed, ref32, ref64)
+    got_u, want, want64 = (_updates(r) for r in (final, ref32, ref64))
+    assert got_u.keys() == want.keys() == want64.keys(), sorted(set(got_u) ^ set(want))
+    assert any(k.startswith("text_encoder:") for k in want) and any(
+        k.startswith("transformer:") for k in want
     )
-    assert got.keys() == want.keys() == want64.keys() and got
     floor = 0.01 * max(v.abs().max().item() for v in want64.values())
     scales = {k: max(v.abs().max().item(), floor) for k, v in want64.items()}
     weight_noise = max(rel_error(want[k], want64[k], scales[k]) for k in want)
-    weight_error = max(rel_error(got[k], want[k], scales[k]) for k in want)
-    assert weight_error <= reassociation_tol(weight_noise), (weight_error, weight_noise)
+    errors = {k: rel_error(got_u[k], want[k], scales[k]) for k in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= reassociation_tol(weight_noise), (worst, errors[worst], weight_noise)
 
-    # Validation ran on the main process only, unpatched, on the resumed run's final weights.
     val_noise = rel_error(torch.tensor(ref32["validation_loss"]), torch.tensor(ref64["validation_loss"]))
-    val_error = rel_error(torch.tensor(resumed["validation_loss"]), torch.tensor(ref32["validation_loss"]))
+    val_error = rel_error(torch.tensor(final["validation_loss"]), torch.tensor(ref32["validation_loss"]))
     assert val_error <= reassociation_tol(val_noise), (val_error, val_noise)
-    print(
-        f"loss {loss_error:.3g} <= {reassociation_tol(loss_noise):.3g}; LoRA update {weight_error:.3g} <= "
+    return (
+        f"loss {loss_error:.3g} <= {reassociation_tol(loss_noise):.3g}; LoRA updates {errors[worst]:.3g} <= "
         f"{reassociation_tol(weight_noise):.3g}; validation {val_error:.3g} <= {reassociation_tol(val_noise):.3g}"
     )
+
+
+def test_lora_sp_accelerate_world2_accumulation_text_encoder_resume(tmp_path):
+    ref32 = _run(["--no-hfpatch"], tmp_path / "ref32")
+    ref64 = _run(["--no-hfpatch", "--dtype", "float64"], tmp_path / "ref64")
+    sp = tmp_path / "sp"
+    # Validation after every step on the main process only, then a checkpoint, an exit and a resume.
+    patched = ["--validate-every", "1", "--checkpoint-at", str(CHECKPOINT)]
+    _run([*patched, "--stop-after-checkpoint", "--results-file", "first.json"], sp, world=2)
+    assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
+    first = json.loads((sp / "first.json").read_text())
+    resumed = _run(["--validate-every", "1", "--resume", "--results-file", "resumed.json"], sp, world=2)
+    assert first["world"] == resumed["world"] == 2 and "ulysses=2" in first["plan"], first["plan"]
+    assert sorted(first["losses"]) == ["0", "1"] and sorted(resumed["losses"]) == ["2", "3"]
+    assert sorted(first["mid_run_validations"]) == ["0", "1"]
+    print(_compare({**first["losses"], **resumed["losses"]}, resumed, ref32, ref64))
+
+
+def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2(tmp_path):
+    reference = ["--no-hfpatch", "--replicas", "2"]
+    ref32 = _run(reference, tmp_path / "ref32")
+    ref64 = _run([*reference, "--dtype", "float64"], tmp_path / "ref64")
+    run = _run(["--ulysses", "2"], tmp_path / "sp", world=4)
+    assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
+    print(_compare(run["losses"], run, ref32, ref64))

@@ -160,6 +160,18 @@ def _bf16_training_step() -> dict[str, float]:
     }
 
 
+def _stock_bf16_step_fails() -> str | None:
+    """Why the *stock* bf16 decode + backward cannot run on this CPU build (``None``: it runs). Some CPU
+    kernel selections fail inside torch, e.g. ``ATEN_CPU_CAPABILITY=avx2`` on a CPU whose oneDNN bf16 path
+    needs AVX-512 ("pack_vnni2 is only supported when avx512 is supported"); no hfpatch code is involved."""
+    vae = tiny_autoencoder_kl().to(torch.bfloat16)
+    try:
+        vae.decode(_latents(32, 32).to(torch.bfloat16)).sample.float().square().mean().backward()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def test_kl_vae_bf16_training_step_saves_memory_and_matches_stock_bf16(rank_pool):
     """Per-rank peak of a bf16 training step at N=2: 0.606x of unpatched (fp32: 0.583x; 1.013x before the
     GroupNorm saved only its bf16 input for backward, see tests/patches/test_vae_group_norm.py).
@@ -169,6 +181,11 @@ def test_kl_vae_bf16_training_step_saves_memory_and_matches_stock_bf16(rank_pool
     0.0705 vs 0.0707 on outputs up to 5) and differ from stock bf16 by less than that (measured 0.047,
     1.5 bf16 spacings at 4). The 1.25 factor allows another draw of the same rounding noise.
     """
+    reason = _stock_bf16_step_fails()  # the comparison needs the stock bf16 step; the split runs the same ops
+    if reason is not None:
+        pytest.skip(
+            f"the stock bf16 AutoencoderKL decode + backward fails inside torch on this CPU: {reason}"
+        )
     for res in rank_pool(2).run(_bf16_training_step):
         assert res["ratio"] < 0.7, res
         assert res["split_err"] <= 1.25 * res["stock_err"], res

@@ -116,10 +116,12 @@ def _split_group_norm(dtype: torch.dtype, latent_rows: list[int]) -> dict[str, f
     state.mode, state.latent_rows = "shard", latent_rows
     out = gather_rows(group_norm_forward(norm, state)(scatter_rows(x, latent_rows, state)), state)
     (out.float() * weight).sum().backward()
-    # Per-rank partial gradients (x: own rows only), summed in fp32 (exact for x: the others are zeros).
+    # Per-rank partial gradients (x: own rows only), N-scaled by the gather (exact: N = 2), averaged in fp32
+    # (exact for x: the others are zeros).
     grads = [x.grad.float(), norm.weight.grad.float(), norm.bias.grad.float()]
     for grad in grads:
         dist.all_reduce(grad)
+        grad /= world
     references = [ref_x.grad, ref_norm.weight.grad, ref_norm.bias.grad]
     spacing = torch.finfo(dtype).eps
     result = {"dtype_kept": float(out.dtype == dtype)}

@@ -42,7 +42,7 @@ def backward(vae, kind: str, x: torch.Tensor, patched: bool) -> tuple[torch.Tens
     out = run(vae, kind, leaf)
     (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
     if patch is not None:
-        all_reduce_gradients(vae)  # the documented reduction: SUM over the VAE ranks
+        all_reduce_gradients(vae)  # the documented reduction: MEAN over the VAE ranks
         patch.remove()
     grads = (leaf.grad, param_grads(vae))
     vae.zero_grad(set_to_none=True)

@@ -13,6 +13,8 @@ gradients relative to the largest reference gradient of all parameters.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from gradcache_helpers import fp64_loss, grad_noise
@@ -124,6 +126,11 @@ def test_gradcache_qwen2_family_reuse_frozen_vision_matches_full_batch(kind):
         model.visual.requires_grad_(False)
         return model
 
+    if "mm_encoder_outputs" not in inspect.signature(type(frozen_tower_model()).forward).parameters:
+        # An older transformers would silently ignore the cached tower outputs: refused instead.
+        with pytest.raises(ValueError, match="forward takes mm_encoder_outputs"):
+            GradCache(frozen_tower_model(), info_nce, 2, reuse_frozen_vision=True)
+        return
     reference = frozen_tower_model()
     ref_loss, ref = _full_batch(reference, _inputs(kind))
     _, noise = _noise(reference, _inputs(kind), ref_loss, ref)

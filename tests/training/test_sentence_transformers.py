@@ -117,15 +117,21 @@ def models():
     return tiny_sentence_transformer(seed=0), tiny_sentence_transformer(seed=1)  # model, GIST guide
 
 
-@pytest.mark.parametrize("kind", ["mnrl", "symmetric", "gist", "fn"])
-def test_gradcache_loss_matches_plain_loss(models, kind):
+@pytest.mark.parametrize(
+    "kind, cross_rank",
+    [("mnrl", False), ("symmetric", False), ("gist", False), ("fn", False), ("mnrl", True), ("gist", True)],
+)
+def test_gradcache_loss_matches_plain_loss(models, kind, cross_rank):
+    """``cross_rank=True`` in one process (no process group) is a world of one: the same script runs."""
     model, guide = models
     features = _features(model)  # batch 6, mini-batches of 2
     ref_loss, ref = _plain_step(kind, model, features, guide)
     loss_noise, noise = _noise(kind, model, features, ref_loss, ref, guide)
 
     base = _user_fn if kind == "fn" else _make_loss(kind, model, guide)
-    wrapped = GradCacheLoss(base, mini_batch_size=2, model=model if kind == "fn" else None)
+    wrapped = GradCacheLoss(
+        base, mini_batch_size=2, model=model if kind == "fn" else None, cross_rank=cross_rank
+    )
     calls = []
     handle = model.register_forward_hook(lambda *_: calls.append(1))
     loss = wrapped([dict(f) for f in features], None)
@@ -139,6 +145,22 @@ def test_gradcache_loss_matches_plain_loss(models, kind):
     print(f"{kind}: loss relative error {error:.3e}, tolerance {reassociation_tol(loss_noise):.3e}")
     assert error <= reassociation_tol(loss_noise)
     _assert_grads_close(_grads(model), ref, reassociation_tol(noise))
+
+
+def test_cross_rank_launched_without_a_process_group_says_so(models, monkeypatch):
+    model, _ = models
+    for var, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(var, value)
+    wrapped = GradCacheLoss(_make_loss("mnrl", model, None), mini_batch_size=2, cross_rank=True)
+    with pytest.raises(ValueError, match="needs the torch.distributed process group"):
+        wrapped([dict(f) for f in _features(model)], None)
+    model.zero_grad(set_to_none=True)
 
 
 def test_gradcache_loss_scales_by_outer_gradient_and_evaluates_without_grad(models):
