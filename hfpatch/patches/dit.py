@@ -1241,7 +1241,7 @@ class USPDispatchProcessor:
         if self.joint == "queries":
             return self._attend_sharded_keys(query, key, value, attn_mask, scale)
         if self.joint == "keys":
-            return self._attend_text_keys(query, key, value, attn_mask, scale)
+            return self._attend_text_keys(query, key, value, attn_mask, scale, backend)
         local = self.state.local_len if self.state.local_len is not None else query.shape[1]
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
@@ -1276,16 +1276,7 @@ class USPDispatchProcessor:
                 "sequence-parallel attention masks only the replicated text tokens"
             )
         joint = (q_txt, k_txt, v_txt) if text else None
-        kernel, dense = "auto", None
-        if self.uses_dispatch:
-            from ._attention_backends import attention_kernels
-
-            ring = (
-                1
-                if self.state.ring_group is None
-                else torch.distributed.get_world_size(self.state.ring_group)
-            )
-            kernel, dense = attention_kernels(backend, _stock_dispatch, ring, self.where)
+        kernel, dense = self._kernels(backend)
         out, joint_out = usp_attention_call(
             self.state, q_img, k_img, v_img, joint=joint, joint_position=self.joint or "front",
             joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
@@ -1295,6 +1286,15 @@ class USPDispatchProcessor:
         if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
             joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def _kernels(self, backend: Any) -> tuple[str, Any]:
+        """``(Ring's local kernel, the ring-degree-1 attention)`` for the processor's diffusers ``backend``."""
+        if not self.uses_dispatch:
+            return "auto", None
+        from ._attention_backends import attention_kernels
+
+        ring = 1 if self.state.ring_group is None else torch.distributed.get_world_size(self.state.ring_group)
+        return attention_kernels(backend, _stock_dispatch, ring, self.where)
 
     def _unmask_padding(self, attn_mask: torch.Tensor | None, local: int, text: int) -> torch.Tensor | None:
         """A query x key token mask whose entries for this shard's padding tokens are those of a valid token.
@@ -1325,7 +1325,7 @@ class USPDispatchProcessor:
             return keep
         return torch.zeros_like(keep, dtype=attn_mask.dtype).masked_fill(~keep, float("-inf"))
 
-    def _attend_text_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
+    def _attend_text_keys(self, query, key, value, attn_mask, scale, backend) -> torch.Tensor:
         """The shard's queries over ``[replicated text, sharded image]`` keys/values (``joint="keys"``)."""
         local = self.state.local_len
         text = key.shape[1] - (local or 0)
@@ -1348,9 +1348,10 @@ class USPDispatchProcessor:
         # usp_attention's joint part comes with queries: zero rows, whose output is dropped (exact for the shard's
         # queries, which attend over [text, image] keys as in the stock call; no gradient flows through them).
         joint = (torch.zeros_like(k_txt), k_txt, v_txt) if text else None
+        kernel, dense = self._kernels(backend)
         out, _ = usp_attention_call(
             self.state, query, k_img, v_img, joint=joint, joint_position="front",
-            joint_key_mask=mask_txt if text else None, scale=scale,
+            joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
         )  # fmt: skip
         return out
 
@@ -1430,6 +1431,8 @@ class USPBoundDispatchProcessor(USPDispatchProcessor):
 
 def _bound_call(stock_call: types.FunctionType, stand_in: USPBoundDispatchProcessor) -> types.FunctionType:
     """A copy of a stock ``__call__`` whose ``dispatch_attention_fn`` is ``stand_in.dispatch`` (see :func:`_sdpa_call`)."""
+    global _stock_dispatch
+    _stock_dispatch = stock_call.__globals__[DISPATCH]  # diffusers' own, for the ring-degree-1 attention
     scope = dict(stock_call.__globals__)
     scope[DISPATCH] = stand_in.dispatch
     code = stock_call.__code__.replace(

@@ -77,6 +77,7 @@ class TinyDiT:
             specs (a list of tensors), or plain values passed as they are.
         tokens: Image/video tokens the sequence plan cuts (the sharded sequence's length).
         routed: Attention modules hfpatch's sequence parallelism routes in this tiny model.
+        calls: Routed attention calls each of them makes per forward (Mochi's: one per sample).
         mask: An input whose value changes the output (a padded-text mask): tests check that it does.
         unmasked: That input's value with nothing masked (a spec; default: all ones).
         attributes: ``"module.path.attribute"`` -> value, set after construction (``*`` matches one path segment).
@@ -87,6 +88,7 @@ class TinyDiT:
     inputs: Mapping[str, Any]
     tokens: int = 25
     routed: int = 2
+    calls: int = 1
     mask: str | None = None
     unmasked: Any = None
     attributes: Mapping[str, Any] = field(default_factory=dict)
@@ -445,6 +447,7 @@ TINY_DITS: dict[str, TinyDiT] = {
             encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "long"),
         ),
         mask="encoder_attention_mask",
+        calls=2,
     ),
     "cosmos": TinyDiT(  # 2 x 5 x 5 = 50 video tokens, per-frame timesteps (video-to-world)
         "CosmosTransformer3DModel",

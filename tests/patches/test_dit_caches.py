@@ -243,7 +243,9 @@ def test_caches_that_cannot_agree_are_refused_on_every_rank(rank_pool):
     assert results[0] == results[1]
     messages = results[0]
     for case in ("sea", "sea_cfg", "sea_two_call"):
-        assert "SeaCache enabled: it all-reduces its skip vote over the default process group" in messages[case]
+        assert (
+            "SeaCache enabled: it all-reduces its skip vote over the default process group" in messages[case]
+        )
     for case in ("faster_cfg", "faster_two_call"):
         assert "FasterCache enabled: its denoiser hook splits each call's batch" in messages[case]
     assert "PyramidAttentionBroadcast enabled: its counters advance at every call" in messages["pab_two_call"]
