@@ -50,6 +50,8 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "ConsisIDTransformer3DModel",
     "Ideogram4Transformer2DModel",
     "HiDreamImageTransformer2DModel",
+    "Kandinsky5Transformer3DModel",
+    "HunyuanVideoFramepackTransformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

@@ -135,10 +135,12 @@ class GatherOutput:
 
     ``joint="front"``/``"back"``: the output holds replicated tokens before/after this rank's shard (a packed
     ``[text, image]`` sequence); only the shards are gathered, the replicated tokens are kept in place.
+    ``index``: gather only that element of a tuple/list output (a block returning ``(image, text)``).
     """
 
     dim: int
     joint: str | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -478,10 +480,21 @@ def apply_sequence_plan(
                 handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
 
-                def gather_output(_m, _args, _kwargs, out, dim=spec.dim, joint=spec.joint, where=path):
-                    if joint is not None:
-                        return state.gather_joint(out, dim, joint, where)
-                    return state.gather(out, dim)
+                def gather_output(
+                    _m, _args, _kwargs, out, dim=spec.dim, joint=spec.joint, index=spec.index, where=path
+                ):
+                    def gather(x):
+                        return (
+                            state.gather(x, dim)
+                            if joint is None
+                            else state.gather_joint(x, dim, joint, where)
+                        )
+
+                    if index is None:
+                        return gather(out)
+                    items = list(out)
+                    items[index] = gather(items[index])
+                    return type(out)(items)
 
                 handles.append(patch.add_forward_hook(module, gather_output))
             elif isinstance(spec, ReplicatedOutput):

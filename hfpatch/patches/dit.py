@@ -145,7 +145,8 @@ class DiTPlan:
         check: ``(model, named forward arguments) -> None`` run per call before any collective: raises a
             ``ValueError`` for inputs the plan cannot cut exactly (a batch whose samples pack text and image at
             different offsets, say).
-        heads: The ``config`` attribute holding the attention head count (Ulysses splits heads).
+        heads: The ``config`` attribute holding the attention head count (Ulysses splits heads), or a function of
+            the config that returns it.
     """
 
     attention: tuple[AttentionRoute, ...]
@@ -156,7 +157,7 @@ class DiTPlan:
     refuse: Mapping[str, str] = field(default_factory=dict)
     refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
     check: Callable[[Any, dict[str, Any]], None] | None = None
-    heads: str = "num_attention_heads"
+    heads: str | Callable[[Any], int] = "num_attention_heads"
 
 
 def refused_unless(*allowed: Any) -> Callable[[Any], bool]:
@@ -269,6 +270,11 @@ def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
             f"{type(model).__name__}: samples with fewer patches than the batch's longest are padded with masked "
             "patches, which are sharded over the ranks; call with samples of one patch count"
         )
+
+
+def _kandinsky_heads(config: Any) -> int:
+    """Kandinsky 5's head count: its head size is the sum of the rotary axes."""
+    return config.model_dim // sum(config.axes_dims)
 
 
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
@@ -797,6 +803,54 @@ PLANS: dict[str, DiTPlan] = {
             "final_layer": (GatherOutput(dim=1),),
         },
     ),
+    # Kandinsky 5 (regular attention): the video tokens cut entering the first visual block (their rotary table at
+    # every block) and gathered at the last block's output, before the stock code reshapes them to the [B, F, H, W]
+    # grid for the output layer. The text blocks attend within the text (not routed), the visual blocks' cross-
+    # attention to the text is local. NABLA sparse attention (sparse_params) selects key blocks over the whole grid:
+    # refused.
+    "diffusers.Kandinsky5Transformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("visual_transformer_blocks.*.self_attention", ("Kandinsky5AttnProcessor",)),
+        ),
+        plan={
+            "visual_transformer_blocks.0": (SplitInput("visual_embed", dim=1),),
+            "visual_transformer_blocks.*": (SplitInput("rope", dim=1),),  # [B, S, 1, D/2, 2, 2]
+            "visual_transformer_blocks.-1": (GatherOutput(dim=1),),
+        },
+        refuse={"sparse_params": "NABLA sparse attention picks key blocks from scores over the whole grid"},
+        heads=_kandinsky_heads,
+    ),
+    # HunyuanVideo FramePack: HunyuanVideo's blocks over one packed sequence (the history latents, each patchified
+    # at its own scale, then the current latents), cut entering the first block with its rotary table ([S, D]
+    # each; `freqs_cis` in the dual blocks) and the [video, text] key mask at every block; the last single block's
+    # video output is gathered
+    # before the stock code slices the current latents off by position.
+    "diffusers.HunyuanVideoFramepackTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"),
+            AttentionRoute(
+                "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
+            ),
+        ),
+        plan={
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("freqs_cis", dim=0),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "single_transformer_blocks.*": (
+                SplitInput("image_rotary_emb", dim=0),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "single_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
+        },
+        refuse_config={
+            "image_condition_type": (
+                "token_replace",
+                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+            )
+        },
+    ),
 }
 
 
@@ -869,17 +923,7 @@ UNSUPPORTED: dict[str, str] = {
         "each frame to its own face-motion tokens, and the pose latents are added per frame to the patch grid: a "
         "shard is not a whole number of frames"
     ),
-    "HunyuanVideoFramepackTransformer3DModel": (
-        "packs the history latents (clean, 2x, 4x, each patchified at its own scale) in front of the current ones "
-        "and slices the current tokens off by position after the last block; the output norm and projection (with "
-        "parameters) then run on that slice, so the sequence must be whole before parameterised layers"
-    ),
     # The sequence is gathered before layers with parameters.
-    "Kandinsky5Transformer3DModel": (
-        "the output layer (its AdaLN modulation and projection have parameters) needs the whole [B, F, H, W] grid "
-        "(fractal_unflatten reshapes to it), so the tokens are gathered before parameterised layers run; and "
-        "its NABLA mode is sparse attention"
-    ),
     "Kandinsky6Transformer3DModel": (
         "the output layer (parameters) runs on the whole [B, F, H, W] grid the stock code reshapes to after the "
         "fused video/audio blocks, so the tokens are gathered before parameterised layers run"
@@ -1508,7 +1552,8 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
     def facts(self, target: Any) -> ModelFacts:
         heads = self._entry(target).heads
-        return ModelFacts(num_heads=getattr(target.config, heads), name=type(target).__name__)
+        count = heads(target.config) if callable(heads) else getattr(target.config, heads)
+        return ModelFacts(num_heads=count, name=type(target).__name__)
 
     def plan_for(self, target: Any) -> SequencePlan:
         entry = self._entry(target)

@@ -105,8 +105,8 @@ def _make(spec: Any, seed: int) -> Any:
         return ids if spec.batch is None else ids.expand(spec.batch, *ids.shape).clone()
     if isinstance(spec, Tensor):
         return torch.tensor(spec.value, dtype=getattr(torch, spec.dtype))
-    if isinstance(spec, list) and spec and all(isinstance(s, (Randn, Grid, Tensor)) for s in spec):
-        return [_make(s, seed * 100 + i) for i, s in enumerate(spec)]
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (Randn, Grid, Tensor)) for s in spec):
+        return type(spec)(_make(s, seed * 100 + i) for i, s in enumerate(spec))
     return spec
 
 
@@ -687,6 +687,72 @@ TINY_DITS: dict[str, TinyDiT] = {
             encoder_hidden_states_llama3=Randn((2, 1, 5, 16)),
             pooled_embeds=Randn((1, 16)),
         ),
+    ),
+    "kandinsky5": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, 6 text tokens
+        "Kandinsky5Transformer3DModel",
+        dict(
+            in_visual_dim=4,
+            in_text_dim=16,
+            in_text_dim2=16,
+            time_dim=16,
+            out_visual_dim=4,
+            patch_size=(1, 2, 2),
+            model_dim=32,
+            ff_dim=32,
+            num_text_blocks=1,
+            num_visual_blocks=2,
+            axes_dims=(2, 2, 4),
+        ),
+        dict(
+            hidden_states=Randn((1, 1, 10, 10, 4)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            timestep=Tensor([300.0]),
+            pooled_projections=Randn((1, 16)),
+            visual_rope_pos=(
+                Tensor([0], "long"),
+                Tensor(list(range(5)), "long"),
+                Tensor(list(range(5)), "long"),
+            ),
+            text_rope_pos=Tensor(list(range(6)), "long"),
+            scale_factor=(1.0, 1.0, 1.0),
+        ),
+    ),
+    "hunyuanvideo_framepack": TinyDiT(  # 25 current + 38 history tokens (clean, 2x, 4x) = 63, padded text
+        "HunyuanVideoFramepackTransformer3DModel",
+        dict(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=1,
+            num_single_layers=1,
+            num_refiner_layers=1,
+            patch_size=2,
+            text_embed_dim=16,
+            pooled_projection_dim=16,
+            rope_axes_dim=(2, 2, 4),
+            has_image_proj=True,
+            image_proj_dim=16,
+            has_clean_x_embedder=True,
+            guidance_embeds=False,
+        ),
+        dict(
+            hidden_states=Randn((2, 4, 1, 10, 10)),
+            timestep=Tensor([300.0, 20.0]),
+            encoder_hidden_states=Randn((2, 6, 16)),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "long"),
+            pooled_projections=Randn((2, 16)),
+            image_embeds=Randn((2, 3, 16)),
+            indices_latents=Tensor([7], "long"),
+            latents_clean=Randn((2, 4, 1, 10, 10)),
+            indices_latents_clean=Tensor([0], "long"),
+            latents_history_2x=Randn((2, 4, 2, 10, 10)),
+            indices_latents_history_2x=Tensor([1, 2], "long"),
+            latents_history_4x=Randn((2, 4, 4, 10, 10)),
+            indices_latents_history_4x=Tensor([3, 4, 5, 6], "long"),
+        ),
+        tokens=63,
+        mask="encoder_attention_mask",
     ),
 }
 
