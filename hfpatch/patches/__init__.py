@@ -52,6 +52,7 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "HiDreamImageTransformer2DModel",
     "Kandinsky5Transformer3DModel",
     "HunyuanVideoFramepackTransformer3DModel",
+    "StableAudioDiTModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

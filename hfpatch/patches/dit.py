@@ -851,6 +851,23 @@ PLANS: dict[str, DiTPlan] = {
             )
         },
     ),
+    # Stable Audio Open: the audio latent frames cut at the input projection (the pre-convolution runs on the
+    # whole clip first); the global (duration + time) token joins in front, replicated; the caller's rotary table
+    # over [global, audio] and the key mask are cut at their audio part per block; the projected output is
+    # gathered before the stock code drops the global token and runs its post-convolution over the whole clip.
+    "diffusers.StableAudioDiTModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("StableAudioAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "proj_in": (SplitOutput(dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("rotary_embedding", dim=0, joint="front"),  # (cos, sin), each [1 + S, D']
+                SplitInput("attention_mask", dim=-1, joint="front"),
+            ),
+            "proj_out": (GatherOutput(dim=1, joint="front"),),
+        },
+    ),
 }
 
 
@@ -927,10 +944,6 @@ UNSUPPORTED: dict[str, str] = {
     "Kandinsky6Transformer3DModel": (
         "the output layer (parameters) runs on the whole [B, F, H, W] grid the stock code reshapes to after the "
         "fused video/audio blocks, so the tokens are gathered before parameterised layers run"
-    ),
-    "StableAudioDiTModel": (
-        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
-        "projection, and the global token is prepended to the sequence"
     ),
     "StableAudio3DiTModel": (
         "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "

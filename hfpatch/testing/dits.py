@@ -754,6 +754,32 @@ TINY_DITS: dict[str, TinyDiT] = {
         tokens=63,
         mask="encoder_attention_mask",
     ),
+    "stable_audio": TinyDiT(  # 25 audio latent frames after one global token, 6 text tokens (cross-attention)
+        "StableAudioDiTModel",
+        dict(
+            sample_size=25,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            num_key_value_attention_heads=2,
+            out_channels=4,
+            cross_attention_dim=16,
+            time_proj_dim=16,
+            global_states_input_dim=16,
+            cross_attention_input_dim=16,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 25)),
+            timestep=Tensor([300.0]),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            global_hidden_states=Randn((1, 1, 16)),
+            rotary_embedding=(
+                Randn((26, 4)),
+                Randn((26, 4)),
+            ),  # per-position tables, as the pipeline's cos/sin
+        ),
+    ),
 }
 
 
