@@ -53,6 +53,7 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "Kandinsky5Transformer3DModel",
     "HunyuanVideoFramepackTransformer3DModel",
     "StableAudioDiTModel",
+    "Kandinsky6Transformer3DModel",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

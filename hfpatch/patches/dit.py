@@ -868,6 +868,30 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1, joint="front"),),
         },
     ),
+    # Kandinsky 6 (video + audio): LTX-2's layout. The video tokens are cut entering the first fused block (their
+    # rotary table at every block) and gathered from the last block's (video, audio) output before the stock code
+    # reshapes them to the grid; the audio stream stays replicated (its output's gradient taken by sp rank 0). The
+    # video self-attention is routed, and so is the audio-to-video cross-attention (audio queries over the sharded
+    # video keys: exact merge over the shards); the video-to-audio and text cross-attentions are local.
+    "diffusers.Kandinsky6Transformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute(
+                "visual_transformer_blocks.*.video_dec_block.self_attention", ("Kandinsky6AttnProcessor",)
+            ),
+            AttentionRoute(
+                "visual_transformer_blocks.*.av_cross_attention",
+                ("Kandinsky6AttnProcessor",),
+                joint="queries",
+            ),
+        ),
+        plan={
+            "visual_transformer_blocks.0": (SplitInput("vis", dim=1),),
+            "visual_transformer_blocks.*": (SplitInput("vis_rope", dim=0),),
+            "visual_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
+            "audio_out_layer": (ReplicatedOutput(),),
+        },
+        heads=_kandinsky_heads,
+    ),
 }
 
 
@@ -941,10 +965,6 @@ UNSUPPORTED: dict[str, str] = {
         "shard is not a whole number of frames"
     ),
     # The sequence is gathered before layers with parameters.
-    "Kandinsky6Transformer3DModel": (
-        "the output layer (parameters) runs on the whole [B, F, H, W] grid the stock code reshapes to after the "
-        "fused video/audio blocks, so the tokens are gathered before parameterised layers run"
-    ),
     "StableAudio3DiTModel": (
         "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
         "projection (the sequence must be whole before it)"

@@ -780,6 +780,37 @@ TINY_DITS: dict[str, TinyDiT] = {
             ),  # per-position tables, as the pipeline's cos/sin
         ),
     ),
+    "kandinsky6": TinyDiT(  # 1 x 5 x 5 = 25 video tokens (sharded) and 5 audio frames (replicated), 6 text tokens
+        "Kandinsky6Transformer3DModel",
+        dict(
+            in_visual_dim=4,
+            out_visual_dim=4,
+            in_text_dim=16,
+            in_text_dim2=16,
+            time_dim=16,
+            patch_size=(1, 2, 2),
+            model_dim=32,
+            ff_dim=32,
+            num_text_blocks=1,
+            num_visual_blocks=2,
+            axes_dims=(2, 2, 4),
+            visual_cond=False,
+            in_audio_dim=4,
+            out_audio_dim=4,
+            model_dim_a=16,
+            time_dim_a=16,
+            ff_dim_a=16,
+            axes_dims_a=(8,),
+        ),
+        dict(
+            hidden_states=Randn((1, 1, 10, 10, 4)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            pooled_projections=Randn((1, 16)),
+            timestep=Tensor([300.0]),
+            audio_hidden_states=Randn((1, 5, 4)),
+        ),
+        routed=4,
+    ),
 }
 
 
