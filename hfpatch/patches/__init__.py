@@ -54,6 +54,9 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "HunyuanVideoFramepackTransformer3DModel",
     "StableAudioDiTModel",
     "Kandinsky6Transformer3DModel",
+    "StableAudio3DiTModel",
+    "MiniMaxMusic3Transformer1DModel",
+    "LongCatAudioDiTTransformer",
 )
 
 BUILTIN_FAMILIES: list[tuple[str, str]] = [

@@ -892,6 +892,57 @@ PLANS: dict[str, DiTPlan] = {
         },
         heads=_kandinsky_heads,
     ),
+    # Stable Audio 3: the memory tokens join in front of the audio frames (replicated); the rotary table is built
+    # from the whole packed length before the first block, so the frames are cut entering it (their count taken at
+    # the input projection) with the table and the inpainting frames per block; the projected frames are gathered
+    # before the stock code's post-convolution over the whole clip. Its differential attention attends twice per
+    # module.
+    "diffusers.StableAudio3DiTModel": DiTPlan(
+        attention=(
+            AttentionRoute(
+                "transformer_blocks.*.self_attn", ("StableAudio3SelfAttnProcessor",), joint="front"
+            ),
+        ),
+        plan={
+            "proj_in": (MeasureInput("input", dim=1),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "transformer_blocks.*": (
+                SplitInput("rope", dim=0, joint="front"),  # [M + S, D']
+                SplitInput("local_seq", dim=1),  # inpainting frames [B, S, C]
+            ),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        heads="num_heads",
+    ),
+    # MiniMax-Music 3: the timestep token joins in front of the frames (replicated); as Stable Audio 3, the rotary
+    # table covers the whole packed length, so the frames are cut entering the first block and the table per block;
+    # the projection's output is gathered before the post-convolution.
+    "diffusers.MiniMaxMusic3Transformer1DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("MiniMaxMusic3AttnProcessor",), joint="front"),
+        ),
+        plan={
+            "proj_in": (MeasureInput("input", dim=1),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "transformer_blocks.*": (
+                SplitInput("rotary_emb", dim=0, joint="front"),
+            ),  # (cos, sin), [1 + S, D']
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # LongCat-AudioDiT: the rotary table (built from the whole clip's length by a module the text shares) and the
+    # frame mask are cut at every block, the frames entering the first; the last block's output is gathered, so the
+    # long skip (the embedded clip, held in forward) adds to the whole sequence. Padded frames would be masked keys
+    # of the sharded sequence: refused by the attention with a clear error.
+    "diffusers.LongCatAudioDiTTransformer": DiTPlan(
+        attention=(AttentionRoute("blocks.*.self_attn", ("AudioDiTSelfAttnProcessor",)),),
+        plan={
+            "blocks.0": (SplitInput("hidden_states", dim=1),),
+            "blocks.*": (SplitInput("mask", dim=1), SplitInput("rope", dim=0)),
+            "blocks.-1": (GatherOutput(dim=1),),
+        },
+        heads="dit_heads",
+    ),
 }
 
 
@@ -965,19 +1016,6 @@ UNSUPPORTED: dict[str, str] = {
         "shard is not a whole number of frames"
     ),
     # The sequence is gathered before layers with parameters.
-    "StableAudio3DiTModel": (
-        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
-        "projection (the sequence must be whole before it)"
-    ),
-    "MiniMaxMusic3Transformer1DModel": (
-        "a convolution with parameters (postprocess_conv) runs along time over the whole output after the "
-        "projection (the sequence must be whole before it)"
-    ),
-    "LongCatAudioDiTTransformer": (
-        "its rotary table is built from the sequence's own length (rotary_embed(x, x.shape[1]), one module shared "
-        "with the text), so it cannot be cut after the embedding, and the long skip adds the embedded input (held "
-        "in forward before the first block) to the last block's output"
-    ),
     "LatteTransformer3DModel": (
         "its temporal blocks fold the spatial tokens into the batch ([B * S, F, D]) with a timestep repeated per "
         "spatial token, a batch-flattened tensor a sequence cut cannot reach"

@@ -811,6 +811,56 @@ TINY_DITS: dict[str, TinyDiT] = {
         ),
         routed=4,
     ),
+    "stable_audio3": TinyDiT(  # 4 memory tokens, then 25 audio frames; differential attention (2 calls per module)
+        "StableAudio3DiTModel",
+        dict(
+            io_channels=4,
+            embed_dim=32,
+            depth=2,
+            num_heads=4,
+            cond_token_dim=16,
+            global_cond_dim=16,
+            local_add_cond_dim=4,
+            timestep_features_dim=16,
+            ff_mult=1.0,
+            num_memory_tokens=4,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 25)),
+            timestep=Tensor([0.7]),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            global_hidden_states=Randn((1, 16)),
+        ),
+        calls=2,
+    ),
+    "minimax_music3": TinyDiT(  # the timestep token, then 25 frames
+        "MiniMaxMusic3Transformer1DModel",
+        dict(
+            in_channels=4,
+            condition_dim=4,
+            num_layers=2,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            ff_inner_dim=32,
+            rotary_dim=4,
+            fourier_embedding_dim=16,
+        ),
+        dict(
+            hidden_states=Randn((1, 4, 25)), timestep=Tensor([0.7]), encoder_hidden_states=Randn((1, 25, 4))
+        ),
+    ),
+    "longcat_audio": TinyDiT(  # 25 latent frames, 6 text tokens (padded: masked in the text cross-attention)
+        "LongCatAudioDiTTransformer",
+        dict(dit_dim=32, dit_depth=2, dit_heads=4, dit_text_dim=16, latent_dim=4, ff_mult=1.0),
+        dict(
+            hidden_states=Randn((1, 25, 4)),
+            encoder_hidden_states=Randn((1, 6, 16)),
+            encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0]], "bool"),
+            timestep=Tensor([0.7]),
+            latent_cond=Randn((1, 25, 4)),
+        ),
+        mask="encoder_attention_mask",
+    ),
 }
 
 
