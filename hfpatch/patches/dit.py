@@ -1043,8 +1043,8 @@ UNSUPPORTED: dict[str, str] = {
         "neighbouring positions"
     ),
     "DreamLiteTransformer2DModel": (
-        "a continuous-input block transformer: GroupNorm over the whole 2D feature map, then a 1x1 convolution "
-        "projection on the reshaped map after the blocks (parameters on the whole grid)"
+        "a component of the DreamLite U-Net (continuous input: GroupNorm over a 2D feature map inside U-Net blocks "
+        "whose convolutions mix neighbouring positions); hfpatch does not sequence-split U-Nets"
     ),
     "BriaFibo2Transformer2DModel": (
         "the per-token noise mask and the output's image tokens are taken by position from counts of the whole "
