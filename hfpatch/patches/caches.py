@@ -26,8 +26,9 @@ result). What hfpatch does for each of diffusers' caches:
   running other calls under CFG/data parallelism) from model-specific metadata: refused under hfpatch's
   parallelism.
 
-A cache enabled *after* ``hfpatch.apply`` is found at the next call and refused on every rank before any
-collective ("enable the cache before hfpatch.apply").
+Under sequence parallelism, a cache enabled *after* ``hfpatch.apply`` is found at the next call and refused on
+every rank before any collective ("enable the cache before hfpatch.apply"); with CFG/data parallelism alone, enable
+caches before ``apply`` (they are checked there).
 
 >>> from hfpatch.patches.caches import cache_names
 >>> from hfpatch.testing import tiny_qwenimage_transformer
