@@ -2,9 +2,9 @@
 hot-swap and torch.compile on a patched transformer, gloo, fp32.
 
 Each case builds the tiny QwenImage transformer (joint attention, padded-prompt mask, 25 image tokens) with the
-feature, runs it unpatched (the reference: the feature on one rank), applies ``hfpatch.apply`` (Ulysses and Ring
-over the whole world) and runs again: the output must equal the reference within ``reassociation_tol`` of the
-plain model's fp32-vs-fp64 noise, and ``patch.remove()`` must give the reference back bit for bit.
+feature, runs it unpatched (the reference: the feature on one rank), applies ``hfpatch.apply`` (Ulysses 2 and
+Ring 2) and runs again: the output must equal the reference within ``reassociation_tol`` of the plain model's
+fp32-vs-fp64 noise, and ``patch.remove()`` must give the reference back bit for bit.
 
 * group offloading (``enable_group_offload``, block level, CPU to CPU here: the hooks that move each block's
   weights run as on a GPU) applied before ``hfpatch.apply``;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from test_dit_usp import build
@@ -84,9 +83,8 @@ def compose_cases() -> dict[str, dict[str, Any]]:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_model_hooks_compose_with_sequence_parallelism(rank_pool, world):
-    results = rank_pool(world).run(compose_cases)
+def test_model_hooks_compose_with_sequence_parallelism(rank_pool):
+    results = rank_pool(2).run(compose_cases)  # 25 tokens: 13 + 12, the second shard padded
     for case in results[0]:
         for rank, result in enumerate(r[case] for r in results):
             assert result["error"] <= reassociation_tol(result["noise"]), (rank, case, result["error"])
