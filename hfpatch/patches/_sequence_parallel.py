@@ -3,7 +3,8 @@
 A DiT family declares *where* its token sequence is cut and gathered as a plan, a dict from submodule path
 (``""`` is the model itself) to specs:
 
-* :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs,
+* :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs
+  (:class:`MeasureInput` only takes the sequence length from one),
 * :class:`SplitOutput` shards what the submodule returns (one element of a tuple output with ``index``),
 * :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
 
@@ -43,6 +44,7 @@ input gradient to whatever produced the input.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,6 +63,7 @@ from ..distributed.gradients import average_input_gradients, grad_scaled_by_grou
 
 __all__ = [
     "GatherOutput",
+    "MeasureInput",
     "ReplicatedOutput",
     "SequenceParallelFamily",
     "SequencePlan",
@@ -84,11 +87,29 @@ class SplitInput:
         dim: Sequence dim of the tensor (of each tensor, for a tuple or list).
         ndim: Only shard tensors with this many dims; others pass through replicated (e.g. Wan's
             ``timestep`` is sharded when it is per-token ``[B, S]`` and left alone when it is ``[B]``).
+        joint: ``"front"``/``"back"``: the tensor holds replicated tokens (the text) before/after the sharded
+            ones, whose count is this call's sequence length (set by an earlier split of the plan): only those are
+            cut, the replicated ones stay in place (a packed ``[text, image]`` sequence or its mask).
+        index: Only cut element ``index`` of a tuple/list argument (JoyImage's ``((cos, sin), text_freqs)``).
     """
 
     name: str
     dim: int
     ndim: int | None = None
+    joint: str | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class MeasureInput:
+    """Take this call's sequence length from the argument ``name`` (its size along ``dim``) without cutting it.
+
+    For a model that packs its image tokens with the text before cutting them (a joint split, which needs the
+    sharded length, comes first in the plan): the length is measured where the image tokens are still alone.
+    """
+
+    name: str
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -105,13 +126,21 @@ class SplitOutput:
     ndim: int | None = None
     flatten_from: int | None = None
     index: int | None = None
+    joint: str | None = None
 
 
 @dataclass(frozen=True)
 class GatherOutput:
-    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding."""
+    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding.
+
+    ``joint="front"``/``"back"``: the output holds replicated tokens before/after this rank's shard (a packed
+    ``[text, image]`` sequence); only the shards are gathered, the replicated tokens are kept in place.
+    ``index``: gather only that element of a tuple/list output (a block returning ``(image, text)``).
+    """
 
     dim: int
+    joint: str | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +153,7 @@ class ReplicatedOutput:
     """
 
 
-Spec = SplitInput | SplitOutput | GatherOutput | ReplicatedOutput
+Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput
 #: Submodule path (``""`` = the model) -> the specs applied there.
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
@@ -154,15 +183,26 @@ class SequenceShard:
         self.rank = dist.get_rank(group)
         self.valid_len: int | None = None
         self.local_len: int | None = None
-        #: Attention path -> replicated text tokens its joint attention took in this call (a stand-in that
-        #: splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
-        self.text_len: dict[str, int] = {}
+        #: (attention path, call index) -> replicated text tokens its joint attention took in this call (a
+        #: stand-in that splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
+        self.text_len: dict[Any, int] = {}
 
     def begin(self) -> None:
         """Forget the previous call's geometry (a new forward may have another sequence length)."""
         self.valid_len = None
         self.local_len = None
         self.text_len.clear()
+
+    def measure(self, length: int, where: str) -> None:
+        """Record (or check) this call's sequence length without cutting anything."""
+        if self.valid_len is None:
+            self.valid_len = length
+            self.local_len = shard_len(length, self.world)
+        elif length != self.valid_len:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r} got a sequence of {length} tokens but this forward "
+                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
+            )
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
@@ -186,6 +226,41 @@ class SequenceShard:
             )
         full = all_gather(x.contiguous(), dim, self.group, backward="slice")
         return grad_scaled_by_group(full.narrow(dim, 0, self.valid_len), self.group)
+
+    def _joint_parts(self, length: int, sharded: int, joint: str, where: str) -> list[int]:
+        if joint not in ("front", "back"):
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: joint must be 'front' or 'back', not {joint!r}"
+            )
+        if self.valid_len is None:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: a joint split/gather needs this call's sequence length, "
+                "set by an earlier split of the plan; none ran before it"
+            )
+        if length < sharded:
+            raise ValueError(
+                f"sequence-parallel plan at {where!r}: {length} tokens cannot hold the {sharded} sharded ones "
+                "of this call"
+            )
+        return [length - sharded, sharded] if joint == "front" else [sharded, length - sharded]
+
+    def split_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
+        """Cut the ``valid_len`` sharded tokens of a ``[replicated, sharded]`` (``front``) or ``[sharded,
+        replicated]`` (``back``) sequence along ``dim``; the replicated ones stay whole, in place."""
+        sizes = self._joint_parts(x.shape[dim], self.valid_len or 0, joint, where)
+        first, second = x.split(sizes, dim)
+        if joint == "front":
+            return torch.cat([first, shard_sequence(second, dim, self.world, self.rank)], dim)
+        return torch.cat([shard_sequence(first, dim, self.world, self.rank), second], dim)
+
+    def gather_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
+        """Gather the shards of a ``[replicated, shard]`` / ``[shard, replicated]`` sequence (the inverse of
+        :meth:`split_joint`)."""
+        sizes = self._joint_parts(x.shape[dim], self.local_len or 0, joint, where)
+        first, second = x.split(sizes, dim)
+        if joint == "front":
+            return torch.cat([first, self.gather(second, dim)], dim)
+        return torch.cat([self.gather(first, dim), second], dim)
 
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
@@ -217,18 +292,33 @@ class _FirstRankGrad(torch.autograd.Function):
 
 
 def _map_tensors(value: Any, fn) -> Any:
-    """Apply ``fn`` to a tensor, or to each tensor of a tuple/list (other values pass through)."""
+    """Apply ``fn`` to a tensor, or to each tensor of a tuple/list/dict (other values pass through)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
         return type(value)(fn(v) for v in value)
+    if type(value) is dict and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return {k: fn(v) for k, v in value.items()}  # AnyFlow's rotary {"query": ..., "key": ...}
     return value
 
 
-def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str):
+def _cut_element(value: Any, fn, index: int | None) -> Any:
+    """:func:`_map_tensors` on ``value``, or only on its element ``index`` (a tuple/list; ``None`` passes)."""
+    if index is None:
+        return _map_tensors(value, fn)
+    if value is None:
+        return value
+    items = list(value)
+    items[index] = _map_tensors(items[index], fn)
+    return type(value)(items)
+
+
+def _splitter(state: SequenceShard, dim: int, ndim: int | None, where: str, joint: str | None = None):
     def split(x: torch.Tensor) -> torch.Tensor:
         if ndim is not None and x.dim() != ndim:
             return x
+        if joint is not None:
+            return state.split_joint(x, dim % x.dim(), joint, where)
         return state.split(x, dim % x.dim(), where)
 
     return split
@@ -259,8 +349,24 @@ def _matches(pattern: list[str], name: str) -> bool:
     return len(parts) == len(pattern) and all(p in ("*", n) for p, n in zip(pattern, parts))
 
 
+def _last_child(model: torch.nn.Module, path: str) -> str:
+    """``path`` with each ``-1`` segment replaced by the index of the last module of that list."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part == "-1":
+            parent = _resolve(model, ".".join(parts[:i]))
+            if not isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(parent):
+                raise ValueError(
+                    f"sequence-parallel plan names {path!r}: {'.'.join(parts[:i]) or 'the model'} is not a "
+                    "non-empty list of modules"
+                )
+            parts[i] = str(len(parent) - 1)
+    return ".".join(parts)
+
+
 def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[Spec, ...]]:
-    """``plan`` with every ``*`` path replaced by the submodule paths it matches (in module order). Pure.
+    """``plan`` with every ``*`` path replaced by the submodule paths it matches (in module order), and every
+    ``-1`` segment by the index of the last module of that list (``"blocks.-1"``: the last block). Pure.
 
     Raises:
         ValueError: A pattern that matches no submodule of ``model``.
@@ -272,6 +378,7 @@ def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[S
     expanded: dict[str, tuple[Spec, ...]] = {}
     names: list[str] | None = None
     for path, specs in plan.items():
+        path = _last_child(model, path)
         if "*" in path:
             if names is None:
                 names = [name for name, _ in model.named_modules() if name]
@@ -291,20 +398,32 @@ def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[S
 def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
     """Raise ``ValueError`` if ``plan`` names a submodule or an argument ``model`` does not have. Pure."""
     for path, specs in expand_plan(model, plan).items():
-        _positions(_resolve(model, path), [s for s in specs if isinstance(s, SplitInput)], path)
+        _positions(
+            _resolve(model, path), [s for s in specs if isinstance(s, (SplitInput, MeasureInput))], path
+        )
 
 
-def _input_hook(module: torch.nn.Module, specs: list[SplitInput], state: SequenceShard, path: str):
+def _input_hook(
+    module: torch.nn.Module, specs: list[SplitInput | MeasureInput], state: SequenceShard, path: str
+):
     positions = _positions(module, specs, path)
 
     def split_inputs(_module, args, kwargs):
         args = list(args)
         for spec in specs:
-            split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}")
+            if isinstance(spec, MeasureInput):
+                value = kwargs.get(
+                    spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
+                )
+                if isinstance(value, torch.Tensor):
+                    state.measure(value.shape[spec.dim], f"{path}:{spec.name}")
+                continue
+            split = _splitter(state, spec.dim, spec.ndim, f"{path}:{spec.name}", spec.joint)
+            cut = functools.partial(_cut_element, fn=split, index=spec.index)
             if spec.name in kwargs:
-                kwargs[spec.name] = _map_tensors(kwargs[spec.name], split)
+                kwargs[spec.name] = cut(kwargs[spec.name])
             elif positions[spec.name] < len(args):
-                args[positions[spec.name]] = _map_tensors(args[positions[spec.name]], split)
+                args[positions[spec.name]] = cut(args[positions[spec.name]])
         return tuple(args), kwargs
 
     return split_inputs
@@ -336,13 +455,13 @@ def apply_sequence_plan(
     def install(path: str, specs: tuple[Spec, ...]) -> None:
         module = _resolve(model, path)
         handles = []
-        inputs = [s for s in specs if isinstance(s, SplitInput)]
+        inputs = [s for s in specs if isinstance(s, (SplitInput, MeasureInput))]
         if inputs:
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
             if isinstance(spec, SplitOutput):
                 where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
-                split = _splitter(state, spec.dim, spec.ndim, where)
+                split = _splitter(state, spec.dim, spec.ndim, where, spec.joint)
 
                 def split_output(
                     _m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from, index=spec.index
@@ -361,8 +480,21 @@ def apply_sequence_plan(
                 handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
 
-                def gather_output(_m, _args, _kwargs, out, dim=spec.dim):
-                    return state.gather(out, dim)
+                def gather_output(
+                    _m, _args, _kwargs, out, dim=spec.dim, joint=spec.joint, index=spec.index, where=path
+                ):
+                    def gather(x):
+                        return (
+                            state.gather(x, dim)
+                            if joint is None
+                            else state.gather_joint(x, dim, joint, where)
+                        )
+
+                    if index is None:
+                        return gather(out)
+                    items = list(out)
+                    items[index] = gather(items[index])
+                    return type(out)(items)
 
                 handles.append(patch.add_forward_hook(module, gather_output))
             elif isinstance(spec, ReplicatedOutput):

@@ -64,17 +64,18 @@ import copy
 import functools
 import inspect
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..core.config import ParallelConfig
+from ..core.config import ModelFacts, ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import class_key
 from ._sequence_parallel import (
     GatherOutput,
+    MeasureInput,
     ReplicatedOutput,
     SequenceParallelFamily,
     SequencePlan,
@@ -112,7 +113,8 @@ class AttentionRoute:
         joint: ``None`` for self-attention over the sharded tokens only; ``"front"``/``"back"`` where the
             processor concatenates the replicated text tokens before/after the image tokens; ``"queries"``
             for a cross-attention whose queries are a replicated stream and whose keys/values are the sharded
-            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`).
+            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`); ``"keys"`` where
+            only the image tokens query and the replicated text joins as keys/values in front (PRX).
         optional: The path may match no module (SD3.5's ``attn2`` exists only in its dual-attention blocks).
     """
 
@@ -135,10 +137,16 @@ class DiTPlan:
             of ``extra`` (QwenImage: the image tokens at ``img_in``'s output rather than block 0's input, so the
             full embedding is freed at once instead of living until block 0 returns).
         extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
-        refuse: ``forward`` arguments that must be ``None`` under sequence parallelism (checked per call,
-            before any collective), with the reason.
+        refuse: ``forward`` arguments that must be ``None`` (or ``False``) under sequence parallelism (checked
+            per call, before any collective), with the reason.
         refuse_config: ``config`` attribute -> (value, reason): a model configured so is refused at ``apply``
-            (a variant whose stock code indexes the token sequence by position, say).
+            (a variant whose stock code indexes the token sequence by position, say). ``value`` may be a
+            predicate of the attribute's value instead (``refused_unless(1)``).
+        check: ``(model, named forward arguments) -> None`` run per call before any collective: raises a
+            ``ValueError`` for inputs the plan cannot cut exactly (a batch whose samples pack text and image at
+            different offsets, say).
+        heads: The ``config`` attribute holding the attention head count (Ulysses splits heads), or a function of
+            the config that returns it.
     """
 
     attention: tuple[AttentionRoute, ...]
@@ -148,6 +156,18 @@ class DiTPlan:
     extra: SequencePlan = field(default_factory=dict)
     refuse: Mapping[str, str] = field(default_factory=dict)
     refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    check: Callable[[Any, dict[str, Any]], None] | None = None
+    heads: str | Callable[[Any], int] = "num_attention_heads"
+
+
+def refused_unless(*allowed: Any) -> Callable[[Any], bool]:
+    """A :attr:`DiTPlan.refuse_config` predicate: refuse every value but ``allowed``."""
+
+    def refused(value: Any) -> bool:
+        return value not in allowed
+
+    refused.__qualname__ = f"refused_unless{allowed!r}"
+    return refused
 
 
 _TEXT = "the text tokens stay replicated (joint part of the attention)"
@@ -162,6 +182,100 @@ _WAN_PLAN: SequencePlan = {
     "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
     "proj_out": (GatherOutput(dim=1),),
 }
+
+#: The packed image tokens [B, S, C] and their ids ([S, n], or deprecated [B, S, n]) cut at the model's input, the
+#: output gathered at ``proj_out``: the plan of every Flux-like model (and of Flux.1's _cp_plan minus the text).
+_IMAGE_TOKENS_PLAN: SequencePlan = {
+    "": (SplitInput("hidden_states", dim=1), SplitInput("img_ids", dim=-2)),
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+
+#: Flux-style ControlNet residuals: lists of [B, S, D] added per image token (to the image part of the joint
+#: sequence in the single-stream blocks), cut like the tokens.
+_CONTROLNET = (
+    SplitInput("controlnet_block_samples", dim=1),
+    SplitInput("controlnet_single_block_samples", dim=1),
+)
+
+
+def flux_like(processor: str, single: str | None = None, **row: Any) -> DiTPlan:
+    """The row of a Flux-like model: dual-stream ``transformer_blocks.*.attn`` (``processor``) and single-stream
+    ``single_transformer_blocks.*.attn`` (``single``, default ``processor``) both attend over ``[text, image]``
+    (text replicated, in front); the packed image tokens and their ids are cut at the model's input
+    (:data:`_IMAGE_TOKENS_PLAN`). ``row`` adds or overrides :class:`DiTPlan` fields.
+    """
+    return DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", (processor,), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", (single or processor,), joint="front"),
+        ),
+        **{"plan": _IMAGE_TOKENS_PLAN, **row},
+    )
+
+
+#: HunyuanVideo's layout (and its relatives'): the video tokens cut at the patch embedding's output, the rotary
+#: tables at the rope's, the output gathered at ``proj_out``.
+_HUNYUAN_PLAN: SequencePlan = {
+    "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
+    "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+
+def _same_size_images(model: Any, named: dict[str, Any]) -> None:
+    """Z-Image: every sample's image tokens must start at the same place of the packed sequence."""
+    images = named.get("x") or []
+    if images and isinstance(images[0], list):
+        raise ValueError(
+            f"{type(model).__name__}: the omni mode (lists of images per sample, [text, images, SigLIP] packed per "
+            "sample) is not supported under sequence parallelism; call with one image per sample"
+        )
+    if len({tuple(x.shape) for x in images}) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: images of different sizes in one batch are packed at different offsets "
+            "(masked per sample), which a sequence split cannot cut exactly; call with images of one size"
+        )
+
+
+def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
+    """Lumina 2: every sample's image tokens must start at the same place of the packed [text, image] sequence."""
+    mask = named.get("encoder_attention_mask")
+    if mask is not None and len(set(mask.sum(dim=1).tolist())) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: captions of different lengths in one batch put the image tokens at different "
+            "offsets of the packed sequence, which a sequence split cannot cut exactly; pad the prompts of one call "
+            "to the same number of valid tokens, or use CFG parallel (one prompt per rank)"
+        )
+
+
+def _one_segment(model: Any, named: dict[str, Any]) -> None:
+    """Ideogram 4: one attention segment per sample (several make a block-diagonal mask over the sharded tokens)."""
+    segments = named.get("segment_ids")
+    if segments is not None and bool((segments != segments[:, :1]).any()):
+        raise ValueError(
+            f"{type(model).__name__}: segment_ids with several segments per sample (packed samples attending "
+            "within their segment) make a block-diagonal mask over the sharded tokens; call with one segment per "
+            "sample"
+        )
+
+
+def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
+    """JoyImage-Edit-Plus: no padded (masked) patch among the sharded tokens."""
+    shapes, hidden_states = named.get("shape_list"), named.get("hidden_states")
+    if shapes is None or hidden_states is None or named.get("encoder_hidden_states_mask") is None:
+        return
+    if any(sum(t * h * w for t, h, w in sample) != hidden_states.shape[1] for sample in shapes):
+        raise ValueError(
+            f"{type(model).__name__}: samples with fewer patches than the batch's longest are padded with masked "
+            "patches, which are sharded over the ranks; call with samples of one patch count"
+        )
+
+
+def _kandinsky_heads(config: Any) -> int:
+    """Kandinsky 5's head count: its head size is the sum of the rotary axes."""
+    return config.model_dim // sum(config.axes_dims)
+
 
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
@@ -294,11 +408,7 @@ PLANS: dict[str, DiTPlan] = {
                 "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
             ),
         ),
-        plan={
-            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
-            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
-            "proj_out": (GatherOutput(dim=1),),
-        },
+        plan=_HUNYUAN_PLAN,
         refuse_config={
             "image_condition_type": (
                 "token_replace",
@@ -315,11 +425,7 @@ PLANS: dict[str, DiTPlan] = {
         attention=(
             AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideo15AttnProcessor2_0",), joint="back"),
         ),
-        plan={
-            "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
-            "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
-            "proj_out": (GatherOutput(dim=1),),
-        },
+        plan=_HUNYUAN_PLAN,
     ),
     # LTX-2 (audio + video): _cp_plan minus the text. Only the video tokens are cut (hidden_states, the
     # self-attention and a2v/v2a rotary tables: [B, S, D] for interleaved rope, [B, H, S, D/2] for split rope,
@@ -355,6 +461,488 @@ PLANS: dict[str, DiTPlan] = {
     "diffusers.MiniMaxH3Transformer3DModel": DiTPlan(
         attention=(AttentionRoute("transformer_blocks.*.attn", ("MiniMaxH3AttnProcessor",)),),
     ),
+    # Chroma (Flux.1-schnell derived): Flux's layout; the key mask over [text, image] ([B, T + S]) is cut like
+    # the tokens (its text part replicated). The blocks make it a token mask m[i] * m[j]: exact when boolean;
+    # the 0/1 float mask ChromaPipeline passes is an additive bias (+1 on unmasked pairs), refused by the
+    # attention with a clear error.
+    "diffusers.ChromaTransformer2DModel": flux_like(
+        "FluxAttnProcessor",
+        plan={
+            "": (*_IMAGE_TOKENS_PLAN[""], SplitInput("attention_mask", dim=1, joint="front"), *_CONTROLNET),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Bria 3.x, LongCat-Image, Ovis-Image: Flux.1's layout with processors of their own (same code shape).
+    "diffusers.BriaTransformer2DModel": flux_like(
+        "BriaAttnProcessor",
+        plan={
+            "": (*_IMAGE_TOKENS_PLAN[""], *_CONTROLNET),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    "diffusers.LongCatImageTransformer2DModel": flux_like("LongCatImageAttnProcessor"),
+    "diffusers.OvisImageTransformer2DModel": flux_like("OvisImageAttnProcessor"),
+    # Bria FIBO: dual-stream blocks with its own processor, single-stream blocks with Bria's; per-block text
+    # encoder layers (replicated) are mixed into the text stream.
+    "diffusers.BriaFiboTransformer2DModel": flux_like("BriaFiboAttnProcessor", "BriaAttnProcessor"),
+    # FLUX.3: per-mode blocks (image, reference image, text: each self-attends within its mode), then single
+    # blocks over [text, image, reference]. The image tokens and their ids are cut at the input (the stock code
+    # takes the image length from the shard), the text stays replicated; only the image mode's blocks and the
+    # joint blocks are routed (the text mode's, same processor class, run the stock code).
+    "diffusers.Flux3Transformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("mode_blocks.image.*.attn", ("Flux3AttnProcessor",)),
+            AttentionRoute("single_transformer_blocks.*.attn", ("Flux3AttnProcessor",), joint="front"),
+        ),
+        plan=_IMAGE_TOKENS_PLAN,
+        refuse={
+            "image_cond_hidden_states": (
+                "the reference image tokens are a second sequence of their own length, joined behind the image "
+                "tokens: the replicated tokens would sit on both sides of the shard"
+            )
+        },
+    ),
+    # SkyReels-V2 (T2V, I2V): Wan's layout (rope output and patch embedding cut, attn1 routed, cross-attention
+    # local). Diffusion forcing expands per-frame timesteps to per-token modulation inside forward, and the
+    # block-causal variant builds a token x token mask: both refused.
+    "diffusers.SkyReelsV2Transformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("SkyReelsV2AttnProcessor",)),),
+        plan={k: v for k, v in _WAN_PLAN.items() if k != ""},
+        refuse={
+            "enable_diffusion_forcing": (
+                "the per-frame timesteps become a per-token modulation inside forward, which no plan entry reaches"
+            )
+        },
+        refuse_config={
+            "num_frame_per_block": (
+                refused_unless(1),
+                "the block-causal variant attends through a token x token mask over the sharded video",
+            )
+        },
+    ),
+    # HunyuanImage 2.1: HunyuanVideo's layout (video tokens behind which the refined, replicated text joins;
+    # a key mask over [image, text] with the image part all True).
+    "diffusers.HunyuanImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
+        ),
+        plan=_HUNYUAN_PLAN,
+    ),
+    # CogView4: the patch embedding returns (image, text): the image tokens are cut, with the rotary table
+    # ([S, D] each); the stock processor (SDPA) attends over [text, image].
+    "diffusers.CogView4Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogView4AttnProcessor",), joint="front"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "patch_embed": (SplitOutput(dim=1, index=0),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # ERNIE-Image: one packed, sequence-first [image, text] stream ([S, B, H]). The image tokens are cut at the
+    # patch embedding's output; the rotary table over [image, text] and the key mask (the text padded) are cut
+    # at their image part; the packed output of the last layer is gathered (the stock code slices the image off).
+    "diffusers.ErnieImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("layers.*.self_attention", ("ErnieImageSingleStreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "x_embedder": (SplitOutput(dim=1),),  # [B, S, H]
+            "pos_embed": (SplitOutput(dim=1, joint="back"),),  # [B, S + T, 1, D]
+            "layers.*": (SplitInput("attention_mask", dim=-1, joint="back"),),  # [B, 1, 1, S + T]
+            "final_linear": (GatherOutput(dim=0, joint="back"),),  # [S + T, B, C]
+        },
+    ),
+    # Krea 2: a single stream over [text, image] (the text fused from the encoder's layers first, replicated).
+    # The image tokens are cut at their embedding, the rotary table over [text, image] (from position_ids) and
+    # the key mask at their image part; the output layer gathers the image tokens.
+    "diffusers.Krea2Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn", ("Krea2AttnProcessor",), joint="front"),),
+        plan={
+            "img_in": (SplitOutput(dim=1),),
+            "rotary_emb": (SplitOutput(dim=0, joint="front"),),  # (cos, sin), each [T + S, D]
+            "transformer_blocks.*": (
+                SplitInput("attention_mask", dim=-1, joint="front"),
+            ),  # [B, 1, 1, T + S]
+            "final_layer": (GatherOutput(dim=1),),
+        },
+    ),
+    # GLM-Image: CogView4's layout (rotary table and image tokens cut, text replicated in front), plus the
+    # per-token prior (AR) tokens, cut after their projection. The KV cache of the reference images (kv_caches)
+    # holds keys of another pass: refused.
+    "diffusers.GlmImageTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("GlmImageAttnProcessor",), joint="front"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "image_projector": (SplitOutput(dim=1),),
+            "prior_projector": (SplitOutput(dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        refuse={"kv_caches": "the cached reference keys come from another forward, not cut by this plan"},
+    ),
+    # Z-Image (Turbo, base): the image tokens (padded to a multiple of 32 with a learned pad token, which takes part
+    # in attention) are cut entering the noise refiner, whose blocks attend within the image; the unified
+    # sequence [image, text] then holds this rank's shard and the whole (replicated) text: its rotary table and
+    # key mask (captions of different padded lengths) are cut at their image part, and the final layer's output
+    # is gathered the same way. The caption refiner attends within the text (not routed).
+    "diffusers.ZImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("noise_refiner.*.attention", ("ZSingleStreamAttnProcessor",)),
+            AttentionRoute("layers.*.attention", ("ZSingleStreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "noise_refiner.0": (SplitInput("x", dim=1),),  # [B, S, D], S padded to a multiple of 32
+            "noise_refiner.*": (SplitInput("freqs_cis", dim=1),),  # complex [B, S, D/2]
+            "layers.*": (
+                SplitInput("freqs_cis", dim=1, joint="back"),  # [B, S + T, D/2]
+                SplitInput("attn_mask", dim=1, joint="back"),  # [B, S + T] when the captions differ in length
+            ),
+            "all_final_layer.*": (GatherOutput(dim=1, joint="back"),),
+        },
+        refuse={"controlnet_block_samples": "the residuals span the packed [image, text] sequence"},
+        check=_same_size_images,
+        heads="n_heads",
+    ),
+    # Lumina-Image 2.0: the refiners run on the text and on the image apart; then one packed [text, image] sequence
+    # (the valid caption tokens, then the image). Its length is taken from the noise refiner's input and the
+    # packed sequence is cut at its image part entering the first main block (with its rotary table per block);
+    # the output norm's projection is gathered the same way. The noise refiner attends within the whole image on
+    # every rank (not routed).
+    "diffusers.Lumina2Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("layers.*.attn", ("Lumina2AttnProcessor2_0",), joint="front"),),
+        plan={
+            "noise_refiner.0": (MeasureInput("hidden_states", dim=1),),
+            "layers.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "layers.*": (SplitInput("image_rotary_emb", dim=1, joint="front"),),  # complex [B, T + S, D/2]
+            "norm_out": (GatherOutput(dim=1, joint="front"),),
+        },
+        check=_same_caption_lengths,
+    ),
+    # PRX: the image tokens query [text, image] keys (no text queries; the text is projected to keys/values
+    # only, replicated). The image tokens are cut at their embedding, the rotary table ([B, 1, S, ...]) at the
+    # rope's output; the final layer's output is gathered.
+    "diffusers.PRXTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attention", ("PRXAttnProcessor2_0",), joint="keys"),),
+        plan={
+            "img_in": (SplitOutput(dim=1),),
+            "pe_embedder": (SplitOutput(dim=2),),
+            "final_layer": (GatherOutput(dim=1),),
+        },
+        heads="num_heads",
+    ),
+    # JoyImage-Edit: Wan-like patch embedding (cut as tokens), double-stream blocks attending over [image, text]
+    # (text replicated, behind); the image rotary table ((cos, sin), each [S, D]) is the first element of the
+    # blocks' rotary argument. Several images (edit inputs) form one longer token sequence.
+    "diffusers.JoyImageEditTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("double_blocks.*.attn", ("JoyImageAttnProcessor",), joint="back"),),
+        plan={
+            "img_in": (SplitOutput(dim=2, flatten_from=2),),
+            "double_blocks.*": (SplitInput("image_rotary_emb", dim=0, index=0),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # JoyImage-Edit-Plus: per-sample packed patches (padded to the batch's longest, padding masked); the patch
+    # tokens are cut entering the first block, with their rotary table ([B, N, D]) and the [image, text] key mask.
+    # A padded patch (a sample shorter than the batch's longest) would be a masked image token: refused per call.
+    "diffusers.JoyImageEditPlusTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("double_blocks.*.attn", ("JoyImageEditPlusAttnProcessor",), joint="back"),),
+        plan={
+            "double_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "double_blocks.*": (
+                SplitInput("image_rotary_emb", dim=1),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        check=_no_padded_patches,
+    ),
+    # Mochi 1: the video tokens cut entering the first block (the patch embedding runs per frame), with the rotary
+    # table ((cos, sin), each [S, H, D/2]); the stock processor (SDPA) attends once per sample over [video, that
+    # sample's valid text tokens] (text replicated, behind).
+    "diffusers.MochiTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("MochiAttnProcessor2_0",), joint="back"),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Cosmos Predict 2 / 2.5: the video tokens cut entering the first block, with the rotary table ([S, D] each),
+    # the learned positions ([B, S, D]), ControlNet residuals and, for per-frame timesteps (video-to-world), the
+    # per-token modulation ([B, S, D]) the blocks and the output norm take. The self-attention (whose stock
+    # processor calls dispatch_attention_fn without parallel_config) is routed per stand-in; the
+    # cross-attention to the text (and image context) is local.
+    "diffusers.CosmosTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("CosmosAttnProcessor2_0",)),),
+        plan={
+            "rope": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("extra_pos_emb", dim=1),  # learned positions [B, S, D] (None without them)
+                SplitInput("embedded_timestep", dim=1, ndim=3),
+                SplitInput("temb", dim=1, ndim=3),
+                SplitInput("controlnet_residual", dim=1),
+            ),
+            "norm_out": (SplitInput("embedded_timestep", dim=1, ndim=3), SplitInput("temb", dim=1, ndim=3)),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Motif-Video: HunyuanVideo's layout (video tokens cut at the patch embedding, rotary tables at the rope, the
+    # text and image-prompt tokens replicated and joined behind). Its decoder layers attend from a second copy of
+    # the embedded video to the main stream's output as their context: refused.
+    "diffusers.MotifVideoTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
+        ),
+        plan=_HUNYUAN_PLAN,
+        refuse_config={
+            "num_decoder_layers": (
+                refused_unless(0),
+                "the decoder layers take the main stream's whole output as their context, which the split leaves "
+                "on its rank's shard",
+            )
+        },
+    ),
+    # AnyFlow (bidirectional): Wan's layout; its per-frame timesteps reach the blocks and the output norm as
+    # per-token embeddings returned by the condition embedder ([B, S, D] and [B, S, 6D]), cut there; the rotary
+    # table is a dict {query, key} of [1, 1, S, D].
+    "diffusers.AnyFlowTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("AnyFlowAttnProcessor",)),),
+        plan={
+            "rope": (SplitOutput(dim=2),),
+            "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
+            "condition_embedder": (SplitOutput(dim=1, index=0), SplitOutput(dim=1, index=1)),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # DiT (class-conditional): PixArt's layout (the patch embedding's output, sin-cos positions added, cut; attn1
+    # routed, SDPA); the output projection's result is gathered before the unpatchify.
+    "diffusers.DiTTransformer2DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("AttnProcessor2_0",)),),
+        plan={"pos_embed": (SplitOutput(dim=1),), "proj_out_2": (GatherOutput(dim=1),)},
+    ),
+    # CogView3-Plus: the patch embedding returns [text, image] (positions added); the image tokens are cut entering
+    # the first block; CogVideoX's processor (SDPA) attends over [text, image].
+    "diffusers.CogView3PlusTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # EasyAnimate: the video tokens (embedded per frame) cut entering the first block, with the rotary table;
+    # its processor (SDPA) attends over [text, video].
+    "diffusers.EasyAnimateTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("EasyAnimateAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "rope_embedding": (SplitOutput(dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # AuraFlow: the patch embedding's output (positions added) cut; register tokens and text replicated in front,
+    # in the joint blocks and in the single blocks' packed [text, image] sequence (AuraFlow's processor, SDPA).
+    "diffusers.AuraFlowTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("joint_transformer_blocks.*.attn", ("AuraFlowAttnProcessor2_0",), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("AuraFlowAttnProcessor2_0",), joint="front"),
+        ),
+        plan={"pos_embed": (SplitOutput(dim=1),), "proj_out": (GatherOutput(dim=1),)},
+    ),
+    # ConsisID: CogVideoX's layout (the video tokens cut entering the first block, after the stock code separates
+    # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
+    # keys the replicated face embedding: local, exact.
+    "diffusers.ConsisIDTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "": (SplitInput("image_rotary_emb", dim=0),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
+    # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
+    # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
+    # (packed samples) make a block-diagonal mask over the shards: refused per call.
+    "diffusers.Ideogram4Transformer2DModel": DiTPlan(
+        attention=(AttentionRoute("layers.*.attention", ("Ideogram4AttnProcessor",)),),
+        plan={
+            "": (
+                SplitInput("hidden_states", dim=1),
+                SplitInput("encoder_hidden_states", dim=1),
+                SplitInput("position_ids", dim=1),
+                SplitInput("segment_ids", dim=1),
+                SplitInput("indicator", dim=1),
+                SplitInput("timestep", dim=1, ndim=2),  # per-token timesteps [B, L]
+            ),
+            "final_layer": (GatherOutput(dim=1),),
+        },
+        check=_one_segment,
+    ),
+    # HiDream-I1: image tokens cut at the patch embedding, text (T5 and Llama layers) replicated and joined behind
+    # the image tokens in dual- and single-stream blocks (HiDream's processor, SDPA); the rotary table over
+    # [image, text] and the key multipliers (hidden_states_masks: [image] in the dual, [image, text] in the single
+    # blocks) cut at their image part. The MoE routes each token on its own (top-k, no capacity): exact per shard.
+    "diffusers.HiDreamImageTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("double_stream_blocks.*.block.attn1", ("HiDreamAttnProcessor",), joint="back"),
+            AttentionRoute("single_stream_blocks.*.block.attn1", ("HiDreamAttnProcessor",), joint="back"),
+        ),
+        plan={
+            "x_embedder": (SplitOutput(dim=1),),
+            "pe_embedder": (SplitOutput(dim=1, joint="back"),),  # [B, S + T, 1, D/4, 2, 2]
+            "double_stream_blocks.*": (SplitInput("hidden_states_masks", dim=1),),
+            "single_stream_blocks.*": (SplitInput("hidden_states_masks", dim=1, joint="back"),),
+            "final_layer": (GatherOutput(dim=1),),
+        },
+    ),
+    # Kandinsky 5 (regular attention): the video tokens cut entering the first visual block (their rotary table at
+    # every block) and gathered at the last block's output, before the stock code reshapes them to the [B, F, H, W]
+    # grid for the output layer. The text blocks attend within the text (not routed), the visual blocks' cross-
+    # attention to the text is local. NABLA sparse attention (sparse_params) selects key blocks over the whole grid:
+    # refused.
+    "diffusers.Kandinsky5Transformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("visual_transformer_blocks.*.self_attention", ("Kandinsky5AttnProcessor",)),
+        ),
+        plan={
+            "visual_transformer_blocks.0": (SplitInput("visual_embed", dim=1),),
+            "visual_transformer_blocks.*": (SplitInput("rope", dim=1),),  # [B, S, 1, D/2, 2, 2]
+            "visual_transformer_blocks.-1": (GatherOutput(dim=1),),
+        },
+        refuse={"sparse_params": "NABLA sparse attention picks key blocks from scores over the whole grid"},
+        heads=_kandinsky_heads,
+    ),
+    # HunyuanVideo FramePack: HunyuanVideo's blocks over one packed sequence (the history latents, each patchified
+    # at its own scale, then the current latents), cut entering the first block with its rotary table ([S, D]
+    # each; `freqs_cis` in the dual blocks) and the [video, text] key mask at every block; the last single block's
+    # video output is gathered
+    # before the stock code slices the current latents off by position.
+    "diffusers.HunyuanVideoFramepackTransformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"),
+            AttentionRoute(
+                "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
+            ),
+        ),
+        plan={
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("freqs_cis", dim=0),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "single_transformer_blocks.*": (
+                SplitInput("image_rotary_emb", dim=0),
+                SplitInput("attention_mask", dim=-1, joint="back"),
+            ),
+            "single_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
+        },
+        refuse_config={
+            "image_condition_type": (
+                "token_replace",
+                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+            )
+        },
+    ),
+    # Stable Audio Open: the audio latent frames cut at the input projection (the pre-convolution runs on the
+    # whole clip first); the global (duration + time) token joins in front, replicated; the caller's rotary table
+    # over [global, audio] and the key mask are cut at their audio part per block; the projected output is
+    # gathered before the stock code drops the global token and runs its post-convolution over the whole clip.
+    "diffusers.StableAudioDiTModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn1", ("StableAudioAttnProcessor2_0",), joint="front"),
+        ),
+        plan={
+            "proj_in": (SplitOutput(dim=1),),
+            "transformer_blocks.*": (
+                SplitInput("rotary_embedding", dim=0, joint="front"),  # (cos, sin), each [1 + S, D']
+                SplitInput("attention_mask", dim=-1, joint="front"),
+            ),
+            "proj_out": (GatherOutput(dim=1, joint="front"),),
+        },
+    ),
+    # Kandinsky 6 (video + audio): LTX-2's layout. The video tokens are cut entering the first fused block (their
+    # rotary table at every block) and gathered from the last block's (video, audio) output before the stock code
+    # reshapes them to the grid; the audio stream stays replicated (its output's gradient taken by sp rank 0). The
+    # video self-attention is routed, and so is the audio-to-video cross-attention (audio queries over the sharded
+    # video keys: exact merge over the shards); the video-to-audio and text cross-attentions are local.
+    "diffusers.Kandinsky6Transformer3DModel": DiTPlan(
+        attention=(
+            AttentionRoute(
+                "visual_transformer_blocks.*.video_dec_block.self_attention", ("Kandinsky6AttnProcessor",)
+            ),
+            AttentionRoute(
+                "visual_transformer_blocks.*.av_cross_attention",
+                ("Kandinsky6AttnProcessor",),
+                joint="queries",
+            ),
+        ),
+        plan={
+            "visual_transformer_blocks.0": (SplitInput("vis", dim=1),),
+            "visual_transformer_blocks.*": (SplitInput("vis_rope", dim=0),),
+            "visual_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
+            "audio_out_layer": (ReplicatedOutput(),),
+        },
+        heads=_kandinsky_heads,
+    ),
+    # Stable Audio 3: the memory tokens join in front of the audio frames (replicated); the rotary table is built
+    # from the whole packed length before the first block, so the frames are cut entering it (their count taken at
+    # the input projection) with the table and the inpainting frames per block; the projected frames are gathered
+    # before the stock code's post-convolution over the whole clip. Its differential attention attends twice per
+    # module.
+    "diffusers.StableAudio3DiTModel": DiTPlan(
+        attention=(
+            AttentionRoute(
+                "transformer_blocks.*.self_attn", ("StableAudio3SelfAttnProcessor",), joint="front"
+            ),
+        ),
+        plan={
+            "proj_in": (MeasureInput("input", dim=1),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "transformer_blocks.*": (
+                SplitInput("rope", dim=0, joint="front"),  # [M + S, D']
+                SplitInput("local_seq", dim=1),  # inpainting frames [B, S, C]
+            ),
+            "proj_out": (GatherOutput(dim=1),),
+        },
+        heads="num_heads",
+    ),
+    # MiniMax-Music 3: the timestep token joins in front of the frames (replicated); as Stable Audio 3, the rotary
+    # table covers the whole packed length, so the frames are cut entering the first block and the table per block;
+    # the projection's output is gathered before the post-convolution.
+    "diffusers.MiniMaxMusic3Transformer1DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("MiniMaxMusic3AttnProcessor",), joint="front"),
+        ),
+        plan={
+            "proj_in": (MeasureInput("input", dim=1),),
+            "transformer_blocks.0": (SplitInput("hidden_states", dim=1, joint="front"),),
+            "transformer_blocks.*": (
+                SplitInput("rotary_emb", dim=0, joint="front"),
+            ),  # (cos, sin), [1 + S, D']
+            "proj_out": (GatherOutput(dim=1),),
+        },
+    ),
+    # LongCat-AudioDiT: the rotary table (built from the whole clip's length by a module the text shares) and the
+    # frame mask are cut at every block, the frames entering the first; the last block's output is gathered, so the
+    # long skip (the embedded clip, held in forward) adds to the whole sequence. Padded frames would be masked keys
+    # of the sharded sequence: refused by the attention with a clear error.
+    "diffusers.LongCatAudioDiTTransformer": DiTPlan(
+        attention=(AttentionRoute("blocks.*.self_attn", ("AudioDiTSelfAttnProcessor",)),),
+        plan={
+            "blocks.0": (SplitInput("hidden_states", dim=1),),
+            "blocks.*": (SplitInput("mask", dim=1), SplitInput("rope", dim=0)),
+            "blocks.-1": (GatherOutput(dim=1),),
+        },
+        heads="dit_heads",
+    ),
 }
 
 
@@ -363,6 +951,105 @@ UNSUPPORTED: dict[str, str] = {
     "HeliosTransformer3DModel": (
         "one forward attends over sequences of different lengths (history + current chunk, current chunk only) "
         "split at a positional boundary; an exact plan needs several sharded sequences per forward"
+    ),
+    # Attention that is not full softmax attention over the sequence (a key mask at most).
+    "AceStepTransformer1DModel": (
+        "its sliding-window layers let each token attend only to keys within a window of its own position (a banded "
+        "token x token mask); sequence-parallel attention is full attention with a key mask"
+    ),
+    "AnyFlowFARTransformer3DModel": (
+        "frame-autoregressive: its self-attention is block-causal over frame chunks (a block mask and a KV cache of "
+        "earlier chunks), not full attention"
+    ),
+    "Cosmos3OmniTransformer": (
+        "its understanding tokens attend causally (is_causal) while generation tokens attend fully over one packed "
+        "multimodal sequence addressed by per-modality index tensors: a causal token x token mask"
+    ),
+    "Kandinsky6SRTransformer3DModel": (
+        "NABLA sparse attention: each query block attends to the key blocks whose pooled scores over the whole grid "
+        "pass a threshold, plus a sliding-tile mask: a data-dependent block pattern over the full sequence"
+    ),
+    "MiniMaxMusic3RVQDepthDecoder": (
+        "a causal (is_causal) decoder over the few RVQ levels of one frame: no long token sequence, and causal"
+    ),
+    "OmniGenTransformer2DModel": (
+        "the caller's 3D attention mask over the packed [text, images] sequence is causal for the text and "
+        "bidirectional within each image: a token x token mask"
+    ),
+    "PriorTransformer": "a causal mask over a short token sequence (the CLIP prior's 77 + 4 tokens)",
+    "QwenImage21Transformer2DModel": (
+        "text and image tokens are interleaved in one sequence and attend block-causally by segment (a flex block "
+        "mask or per-segment boundaries), with a reference KV cache: not full attention"
+    ),
+    "RFD4ProteinaTransformer": (
+        "pair-biased attention: every head adds a bias from an [N, N] pair representation (updated per layer), a "
+        "token x token term"
+    ),
+    "SanaTransformer2DModel": (
+        "linear (ReLU-kernel) attention sums over all keys without softmax (no log-sum-exp merge), and its Mix-FFN "
+        "runs a 3x3 depthwise convolution over the 2D token grid, mixing tokens across any cut"
+    ),
+    "SanaVideoTransformer3DModel": (
+        "linear (ReLU-kernel) attention without softmax, and its Mix-FFN runs depthwise convolutions over the "
+        "video's token grid, mixing tokens across any cut"
+    ),
+    "SanaWMTransformer3DModel": (
+        "gated delta-rule (linear recurrent) attention and short convolutions along time: a recurrence over the "
+        "sequence, not softmax attention"
+    ),
+    "SanaWMLTX2RefinerTransformer3DModel": (
+        "a chunk-causal autoregressive refiner: each chunk attends to a KV cache of earlier chunks"
+    ),
+    "T5FilmDecoder": "a causal decoder over note tokens (spectrogram diffusion), not a DiT over a token grid",
+    "WanAnimate2Transformer3DModel": (
+        "runs in two passes sharing a reference KV cache (kv_cache_mode 'extract' then 'cached'), with block masks "
+        "built from the packed grid"
+    ),
+    "NucleusMoEImageTransformer2DModel": (
+        "expert-choice MoE routing: each expert takes its top-C tokens over the whole image sequence, so a shard's "
+        "routing depends on the other shards' tokens"
+    ),
+    # The tokens are regrouped by position.
+    "WanAnimateTransformer3DModel": (
+        "the face adapter regroups the video tokens per frame by position (query.unflatten(1, (T, -1))) to attend "
+        "each frame to its own face-motion tokens, and the pose latents are added per frame to the patch grid: a "
+        "shard is not a whole number of frames"
+    ),
+    # The sequence is gathered before layers with parameters.
+    "LatteTransformer3DModel": (
+        "its temporal blocks fold the spatial tokens into the batch ([B * S, F, D]) with a timestep repeated per "
+        "spatial token, a batch-flattened tensor a sequence cut cannot reach"
+    ),
+    "AllegroTransformer3DModel": (
+        "its rotary embedding is a pair (per-axis frequency tables, per-token position grids) the processor indexes "
+        "per token, and its video mask is an additive -10000 bias over the video tokens"
+    ),
+    "LuminaNextDiT2DModel": (
+        "its proportional attention scales the softmax by log(sequence length) of the tokens the processor sees "
+        "(the pipeline passes base_sequence_length by default), which a cut changes"
+    ),
+    # Not a DiT over a token sequence of its own.
+    "DualTransformer2DModel": (
+        "a UNet component (two Transformer2DModel over one feature map, mixed by a ratio) inside UNet blocks whose "
+        "convolutions mix neighbouring positions"
+    ),
+    "Transformer2DModel": (
+        "the UNet block transformer: its continuous-input form normalises (GroupNorm) and projects a 2D feature "
+        "map inside UNet blocks whose convolutions mix neighbouring positions (the patched form is "
+        "PixArtTransformer2DModel's)"
+    ),
+    "TransformerTemporalModel": (
+        "a UNet motion module: it attends over the frames of each pixel inside UNet blocks, whose convolutions mix "
+        "neighbouring positions"
+    ),
+    "DreamLiteTransformer2DModel": (
+        "a component of the DreamLite U-Net (continuous input: GroupNorm over a 2D feature map inside U-Net blocks "
+        "whose convolutions mix neighbouring positions); hfpatch does not sequence-split U-Nets"
+    ),
+    "BriaFibo2Transformer2DModel": (
+        "the per-token noise mask and the output's image tokens are taken by position from counts of the whole "
+        "sequence (hidden_states[:, image_start : image_start + num_image_tokens]), and the gist tokens join in "
+        "front or behind depending on the batch's text lengths"
     ),
 }
 
@@ -400,7 +1087,8 @@ def plan_from_cp(
     >>> plan_from_cp({"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
     ...                    "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
     ...               "proj_out": ContextParallelOutput(gather_dim=1)}, replicate=(("", "encoder_hidden_states"),))
-    {'': (SplitInput(name='hidden_states', dim=1, ndim=3),), 'proj_out': (GatherOutput(dim=1),)}
+    {'': (SplitInput(name='hidden_states', dim=1, ndim=3, joint=None, index=None),),
+     'proj_out': (GatherOutput(dim=1, joint=None),)}
     """
     unused = set(replicate)
     plan: dict[str, tuple[Spec, ...]] = {}
@@ -667,6 +1355,8 @@ class USPDispatchProcessor:
             )
         if self.joint == "queries":
             return self._attend_sharded_keys(query, key, value, attn_mask, scale)
+        if self.joint == "keys":
+            return self._attend_text_keys(query, key, value, attn_mask, scale, backend)
         local = self.state.local_len if self.state.local_len is not None else query.shape[1]
         text = query.shape[1] - local
         if text < 0 or (text and self.joint is None):
@@ -674,13 +1364,15 @@ class USPDispatchProcessor:
         elif self.joint is not None:
             # The text length is inferred from this call's shard; model.forward(...) (no split hooks) after a
             # call would mistake image tokens for text and return a wrong result of the right shape.
-            seen = self.state.text_len.setdefault(self.where, text)
+            # Keyed by the call's index within the module (Mochi attends once per sample, each with its own text).
+            seen = self.state.text_len.setdefault((self.where, self.calls), text)
             if seen != text:
                 raise RuntimeError(
                     f"sequence-parallel attention got {query.shape[1]} query tokens at {self.where}: with this "
                     f"call's shard of {local} tokens that leaves {text} text tokens, where this forward had {seen}; "
                     "the model ran without its sequence split. Call model(...), not model.forward(...)."
                 )
+        attn_mask = self._unmask_padding(attn_mask, local, text)
         mask, query_mask = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
         sizes = [text, local] if self.joint != "back" else [local, text]
         (q0, q1), (k0, k1), (v0, v1) = (t.split(sizes, dim=1) for t in (query, key, value))
@@ -690,22 +1382,16 @@ class USPDispatchProcessor:
         else:
             (q_txt, k_txt, v_txt), (q_img, k_img, v_img) = (q0, k0, v0), (q1, k1, v1)
             mask_txt, mask_img = (None, None) if mask is None else mask.split(sizes, dim=1)
+        if mask_img is not None:  # the shard's padding keys (end of the last shards) are masked by USP itself
+            real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+            mask_img = mask_img[:, :real]
         if mask_img is not None and not bool(mask_img.all()):
             raise ValueError(
                 f"{self.where}: the attention mask masks image/video tokens, which are sharded over the ranks; "
                 "sequence-parallel attention masks only the replicated text tokens"
             )
         joint = (q_txt, k_txt, v_txt) if text else None
-        kernel, dense = "auto", None
-        if self.uses_dispatch:
-            from ._attention_backends import attention_kernels
-
-            ring = (
-                1
-                if self.state.ring_group is None
-                else torch.distributed.get_world_size(self.state.ring_group)
-            )
-            kernel, dense = attention_kernels(backend, _stock_dispatch, ring, self.where)
+        kernel, dense = self._kernels(backend)
         out, joint_out = usp_attention_call(
             self.state, q_img, k_img, v_img, joint=joint, joint_position=self.joint or "front",
             joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
@@ -715,6 +1401,74 @@ class USPDispatchProcessor:
         if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
             joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
         return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+
+    def _kernels(self, backend: Any) -> tuple[str, Any]:
+        """``(Ring's local kernel, the ring-degree-1 attention)`` for the processor's diffusers ``backend``."""
+        if not self.uses_dispatch:
+            return "auto", None
+        from ._attention_backends import attention_kernels
+
+        ring = 1 if self.state.ring_group is None else torch.distributed.get_world_size(self.state.ring_group)
+        return attention_kernels(backend, _stock_dispatch, ring, self.where)
+
+    def _unmask_padding(self, attn_mask: torch.Tensor | None, local: int, text: int) -> torch.Tensor | None:
+        """A query x key token mask whose entries for this shard's padding tokens are those of a valid token.
+
+        The padding at the end of the last shards (:mod:`hfpatch.attention.layout`) is masked as keys by USP itself
+        and its query rows are dropped at the gather; a mask the stock code built from a cut per-token input
+        (Ideogram 4's segment ids, padded with zeros) may disagree there, which must not make it unreadable: the
+        padding tokens' rows and columns become those of a token every other token attends to.
+        """
+        real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+        if (
+            attn_mask is None
+            or attn_mask.dim() != 4
+            or real == local
+            or attn_mask.shape[-1] != attn_mask.shape[-2]
+        ):
+            return attn_mask
+        start = text if self.joint != "back" else 0
+        pad = slice(start + real, start + local)
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        keep = keep.expand(*keep.shape[:2], *keep.shape[-2:]).clone()
+        keep[..., pad, pad] = True
+        tokens = keep.diagonal(dim1=-2, dim2=-1).clone()  # [B, 1|H, S]: each token's own entry
+        tokens[..., pad] = True
+        keep[..., pad, :] = tokens[..., None, :]
+        keep[..., :, pad] = tokens[..., :, None]
+        if attn_mask.dtype == torch.bool:
+            return keep
+        return torch.zeros_like(keep, dtype=attn_mask.dtype).masked_fill(~keep, float("-inf"))
+
+    def _attend_text_keys(self, query, key, value, attn_mask, scale, backend) -> torch.Tensor:
+        """The shard's queries over ``[replicated text, sharded image]`` keys/values (``joint="keys"``)."""
+        local = self.state.local_len
+        text = key.shape[1] - (local or 0)
+        if local is None or query.shape[1] != local or text < 0:
+            raise RuntimeError(
+                f"sequence-parallel attention got {query.shape[1]} queries and {key.shape[1]} keys at {self.where} "
+                f"but this call's shard holds {local}: the model ran without its sequence split. Call model(...), "
+                "not model.forward(...)."
+            )
+        mask, _ = _token_masks(attn_mask, query.shape[0], query.shape[1], key.shape[1], self.where)
+        mask_txt, mask_img = (None, None) if mask is None else mask.split([text, local], dim=1)
+        if mask_img is not None:
+            real = max(0, min(local, (self.state.valid_len or 0) - self.state.rank * local))
+            if not bool(mask_img[:, :real].all()):
+                raise ValueError(
+                    f"{self.where}: the attention mask masks image/video tokens, which are sharded over the ranks; "
+                    "sequence-parallel attention masks only the replicated text tokens"
+                )
+        (k_txt, k_img), (v_txt, v_img) = key.split([text, local], dim=1), value.split([text, local], dim=1)
+        # usp_attention's joint part comes with queries: zero rows, whose output is dropped (exact for the shard's
+        # queries, which attend over [text, image] keys as in the stock call; no gradient flows through them).
+        joint = (torch.zeros_like(k_txt), k_txt, v_txt) if text else None
+        kernel, dense = self._kernels(backend)
+        out, _ = usp_attention_call(
+            self.state, query, k_img, v_img, joint=joint, joint_position="front",
+            joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
+        )  # fmt: skip
+        return out
 
     def _attend_sharded_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
         """Replicated queries over the sharded tokens' keys/values (``joint="queries"``)."""
@@ -773,6 +1527,39 @@ class USPSDPAProcessor(USPDispatchProcessor):
         return out.transpose(1, 2)
 
 
+class USPBoundDispatchProcessor(USPDispatchProcessor):
+    """Stand-in for a stock processor that calls ``dispatch_attention_fn`` without ``parallel_config`` (Cosmos').
+
+    Routed like :class:`USPSDPAProcessor`: a copy of the stock ``__call__`` per stand-in whose
+    ``dispatch_attention_fn`` is this stand-in's :meth:`dispatch` (own globals, own code object), run with
+    ``self`` = the stock processor.
+    """
+
+    def _bind(self) -> None:
+        self._view = self.stock
+        self._call = _bound_call(type(self.stock).__call__, self)
+
+    def dispatch(self, *args: Any, parallel_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        """``dispatch_attention_fn`` as the stock code calls it: :meth:`attend` (``parallel_config`` ignored)."""
+        return self.attend(*args, **kwargs)
+
+
+def _bound_call(stock_call: types.FunctionType, stand_in: USPBoundDispatchProcessor) -> types.FunctionType:
+    """A copy of a stock ``__call__`` whose ``dispatch_attention_fn`` is ``stand_in.dispatch`` (see :func:`_sdpa_call`)."""
+    global _stock_dispatch
+    _stock_dispatch = stock_call.__globals__[DISPATCH]  # diffusers' own, for the ring-degree-1 attention
+    scope = dict(stock_call.__globals__)
+    scope[DISPATCH] = stand_in.dispatch
+    code = stock_call.__code__.replace(
+        co_qualname=f"{stock_call.__code__.co_qualname} (hfpatch USP {stand_in.where})"
+    )
+    routed = types.FunctionType(
+        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
+    )
+    routed.__kwdefaults__ = stock_call.__kwdefaults__
+    return routed
+
+
 @functools.cache
 def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[USPDispatchProcessor]:
     """A ``base`` subclass whose ``__call__`` has ``stock_cls.__call__``'s signature."""
@@ -788,14 +1575,20 @@ def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[
 def _route_kind(processor_cls: type) -> type[USPDispatchProcessor] | None:
     """The stand-in class that can route ``processor_cls``'s attention, or ``None``.
 
-    ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it; otherwise
-    ``F.scaled_dot_product_attention`` read from ``torch.nn.functional`` as a module global.
+    ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it, bound per stand-in where it
+    calls ``dispatch_attention_fn`` without ``parallel_config``; otherwise ``F.scaled_dot_product_attention`` read
+    from ``torch.nn.functional`` as a module global.
     """
     call = processor_cls.__call__
     if not isinstance(call, types.FunctionType):
         return None
     if DISPATCH in call.__code__.co_names and DISPATCH in call.__globals__:
-        return USPDispatchProcessor
+        # A processor that never reads self._parallel_config (Cosmos') cannot carry the stand-in to the router.
+        return (
+            USPDispatchProcessor
+            if "_parallel_config" in call.__code__.co_names
+            else USPBoundDispatchProcessor
+        )
     if _functional_names(call):
         return USPSDPAProcessor
     return None
@@ -827,6 +1620,11 @@ class PlannedDiTUSP(SequenceParallelFamily):
         if found is None:
             raise TypeError(f"hfpatch has no sequence-parallel plan for {type(target).__name__}")
         return found[1]
+
+    def facts(self, target: Any) -> ModelFacts:
+        heads = self._entry(target).heads
+        count = heads(target.config) if callable(heads) else getattr(target.config, heads)
+        return ModelFacts(num_heads=count, name=type(target).__name__)
 
     def plan_for(self, target: Any) -> SequencePlan:
         entry = self._entry(target)
@@ -866,17 +1664,27 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         self.check_compile(target, config, options)
+        from .caches import cache_names, check_caches
+
+        if config.pipefusion > 1 and cache_names(target):
+            raise ValueError(
+                f"{type(target).__name__} has diffusers step caches enabled ({', '.join(cache_names(target))}); "
+                "PipeFusion reuses stale activations of its own and does not compose with them: disable the cache"
+            )
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
+
+        check_caches(target, sequence=config.sequence_parallel, cfg=1, data=1, two_call_cfg=False)
         if getattr(target, "_parallel_config", None) is not None:
             raise ValueError(
                 f"{type(target).__name__} has diffusers' own context parallelism enabled (enable_parallelism); "
                 "hfpatch replaces it: load the model without it before hfpatch.apply"
             )
         for attr, (value, reason) in self._entry(target).refuse_config.items():
-            if getattr(target.config, attr, None) == value:
+            got = getattr(target.config, attr, None)
+            if value(got) if callable(value) else got == value:
                 raise ValueError(
-                    f"{type(target).__name__} with {attr}={value!r} is not supported under sequence parallelism "
+                    f"{type(target).__name__} with {attr}={got!r} is not supported under sequence parallelism "
                     f"({reason})"
                 )
         super().validate(target, config, options)
@@ -899,21 +1707,44 @@ class PlannedDiTUSP(SequenceParallelFamily):
             mesh.config.sequence_parallel == 1 or mesh.config.pipefusion > 1
         ):  # PipeFusion runs sp in its stages
             return
-        refuse = dict(self._entry(target).refuse)
-        if refuse:
+        entry = self._entry(target)
+        refuse, check = dict(entry.refuse), entry.check
+        if refuse or check is not None:
             from ..distributed.agreement import named_arguments
 
             def refuse_arguments(_module, args, kwargs):
                 named = named_arguments(type(target).forward, (target, *args), kwargs)
                 for name, reason in refuse.items():
-                    if named.get(name) is not None:
+                    if named.get(name) is not None and named.get(name) is not False:
                         raise ValueError(
                             f"{type(target).__name__}: {name}= is not supported under sequence parallelism ({reason}); "
                             "call without it, or patch.remove() first"
                         )
+                if check is not None:
+                    check(target, named)
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
+        from .caches import _hooks, agree_caches
+
+        enabled = [hook for _, hook in _hooks(target)]
+
+        def check_caches_unchanged(_module, args, kwargs):
+            # A step cache enabled (or replaced) after apply would decide from this rank's shard alone.
+            if [hook for _, hook in _hooks(target)] != enabled:
+                raise RuntimeError(
+                    f"{type(target).__name__}: a diffusers step cache was enabled or changed after hfpatch.apply; "
+                    "its skip decisions would follow this rank's shard only. Enable the cache before "
+                    "hfpatch.apply, or patch.remove() and apply again."
+                )
+
+        patch.add_forward_pre_hook(target, check_caches_unchanged)
         super().apply(target, patch, mesh, options)
+        state = next(  # the stand-ins hold the model's SequenceShard
+            module.processor.state
+            for module in target.modules()
+            if isinstance(getattr(module, "processor", None), USPDispatchProcessor)
+        )
+        agree_caches(target, state, patch)
 
 
 # ----------------------------------------------------------------------------------------------- info

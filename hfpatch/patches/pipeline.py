@@ -408,6 +408,9 @@ class _ParallelForward:
         self.data_group = data_group
         self.state = state
         self.context: str | None = None  # name of the open cache_context, set by _recording_cache_context
+        #: The groups that split the batch of the call running now (read by hfpatch.patches.caches: a step cache's
+        #: decision metric is reduced over them, as one rank computes it over the whole batch).
+        self.split_groups: list[Any] = []
         self.name = type(model).__name__
         self.signature = inspect.signature(type(model).forward)
         parameters = list(self.signature.parameters.values())
@@ -532,7 +535,13 @@ class _ParallelForward:
             return self._split_compute(bound, rest, names)
         sizes = even_sizes(batch, world)
         me = torch.distributed.get_rank(group)
-        local = self._split_compute(self._slice(bound, names, batch, sum(sizes[:me]), sizes[me]), rest, names)
+        self.split_groups.append(group)
+        try:
+            local = self._split_compute(
+                self._slice(bound, names, batch, sum(sizes[:me]), sizes[me]), rest, names
+            )
+        finally:
+            self.split_groups.pop()
         return all_gather(local, dim=0, group=group, sizes=sizes)
 
     # -- the call ---------------------------------------------------------------------------------------
@@ -828,6 +837,18 @@ class PipelineParallel(PatchFamily):
                     f"components ({found or 'none'}) is a denoiser: a diffusers model named "
                     f"{'/'.join(DENOISER_NAMES)}, or one of {', '.join(PER_SAMPLE_ARGS)}"
                 )
+            from .caches import check_caches
+
+            mode = _cfg_mode(target)
+            two_call = mode == "two_call" or (mode == "generic" and not _batches_cfg(target))
+            for model in models:  # a step cache must decide alike on the ranks that split each call
+                check_caches(
+                    model,
+                    sequence=config.ring * config.ulysses,
+                    cfg=config.cfg,
+                    data=config.data,
+                    two_call_cfg=two_call,
+                )
             if _cfg_mode(target) == "two_call" and config.cfg == 2:
                 for model in models:
                     if not callable(getattr(model, "cache_context", None)):
@@ -866,6 +887,10 @@ class PipelineParallel(PatchFamily):
             )
             if mode in ("two_call", "generic") and callable(getattr(model, "cache_context", None)):
                 patch.wrap_method(model, "cache_context", _recording_cache_context(forward))
+            if config.ring * config.ulysses == 1:  # else its sequence-parallel family agrees the caches
+                from .caches import agree_caches
+
+                agree_caches(model, None, patch)  # decisions over the batch groups that split each call
 
         def reset(original: Callable[..., Any]) -> Callable[..., Any]:
             # progress_bar() opens the denoising loop: a call that failed midway leaves no stale state.

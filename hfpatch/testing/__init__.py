@@ -13,6 +13,9 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
   :func:`tiny_wan_vace_transformer`, :func:`tiny_hunyuanvideo15_transformer`, :func:`tiny_ltx2_transformer`,
   :func:`tiny_minimax_h3_transformer`, :func:`tiny_hunyuandit_transformer`, :func:`tiny_pixart_transformer`.
+* More transformers and their pipelines, described as data (one builder each): :mod:`hfpatch.testing.dits`
+  (``TINY_DITS``, ``tiny_dit(name)``, ``tiny_dit_inputs(name)``; ``TINY_DIT_PIPES``, ``tiny_dit_pipe(name)``): Chroma,
+  Bria, FLUX.3, SkyReels-V2, HunyuanImage, CogView4, Z-Image, Lumina 2, Mochi, Cosmos, HiDream and more.
 * Pipelines (no text encoders: pass embeddings): :func:`tiny_wan_pipe` with :func:`wan_prompt_embeds`,
   :func:`tiny_sd3_pipe`, :func:`tiny_flux_pipe`, :func:`tiny_sdxl_pipe` (UNet), :func:`tiny_qwenimage_pipe`,
   :func:`tiny_ltx_pipe`, :func:`tiny_hunyuanvideo_pipe`, :func:`tiny_pixart_pipe`, :func:`tiny_hunyuandit_pipe`; with text encoders and in-memory tokenizers:

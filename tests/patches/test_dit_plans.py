@@ -352,7 +352,7 @@ def test_planned_usp_support_table_names_plan_source_per_class():
     assert rows["HeliosTransformer3DModel"].startswith(
         "not supported (one forward attends over sequences of"
     ), rows["HeliosTransformer3DModel"]
-    assert rows["CosmosTransformer3DModel"].startswith("not supported"), rows["CosmosTransformer3DModel"]
+    assert rows["SanaTransformer2DModel"].startswith("not supported (linear"), rows["SanaTransformer2DModel"]
     assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
 
 

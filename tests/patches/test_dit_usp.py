@@ -68,7 +68,10 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
     split hook on the first block runs again on the full input and must cut the same shard.
     """
     from hfpatch import testing
+    from hfpatch.testing.dits import TINY_DITS, tiny_dit, tiny_dit_inputs
 
+    if family in TINY_DITS:  # the data-described rows (hfpatch.testing.dits)
+        return tiny_dit(family), tiny_dit_inputs(family), "hidden_states"
     if family.endswith("_cn"):  # ControlNet residuals (lists of [B, S, D], cut like the tokens)
         model, kwargs, name = build(family.removesuffix("_cn"))
         dim = model.config.num_attention_heads * model.config.attention_head_dim
@@ -302,14 +305,29 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
 def _sample(out: Any) -> torch.Tensor:
     """The model's output: ``sample``, with LTX-2's replicated ``audio_sample`` flattened after it."""
     audio = getattr(out, "audio_sample", None)
+    if isinstance(out.sample, list):  # Z-Image: one [C, F, H, W] per sample
+        return torch.stack(out.sample)
     if audio is None:
         return out.sample
     return torch.cat([out.sample.flatten(1), audio.flatten(1)], dim=1)
 
 
 def _double(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale."""
-    return to_fp64(model), to_fp64(kwargs)
+    """An fp64 copy of the model and inputs: the unpatched fp32 model's own rounding scale.
+
+    Some stock code makes fp32 tensors on its own (``Timesteps`` embeddings ``.float()``, Motif-Video feeds them to
+    a Linear uncast): every module with parameters of the copy casts its floating inputs to fp64 first.
+    """
+    model64 = to_fp64(model)
+
+    def upcast(_module, args, kwargs):
+        cast = lambda v: v.double() if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    for module in model64.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(upcast, with_kwargs=True)
+    return model64, to_fp64(kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- rank functions
@@ -423,6 +441,8 @@ def lifecycle_cases(families: list[str]) -> dict[str, dict[str, Any]]:
     results = {}
     for family in families:
         model, kwargs, _ = build(family)
+        with torch.no_grad():  # stock caches (AnyFlow's rotary table) are filled before the snapshot
+            model(**build(family)[1])
         before = _snapshot(model)
         config = ParallelConfig(ulysses=world)
         patch = hfpatch.apply(model, parallel=config)
