@@ -55,7 +55,9 @@ def _compile_cases() -> dict:
                 "breaks": explained.graph_break_count,
                 "graphs": counters["stats"]["unique_graphs"],
                 "equal": equal,
-                "ops": sorted(str(n.target) for n in explained.graphs[0].graph.nodes if "hfpatch" in str(n.target)),
+                "ops": sorted(
+                    str(n.target) for n in explained.graphs[0].graph.nodes if "hfpatch" in str(n.target)
+                ),
             }
         assert compiled.forward.__func__ is type(compiled).forward  # remove() put the eager forward back
     return results

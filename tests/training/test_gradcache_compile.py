@@ -88,7 +88,9 @@ def test_compiled_forward_is_installed_inside_wrappers_and_restored():
         cache = GradCache(model, info_nce, chunk_size=4, pooling="mean", **options)
         losses.append(cache.step(_text(8, 0), _text(8, 1)))
         assert model.forward is instance_forward
-    plain = GradCache(tiny_bert().eval(), info_nce, chunk_size=4, pooling="mean").step(_text(8, 0), _text(8, 1))
+    plain = GradCache(tiny_bert().eval(), info_nce, chunk_size=4, pooling="mean").step(
+        _text(8, 0), _text(8, 1)
+    )
     assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], plain)
     assert len(graphs) == 2 and "compile=True" in repr(cache)
 
