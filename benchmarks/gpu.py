@@ -13,11 +13,15 @@ skipped and says so):
    frames of 480x832 (32,760 tokens), bf16: stock vs every self-attention through ``usp_attention`` at degree
    1 (the path each rank of a Ulysses split runs) and through the Ring path (lse kernels).
 3. ``streaming``: ``StreamingWanPipeline`` (4 steps + context pass per block of 3 latent frames, window 12,
-   sink 3) on that transformer with the Wan 2.1 VAE: frames/s without and with the VAE decode.
+   sink 3) on that transformer with the Wan 2.1 VAE: frames/s of the transformer alone, with the VAE decode
+   after it, and with the decode overlapped on a side CUDA stream (end to end), each eager, compiled
+   (``StreamingConfig(compile=True)``) and compiled with CUDA graphs (``cuda_graphs=True``). Goal: at least 24
+   pixel frames/s end to end at 480x832.
 4. ``pixel_loss``: ``chunked_pixel_loss`` on the FLUX.1 VAE config at 1024x1024: step peak (forward +
    backward) one-shot at batch 1 and 2 vs hfpatch chunk 1 at batch 4.
 5. ``gradcache``: BERT-base (random weights), InfoNCE, batch 256 x 128 tokens, bf16 autocast: step time and
-   peak of GradCache at chunks 32 and 64 over the plain step.
+   peak of GradCache at chunks 32 and 64 over the plain step, eager and ``GradCache(compile=True)``. Goal: at
+   most 1.3x a plain step at chunk 64, compiled.
 
 ``--device cpu --tiny`` runs every section on tiny configs in seconds (the test suite does, so the script
 cannot rot); CPU peaks are then live tensor bytes (``hfpatch.testing.memory``), CUDA peaks
@@ -277,39 +281,53 @@ def streaming(args, device, dtype, result, model) -> None:
                                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
                if args.tiny else AutoencoderKLWan())  # fmt: skip
     vae = _to_dtype(vae, dtype).eval().requires_grad_(False)
-    config = StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3)
-    patch = hfpatch.apply(model, streaming=config)
-    pipe = StreamingWanPipeline(model, vae, config, 1000, patch)
     text = 8 if args.tiny else 512
     prompt = torch.randn(1, text, model.config.text_dim, generator=torch.Generator().manual_seed(2)).to(
         device, dtype
     )
     height, width = (64, 64) if args.tiny else (480, 832)
     blocks = 5 if args.tiny else 10
-    try:
-        for output_type in ("latent", "pt"):
-            times = []
-            sync(device)
-            start = time.perf_counter()
-            gen = torch.Generator().manual_seed(0)  # a CPU generator drives the noise on any device
-            for _ in pipe.stream(
-                prompt, blocks, height, width, STEPS, generator=gen, output_type=output_type
-            ):
+    modes = {"": {}, "compiled: ": dict(compile=True, compile_backend=args.compile_backend)}
+    if device.type == "cuda":
+        modes["compiled + CUDA graphs: "] = dict(compile=True, compile_backend="inductor", cuda_graphs=True)
+    # (output type, overlap_decode): the transformer alone, the decode after it, the decode on a side stream.
+    runs = {
+        "transformer only": ("latent", False),
+        "with VAE decode": ("pt", False),
+        "with VAE decode, overlapped": ("pt", True),
+    }
+    for mode, options in modes.items():
+        config = StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3, **options)
+        patch = hfpatch.apply(model, streaming=config)
+        pipe = StreamingWanPipeline(model, vae, config, 1000, patch)
+        try:
+            if options:  # compile every kind of block before timing (the warm-up blocks compile graphs)
+                warm = pipe.stream(prompt, blocks, height, width, STEPS, generator=torch.Generator().manual_seed(0),
+                                   output_type="latent")  # fmt: skip
+                for _ in warm:
+                    pass
+            for run, (output_type, overlap) in runs.items():
+                times = []
                 sync(device)
-                times.append(time.perf_counter() - start)
                 start = time.perf_counter()
-            steady = statistics.median(times[4:])  # the window (12 frames) is full from block 5 on
-            pixel_frames = 4 * config.num_frame_per_block  # Wan 2.1 VAE: 4 pixel frames per latent frame
-            result["with VAE decode" if output_type == "pt" else "transformer only"] = {
-                "blocks": blocks, "block_ms": [1e3 * s for s in times], "steady_block_ms": 1e3 * steady,
-                "pixel_frames_per_s": pixel_frames / steady, "cache_bytes": pipe.cache.nbytes,
-            }  # fmt: skip
-            print(
-                f"streaming {output_type}: steady block {1e3 * steady:.1f} ms, {pixel_frames / steady:.1f} px frames/s",
-                flush=True,
-            )
-    finally:
-        patch.remove()
+                gen = torch.Generator().manual_seed(0)  # a CPU generator drives the noise on any device
+                stream = pipe.stream(prompt, blocks, height, width, STEPS, generator=gen, output_type=output_type,
+                                     overlap_decode=overlap)  # fmt: skip
+                for _ in stream:
+                    sync(device)
+                    times.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                steady = statistics.median(times[4:])  # the window (12 frames) is full from block 5 on
+                pixel_frames = 4 * config.num_frame_per_block  # Wan 2.1 VAE: 4 pixel frames per latent frame
+                result[mode + run] = {
+                    "blocks": blocks, "block_ms": [1e3 * s for s in times], "steady_block_ms": 1e3 * steady,
+                    "pixel_frames_per_s": pixel_frames / steady, "cache_bytes": pipe.cache.nbytes,
+                    "end_to_end_ms": 1e3 * sum(times),
+                }  # fmt: skip
+                print(f"streaming {mode}{run}: steady block {1e3 * steady:.1f} ms, "
+                      f"{pixel_frames / steady:.1f} px frames/s", flush=True)  # fmt: skip
+        finally:
+            patch.remove()
 
 
 # ------------------------------------------------------------------------------------------------ pixel loss
@@ -390,6 +408,10 @@ def gradcache(args, device, dtype, result) -> None:
         cache = GradCache(model, info_nce, chunk_size=chunk, rep_fn=mean_pool,
                           autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
         steps[f"gradcache chunk {chunk}"] = lambda cache=cache: cache.step(*inputs)
+        compiled = GradCache(model, info_nce, chunk_size=chunk, rep_fn=mean_pool, compile=True,
+                             compile_backend=args.compile_backend,
+                             autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
+        steps[f"gradcache chunk {chunk}, compiled"] = lambda cache=compiled: cache.step(*inputs)
     result.update(batch=batch, seq=seq, dtype=str(dtype))
     for name, step in steps.items():
         try:
@@ -464,7 +486,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--name", default=None, help="results file name (default gpu, or gpu_tiny with --tiny)"
     )
+    parser.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of the compiled rows (default: inductor; eager with --tiny, seconds)",
+    )
     args = parser.parse_args(argv)
+    if args.compile_backend is None:
+        args.compile_backend = "eager" if args.tiny else "inductor"
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
