@@ -1229,12 +1229,26 @@ def _routed_call(stock_call: types.FunctionType) -> types.FunctionType:
     the globals of the frame, so a copy sharing the stock code object would share cache entries with frames
     that run under other globals (the stock function of an unpatched model).
     """
-    scope = dict(stock_call.__globals__)
     global _stock_dispatch
     _stock_dispatch = stock_call.__globals__[DISPATCH]
-    scope[DISPATCH] = _routed_dispatch
-    code = stock_call.__code__
-    code = code.replace(co_qualname=f"{code.co_qualname} (hfpatch USP)")
+    return _function_copy(stock_call, {DISPATCH: _routed_dispatch}, "hfpatch USP")
+
+
+def _function_copy(
+    stock_call: types.FunctionType, overrides: dict[str, Any], label: str
+) -> types.FunctionType:
+    """A copy of ``stock_call`` with its own code object (``label`` in its qualified name) and its own globals:
+    the stock module's, with ``overrides``.
+
+    The copied globals have no ``__name__``: ``torch.compile`` names the globals of an inlined function by
+    their module (``sys.modules[__name__]``) when they have one, so with the stock module's name its guards
+    would read the stock module's ``F``/``dispatch_attention_fn`` instead of the overrides (a guard that fails
+    to build, or recompiles every call). Without a name it guards on this dict itself. (Relative imports
+    inside the function still resolve through ``__package__``/``__spec__``.)
+    """
+    scope = {**stock_call.__globals__, **overrides}
+    scope.pop("__name__", None)
+    code = stock_call.__code__.replace(co_qualname=f"{stock_call.__code__.co_qualname} ({label})")
     routed = types.FunctionType(
         code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
     )
@@ -1268,16 +1282,8 @@ def _sdpa_call(stock_call: types.FunctionType, stand_in: USPSDPAProcessor) -> ty
     functional = types.ModuleType(f"{torch.nn.functional.__name__} (hfpatch USP)")
     functional.__dict__.update({k: v for k, v in vars(torch.nn.functional).items() if not k.startswith("__")})
     setattr(functional, SDPA, stand_in.sdpa)
-    scope = dict(stock_call.__globals__)
-    for name in _functional_names(stock_call):
-        scope[name] = functional
-    code = stock_call.__code__
-    code = code.replace(co_qualname=f"{code.co_qualname} (hfpatch USP {stand_in.where})")
-    routed = types.FunctionType(
-        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
-    )
-    routed.__kwdefaults__ = stock_call.__kwdefaults__
-    return routed
+    overrides = dict.fromkeys(_functional_names(stock_call), functional)
+    return _function_copy(stock_call, overrides, f"hfpatch USP {stand_in.where}")
 
 
 class USPDispatchProcessor:
@@ -1548,16 +1554,7 @@ def _bound_call(stock_call: types.FunctionType, stand_in: USPBoundDispatchProces
     """A copy of a stock ``__call__`` whose ``dispatch_attention_fn`` is ``stand_in.dispatch`` (see :func:`_sdpa_call`)."""
     global _stock_dispatch
     _stock_dispatch = stock_call.__globals__[DISPATCH]  # diffusers' own, for the ring-degree-1 attention
-    scope = dict(stock_call.__globals__)
-    scope[DISPATCH] = stand_in.dispatch
-    code = stock_call.__code__.replace(
-        co_qualname=f"{stock_call.__code__.co_qualname} (hfpatch USP {stand_in.where})"
-    )
-    routed = types.FunctionType(
-        code, scope, stock_call.__name__, stock_call.__defaults__, stock_call.__closure__
-    )
-    routed.__kwdefaults__ = stock_call.__kwdefaults__
-    return routed
+    return _function_copy(stock_call, {DISPATCH: stand_in.dispatch}, f"hfpatch USP {stand_in.where}")
 
 
 @functools.cache
