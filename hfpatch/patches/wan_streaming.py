@@ -40,7 +40,8 @@ What is patched (all reversible by ``patch.remove()``): the processors of every 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,8 +237,27 @@ def _cached_text(
     if not all(entry.matches(prompt, weights) for entry in cache.cross):
         text = model.condition_embedder.text_embedder(prompt)  # what the stock forward hands the blocks
         for block, entry in zip(model.blocks, cache.cross):
-            entry.store(*_text_keys_values(block.attn2, text), prompt, weights)
+            with _whole_weights(block):
+                entry.store(*_text_keys_values(block.attn2, text), prompt, weights)
     return [(entry.key, entry.value) for entry in cache.cross]
+
+
+@contextlib.contextmanager
+def _whole_weights(block: torch.nn.Module) -> Iterator[None]:
+    """The block's weights whole while inside: an FSDP2 unit (``shard_weights=True``) holds only its shard
+    outside its own forward, so work done on its layers before the call (the text keys/values) gathers them
+    with FSDP2's own ``unshard``/``reshard`` (a collective: every rank of the shard group fills the text cache
+    at the same call, the prompt being the same on all of them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(block, FSDPModule):
+        yield
+        return
+    block.unshard()
+    try:
+        yield
+    finally:
+        block.reshard()
 
 
 def _rope_forward(state: _CallState, rope: Any) -> Callable:
