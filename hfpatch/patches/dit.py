@@ -1753,7 +1753,7 @@ def support_table() -> list[tuple[str, str]]:
     """
     import diffusers.models.transformers as transformers
 
-    from ..core.registry import default_registry
+    from . import default_registry
 
     supported = default_registry().supported()
     rows = []
