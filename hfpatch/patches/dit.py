@@ -277,6 +277,16 @@ def _kandinsky_heads(config: Any) -> int:
     return config.model_dim // sum(config.axes_dims)
 
 
+#: CogVideoX's plan, which ConsisID shares (see their rows in :data:`PLANS`).
+_COGVIDEOX_LAYOUT = DiTPlan(
+    attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
+    plan={
+        "": (SplitInput("image_rotary_emb", dim=0),),
+        "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+        "proj_out": (GatherOutput(dim=1),),
+    },
+)
+
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
     "diffusers.WanTransformer3DModel": DiTPlan(
@@ -336,16 +346,7 @@ PLANS: dict[str, DiTPlan] = {
     # splits them from the text) and the rotary table (cos, sin), each [S, D], are cut. The stock processor
     # concatenates [text, local video] before projecting and rotates [text_len:]: with the local rotary shard,
     # exactly this rank's video tokens (text = len - local_len, in front).
-    "diffusers.CogVideoXTransformer3DModel": DiTPlan(
-        attention=(
-            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
-        ),
-        plan={
-            "": (SplitInput("image_rotary_emb", dim=0),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
-            "proj_out": (GatherOutput(dim=1),),
-        },
-    ),
+    "diffusers.CogVideoXTransformer3DModel": _COGVIDEOX_LAYOUT,
     # HunyuanDiT: no _cp_plan. The patch embedding's output (no positions: rotary), the rotary table (cos, sin),
     # each [S, D], and ControlNet residuals are cut; the long skips between blocks are per token. attn2 is the
     # cross-attention to the replicated text (rotary on the local queries only): left alone, exact.
@@ -757,16 +758,7 @@ PLANS: dict[str, DiTPlan] = {
     # ConsisID: CogVideoX's layout (the video tokens cut entering the first block, after the stock code separates
     # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
     # keys the replicated face embedding: local, exact.
-    "diffusers.ConsisIDTransformer3DModel": DiTPlan(
-        attention=(
-            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
-        ),
-        plan={
-            "": (SplitInput("image_rotary_emb", dim=0),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
-            "proj_out": (GatherOutput(dim=1),),
-        },
-    ),
+    "diffusers.ConsisIDTransformer3DModel": _COGVIDEOX_LAYOUT,
     # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
     # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
     # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
