@@ -277,6 +277,14 @@ def _kandinsky_heads(config: Any) -> int:
     return config.model_dim // sum(config.axes_dims)
 
 
+#: HunyuanVideo's and Framepack's token-replace I2V: its blocks treat the first frame's tokens apart by position.
+_TOKEN_REPLACE_REFUSED = {
+    "image_condition_type": (
+        "token_replace",
+        "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+    )
+}
+
 #: CogVideoX's plan, which ConsisID shares (see their rows in :data:`PLANS`).
 _COGVIDEOX_LAYOUT = DiTPlan(
     attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
@@ -410,12 +418,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
         ),
         plan=_HUNYUAN_PLAN,
-        refuse_config={
-            "image_condition_type": (
-                "token_replace",
-                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
-            )
-        },
+        refuse_config=_TOKEN_REPLACE_REFUSED,
     ),
     # HunyuanVideo 1.5: no _cp_plan. HunyuanVideo's layout (video tokens cut at the patch embedding, rotary
     # tables [S, D] at the rope, text replicated and joined *behind* the video). The text (refined MLLM text,
@@ -836,12 +839,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "single_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
         },
-        refuse_config={
-            "image_condition_type": (
-                "token_replace",
-                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
-            )
-        },
+        refuse_config=_TOKEN_REPLACE_REFUSED,
     ),
     # Stable Audio Open: the audio latent frames cut at the input projection (the pre-convolution runs on the
     # whole clip first); the global (duration + time) token joins in front, replicated; the caller's rotary table
