@@ -205,10 +205,12 @@ def test_lower_layers_import_nothing_above_them(layer):
     assert not wrong, f"hfpatch.{layer} may import only {sorted(LAYERS[layer])}:\n" + "\n".join(wrong)
 
 
-def test_attention_imports_no_hf_library():
-    """``hfpatch.attention`` is plain maths over torch (the README says so): no diffusers/transformers/..."""
+@pytest.mark.parametrize("layer", ["attention", "core"])
+def test_no_hf_library_at_all(layer):
+    """``hfpatch.attention`` is plain maths over torch (the README says so) and the core knows HF classes only by
+    name (``"diffusers.WanTransformer3DModel"``): neither imports diffusers/transformers/..., not even lazily."""
     _, external, _ = import_graph()
-    wrong = {m: sorted(e & set(HF_LIBRARIES)) for m, e in external.items() if _layer(m) == "attention"}
+    wrong = {m: sorted(e & set(HF_LIBRARIES)) for m, e in external.items() if _layer(m) == layer}
     assert not any(wrong.values()), wrong
 
 
