@@ -18,9 +18,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from .core.apply import ApplyMismatchError, apply, get_patch
+    from .api import ApplyMismatchError, apply
     from .core.config import ModelFacts, ParallelConfig
-    from .core.patch import Patch, PatchError
+    from .core.patch import Patch, PatchError, get_patch
     from .core.registry import PatchFamily
     from .distributed.agreement import InputMismatchError
     from .distributed.data import data_parallel_loaders, data_parallel_sampler, step_generator, step_rng
@@ -31,8 +31,8 @@ __version__ = "0.1.0"
 
 # Public name -> the submodule that defines it, imported on first access (PEP 562).
 _LAZY = {
-    "apply": ".core.apply",
-    "get_patch": ".core.apply",
+    "apply": ".api",
+    "get_patch": ".core.patch",
     "ModelFacts": ".core.config",
     "ParallelConfig": ".core.config",
     "Patch": ".core.patch",
@@ -46,13 +46,13 @@ _LAZY = {
     "step_rng": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
-    "ApplyMismatchError": ".core.apply",
+    "ApplyMismatchError": ".api",
 }
 
 
 def register_patch(class_key: str, family: type[PatchFamily] | str) -> None:
     """Register a patch family for a class (``"diffusers.MyTransformer"``); see :class:`PatchFamily`."""
-    from .core.registry import default_registry
+    from .patches import default_registry
 
     default_registry().register(class_key, family)
 

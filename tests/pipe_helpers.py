@@ -1,4 +1,4 @@
-"""Helpers shared by the pipeline tests of several folders (``tests/`` is on ``sys.path`` through its
+"""Helpers shared by the pipeline and training tests of several folders (``tests/`` is on ``sys.path`` through its
 ``conftest.py``; spawned ranks inherit it)."""
 
 from __future__ import annotations
@@ -48,3 +48,21 @@ def restored(before: Snapshot, run_state: dict[str, frozenset[str]]) -> bool:
         and all(vars(obj)[k] is v for k, v in attrs.items() if k not in run_state.get(type(obj).__name__, ()))
         for obj, attrs in before
     )
+
+
+def wan_sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training sample ``i`` for the tiny Wan transformer: latents ``[1, 4, 1, 10, 10]`` and prompt embeddings."""
+    latents = torch.randn(1, 4, 1, 10, 10, generator=torch.Generator().manual_seed(100 + i))
+    return latents, wan_prompt_embeds(1, 6, seed=200 + i)
+
+
+def wan_sample_loss(transformer: Any, text: Any, samples: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Mean over ``samples`` of a fixed linear functional of the transformer output (a per-sample loss); ``text``
+    maps the prompt embeddings first (a trainable module upstream)."""
+    losses = []
+    for i in samples:
+        latents, prompt = (t.to(dtype) for t in wan_sample(i))
+        out = transformer(latents, torch.tensor([500]), text(prompt)).sample
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + i)).to(dtype)
+        losses.append((out * weight).sum())
+    return torch.stack(losses).mean()

@@ -203,7 +203,7 @@ def test_lazy_package_still_exposes_the_api():
     code = (
         "import sys, hfpatch; assert 'torch' not in sys.modules; "
         "assert set(hfpatch.__all__) <= set(dir(hfpatch)); "
-        "from hfpatch import ParallelConfig; assert hfpatch.apply.__module__ == 'hfpatch.core.apply'; "
+        "from hfpatch import ParallelConfig; assert hfpatch.apply.__module__ == 'hfpatch.api'; "
         "assert all(getattr(hfpatch, n) is not None for n in hfpatch.__all__); "
         "assert ParallelConfig(cfg=2).world_size == 2; print('ok')"
     )

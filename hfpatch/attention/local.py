@@ -343,10 +343,15 @@ def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor
     return torch.einsum("bhqk,bhkd->bhqd", probs, v.to(acc)).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, scale):
+def _math_backward(dout, q, k, v, out, lse, scale, mask=None):
+    """``(dq, dk, dv)`` from the merged ``out``/``lse``, in the accumulation dtype; ``mask`` (bool, True = attend)
+    as in the forward (:mod:`hfpatch.attention.masked` passes its tiles' masks)."""
     acc = accum_dtype(q.dtype)
     qf, kf, vf, dof = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    probs = (torch.einsum("bhqd,bhkd->bhqk", qf, kf) * scale - lse.to(acc).unsqueeze(-1)).exp_()
+    scores = torch.einsum("bhqd,bhkd->bhqk", qf, kf).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = scores.sub_(lse.to(acc).unsqueeze(-1)).exp_()
     dv = torch.einsum("bhqk,bhqd->bhkd", probs, dof)
     dprobs = torch.einsum("bhqd,bhkd->bhqk", dof, vf)
     # d softmax: dS = P * (dP - rowsum(dO * O)); with the global O this is exactly this block's share.

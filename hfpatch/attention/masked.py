@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import ring_shift
 from .layout import group_rank, group_size, valid_prefix
-from .local import accum_dtype, local_attention, local_attention_backward
+from .local import _math_backward, accum_dtype, local_attention, local_attention_backward
 from .merge import merge_attention
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -203,16 +203,7 @@ def _tile_backward(dout, q, k, v, out, lse, mask: bool | Tensor, scale: float, b
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(acc), 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale
         )
-    qf, kf, vf, dof = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    scores = torch.einsum("bhqd,bhkd->bhqk", qf, kf).mul_(scale).masked_fill_(~mask, float("-inf"))
-    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-    dv = torch.einsum("bhqk,bhqd->bhkd", probs, dof)
-    dprobs = torch.einsum("bhqd,bhkd->bhqk", dof, vf)
-    delta = (dof * out.to(acc)).sum(-1, keepdim=True)
-    dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale)
-    dq = torch.einsum("bhqk,bhkd->bhqd", dscores, kf)
-    dk = torch.einsum("bhqk,bhqd->bhkd", dscores, qf)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _math_backward(dout, q, k, v, out, lse, scale, mask)
 
 
 def _tiles(length: int, tile: int) -> Iterator[tuple[int, int]]:

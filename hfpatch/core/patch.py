@@ -29,7 +29,12 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ABSENT", "Patch", "PatchError"]
+from .ranks import data_position
+
+__all__ = ["ABSENT", "MARKER", "Patch", "PatchError", "get_patch"]
+
+#: Instance attribute holding the live patch of an object (set by ``hfpatch.apply``, removed with the patch).
+MARKER = "_hfpatch_patch"
 
 
 class _Absent:
@@ -208,16 +213,12 @@ class Patch:
 
         See :func:`hfpatch.distributed.data.data_parallel_position`.
         """
-        from ..distributed.data import data_parallel_position
-
-        return data_parallel_position(self)[0]
+        return data_position(self.plan)[0]
 
     @property
     def num_data_ranks(self) -> int:
         """Number of data-parallel replicas (distinct batches per step) over the launched world."""
-        from ..distributed.data import data_parallel_position
-
-        return data_parallel_position(self)[1]
+        return data_position(self.plan)[1]
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[Patch]:
@@ -444,3 +445,9 @@ def _still_ours(entry: _Entry) -> bool:
         stacklevel=4,
     )
     return True
+
+
+def get_patch(obj: Any) -> Patch | None:
+    """The live :class:`Patch` applied to ``obj`` (directly or as a pipeline component), else ``None``."""
+    patch = getattr(obj, "__dict__", {}).get(MARKER)
+    return patch if patch is not None and patch.is_active else None

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from .config import ModelFacts, ParallelConfig
 
-__all__ = ["PatchFamily", "Registry", "class_key", "default_registry"]
+__all__ = ["PatchFamily", "Registry", "class_key"]
 
 
 def class_key(cls: type) -> str:
@@ -107,19 +107,3 @@ def _load(entry: type[PatchFamily] | str) -> type[PatchFamily]:
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)
     return entry
-
-
-_default: Registry | None = None
-
-
-def default_registry() -> Registry:
-    """The registry :func:`hfpatch.apply` uses, filled with the built-in families on first use."""
-    global _default
-    if _default is None:
-        from ..patches import BUILTIN_FAMILIES
-
-        registry = Registry()
-        for key, family in BUILTIN_FAMILIES:
-            registry.register(key, family)
-        _default = registry
-    return _default

@@ -49,7 +49,6 @@ True
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,7 +57,9 @@ from typing import Any
 import torch
 
 from ..core.config import ParallelConfig
-from . import runtime
+from ..core.patch import Patch, get_patch
+from ..core.ranks import data_coordinates, data_position
+from ..core.wrappers import unwrap_model
 
 __all__ = [
     "data_coordinates",
@@ -71,32 +72,7 @@ __all__ = [
 ]
 
 
-def data_coordinates(rank: int, world_size: int, plan: ParallelConfig | None) -> tuple[int, int]:
-    """``(data_rank, num_data_ranks)`` of global ``rank`` in a world of ``world_size`` ranks under ``plan``.
-
-    The ranks that compute one result together (``cfg * ring * ulysses`` consecutive ranks, the data axis
-    outermost as in hfpatch's mesh; all ``vae`` ranks of a VAE-only plan) form one replica. A plan of one
-    rank (``parallel=1``, or no patch: ``None``) makes every rank its own replica, as plain DDP does.
-
-    >>> from hfpatch import ParallelConfig
-    >>> data_coordinates(1, 2, ParallelConfig(ulysses=2)), data_coordinates(1, 2, None)
-    ((0, 1), (1, 2))
-    >>> data_coordinates(2, 4, ParallelConfig(vae=4))
-    (0, 1)
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
-    together = 1 if plan is None or plan.world_size == 1 else plan.world_size // plan.data
-    if world_size % together:
-        raise ValueError(f"{plan} groups {together} ranks, which does not divide the world of {world_size}")
-    return rank // together, world_size // together
-
-
 def _plan_of(patch_or_model: Any) -> ParallelConfig | None:
-    from ..core.apply import get_patch
-    from ..core.patch import Patch
-    from ..core.wrappers import unwrap_model
-
     if patch_or_model is None:
         return None
     if isinstance(patch_or_model, Patch):
@@ -120,12 +96,7 @@ def data_parallel_position(patch_or_model: Any = None) -> tuple[int, int]:
     >>> data_parallel_position(None)  # one process
     (0, 1)
     """
-    world = runtime.launched_world_size()
-    if runtime.world_size() > 1 or world == 1:
-        rank = runtime.rank()
-    else:  # launched, process group not initialised yet
-        rank = int(os.environ["RANK"])
-    return data_coordinates(rank, world, _plan_of(patch_or_model))
+    return data_position(_plan_of(patch_or_model))
 
 
 class _EpochAdvancingSampler(torch.utils.data.DistributedSampler):

@@ -205,7 +205,7 @@ def all_reduce_gradients(
 def _resolve_group(items: list[Any], group_or_patch: Any) -> Any:
     if group_or_patch is not _FROM_PATCH:
         return getattr(group_or_patch, "reduce_group", group_or_patch)
-    from ..core.apply import get_patch
+    from ..core.patch import get_patch
     from ..core.wrappers import unwrap_model
 
     # DDP/FSDP (accelerator.prepare) and torch.compile wrap the patched module: look the patch up inside.
@@ -262,7 +262,7 @@ def register_ddp_hook(model: torch.nn.Module) -> torch.nn.Module:
     ...     register_ddp_hook(layer) is layer
     True
     """
-    from ..core.apply import get_patch
+    from ..core.patch import get_patch
     from ..core.wrappers import unwrap_model
 
     warnings.warn(

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.config import ParallelConfig
+from ..core.ranks import LAUNCH_VARS as _LAUNCH_VARS
+from ..core.ranks import launched_world_size, rank, world_size
 
 __all__ = [
     "AXES",
@@ -38,6 +40,7 @@ __all__ = [
     "exchange",
     "get_mesh",
     "is_peer_failure",
+    "launched_world_size",
     "rank",
     "wait_timeout",
     "world_size",
@@ -46,7 +49,6 @@ __all__ = [
 #: Mesh axes, outermost first. Ulysses is innermost so its all-to-alls stay within a node; PipeFusion's
 #: point-to-point hand-offs (one patch of hidden states per stage boundary) sit between CFG and sequence parallel.
 AXES = ("data", "cfg", "pipefusion", "ring", "ulysses")
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def default_timeout() -> timedelta:
@@ -181,25 +183,6 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def world_size() -> int:
-    """World size of the default process group, 1 when torch.distributed is not initialised."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    """Rank in the default process group, 0 when torch.distributed is not initialised."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def launched_world_size() -> int:
-    """World size the launcher announced (``WORLD_SIZE``), or the initialised one, or 1."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    if all(v in os.environ for v in _LAUNCH_VARS):
-        return int(os.environ["WORLD_SIZE"])
-    return 1
 
 
 def check_launchable(required: int) -> None:

@@ -1,8 +1,12 @@
 """Built-in patch families: one module per HF target family, imported lazily on first lookup.
 
-Each entry is ``(class key, "module:Family")``; :func:`hfpatch.core.registry.default_registry` reads this
-table, so ``import hfpatch`` imports no diffusers or transformers module.
+Each entry is ``(class key, "module:Family")``; :func:`default_registry` (the registry ``hfpatch.apply`` uses)
+reads this table, so ``import hfpatch`` imports no diffusers or transformers module.
 """
+
+from __future__ import annotations
+
+from ..core.registry import Registry
 
 #: The DiT transformer classes with a row in ``hfpatch.patches.dit.PLANS`` (a test keeps the two equal; listed here
 #: so that looking a class up imports nothing from diffusers).
@@ -95,3 +99,17 @@ BUILTIN_FAMILIES += [
     for key, family in list(BUILTIN_FAMILIES)
     if family == "hfpatch.patches.dit:PlannedDiTUSP"
 ]
+
+
+_default: Registry | None = None
+
+
+def default_registry() -> Registry:
+    """The registry :func:`hfpatch.apply` uses, filled with the built-in families on first use."""
+    global _default
+    if _default is None:
+        registry = Registry()
+        for key, family in BUILTIN_FAMILIES:
+            registry.register(key, family)
+        _default = registry
+    return _default

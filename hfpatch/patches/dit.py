@@ -277,6 +277,24 @@ def _kandinsky_heads(config: Any) -> int:
     return config.model_dim // sum(config.axes_dims)
 
 
+#: HunyuanVideo's and Framepack's token-replace I2V: its blocks treat the first frame's tokens apart by position.
+_TOKEN_REPLACE_REFUSED = {
+    "image_condition_type": (
+        "token_replace",
+        "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+    )
+}
+
+#: CogVideoX's plan, which ConsisID shares (see their rows in :data:`PLANS`).
+_COGVIDEOX_LAYOUT = DiTPlan(
+    attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
+    plan={
+        "": (SplitInput("image_rotary_emb", dim=0),),
+        "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+        "proj_out": (GatherOutput(dim=1),),
+    },
+)
+
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
     "diffusers.WanTransformer3DModel": DiTPlan(
@@ -336,16 +354,7 @@ PLANS: dict[str, DiTPlan] = {
     # splits them from the text) and the rotary table (cos, sin), each [S, D], are cut. The stock processor
     # concatenates [text, local video] before projecting and rotates [text_len:]: with the local rotary shard,
     # exactly this rank's video tokens (text = len - local_len, in front).
-    "diffusers.CogVideoXTransformer3DModel": DiTPlan(
-        attention=(
-            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
-        ),
-        plan={
-            "": (SplitInput("image_rotary_emb", dim=0),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
-            "proj_out": (GatherOutput(dim=1),),
-        },
-    ),
+    "diffusers.CogVideoXTransformer3DModel": _COGVIDEOX_LAYOUT,
     # HunyuanDiT: no _cp_plan. The patch embedding's output (no positions: rotary), the rotary table (cos, sin),
     # each [S, D], and ControlNet residuals are cut; the long skips between blocks are per token. attn2 is the
     # cross-attention to the replicated text (rotary on the local queries only): left alone, exact.
@@ -409,12 +418,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
         ),
         plan=_HUNYUAN_PLAN,
-        refuse_config={
-            "image_condition_type": (
-                "token_replace",
-                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
-            )
-        },
+        refuse_config=_TOKEN_REPLACE_REFUSED,
     ),
     # HunyuanVideo 1.5: no _cp_plan. HunyuanVideo's layout (video tokens cut at the patch embedding, rotary
     # tables [S, D] at the rope, text replicated and joined *behind* the video). The text (refined MLLM text,
@@ -757,16 +761,7 @@ PLANS: dict[str, DiTPlan] = {
     # ConsisID: CogVideoX's layout (the video tokens cut entering the first block, after the stock code separates
     # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
     # keys the replicated face embedding: local, exact.
-    "diffusers.ConsisIDTransformer3DModel": DiTPlan(
-        attention=(
-            AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),
-        ),
-        plan={
-            "": (SplitInput("image_rotary_emb", dim=0),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
-            "proj_out": (GatherOutput(dim=1),),
-        },
-    ),
+    "diffusers.ConsisIDTransformer3DModel": _COGVIDEOX_LAYOUT,
     # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
     # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
     # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
@@ -844,12 +839,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "single_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
         },
-        refuse_config={
-            "image_condition_type": (
-                "token_replace",
-                "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
-            )
-        },
+        refuse_config=_TOKEN_REPLACE_REFUSED,
     ),
     # Stable Audio Open: the audio latent frames cut at the input projection (the pre-convolution runs on the
     # whole clip first); the global (duration + time) token joins in front, replicated; the caller's rotary table
@@ -1088,7 +1078,7 @@ def plan_from_cp(
     ...                    "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
     ...               "proj_out": ContextParallelOutput(gather_dim=1)}, replicate=(("", "encoder_hidden_states"),))
     {'': (SplitInput(name='hidden_states', dim=1, ndim=3, joint=None, index=None),),
-     'proj_out': (GatherOutput(dim=1, joint=None),)}
+     'proj_out': (GatherOutput(dim=1, joint=None, index=None),)}
     """
     unused = set(replicate)
     plan: dict[str, tuple[Spec, ...]] = {}
@@ -1753,7 +1743,7 @@ def support_table() -> list[tuple[str, str]]:
     """
     import diffusers.models.transformers as transformers
 
-    from ..core.registry import default_registry
+    from . import default_registry
 
     supported = default_registry().supported()
     rows = []

@@ -530,7 +530,7 @@ def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, 
     """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
     module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
     forward raises (the patch stays usable) and names a peer's failure as :class:`CollectiveError`."""
-    from ..core.apply import get_patch
+    from ..core.patch import get_patch
 
     def wrapper(original: Any) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:

@@ -274,12 +274,8 @@ class StreamingKVCache:
             return rel
         return sink + (rel - sink) % (self.config.local_attn_size - sink)
 
-    def plan_block(self, frame_offset: int, num_frames: int) -> tuple[list[int], list[int]]:
-        """Slots to read (earlier visible frames, ascending) and to write (the block's frames) for one block.
-
-        Raises:
-            ValueError: If a visible earlier frame is not cached (blocks run out of order without a recache).
-        """
+    def _begin(self, frame_offset: int) -> None:
+        """Start the stream at ``frame_offset`` (first call) or check that it does not go back before its start."""
         if self.start is None:
             self.start = frame_offset
         if frame_offset < self.start:
@@ -287,6 +283,14 @@ class StreamingKVCache:
                 f"frame_offset={frame_offset} is before the start {self.start} of the cached stream; "
                 "call cache.reset() to start a new stream"
             )
+
+    def plan_block(self, frame_offset: int, num_frames: int) -> tuple[list[int], list[int]]:
+        """Slots to read (earlier visible frames, ascending) and to write (the block's frames) for one block.
+
+        Raises:
+            ValueError: If a visible earlier frame is not cached (blocks run out of order without a recache).
+        """
+        self._begin(frame_offset)
         block_end = frame_offset + num_frames
         earlier = [f for f in visible_frames(self.config, self.start, block_end) if f < frame_offset]
         missing = [f for f in earlier if self._slot_frames[self.slot(f)] != f]
@@ -308,13 +312,7 @@ class StreamingKVCache:
             ValueError: If the cache cannot hold the chunk's frames together (more than the window, or past
                 ``max_frames``), or a visible earlier frame is not cached.
         """
-        if self.start is None:
-            self.start = frame_offset
-        if frame_offset < self.start:
-            raise ValueError(
-                f"frame_offset={frame_offset} is before the start {self.start} of the cached stream; "
-                "call cache.reset() to start a new stream"
-            )
+        self._begin(frame_offset)
         end = frame_offset + num_frames
         write = [self.slot(f) for f in range(frame_offset, end)]
         if len(set(write)) != len(write):

@@ -90,7 +90,7 @@ class StreamingWanDecoder:
 
 
 def _check_not_split(vae: Any) -> None:
-    from ..core.apply import get_patch
+    from ..core.patch import get_patch
 
     patch = get_patch(vae)
     if patch is not None and getattr(patch.plan, "vae", 1) > 1:

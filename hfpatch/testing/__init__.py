@@ -26,6 +26,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 * Text decoders: :func:`tiny_qwen3_causal_lm`, :func:`tiny_llama_causal_lm`.
 * Text encoders: :func:`tiny_bert`, :func:`tiny_clip_text_model` with :func:`tiny_clip_tokenizer`,
   :func:`tiny_t5_encoder` with :func:`tiny_t5_tokenizer`.
+* The DiTs, VAEs and text models above are rows of ``hfpatch.testing.models.TINY_MODELS`` (class and config, as data);
+  :func:`tiny_model` builds a row by name with config overrides.
 
 Running and measuring:
 
@@ -74,6 +76,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_ltx_pipe,
         tiny_ltx_transformer,
         tiny_minimax_h3_transformer,
+        tiny_model,
         tiny_pixart_pipe,
         tiny_pixart_transformer,
         tiny_qwen2_5_vl,
@@ -124,6 +127,7 @@ __all__ = [
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_minimax_h3_transformer",
+    "tiny_model",
     "tiny_pixart_pipe",
     "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",

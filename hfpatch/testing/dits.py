@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .models import KL_VAE_8X, build, pipeline, redraw_by_module
+
 __all__ = [
     "TINY_DITS",
     "TINY_DIT_PIPES",
@@ -867,38 +869,9 @@ TINY_DITS: dict[str, TinyDiT] = {
 # ----------------------------------------------------------------------------------------------- builders
 def tiny_dit(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny stock model of row ``name`` of :data:`TINY_DITS` (``overrides`` update its config)."""
-    import diffusers
-
-    from .models import _seeded
-
     row = TINY_DITS[name]
-    with _seeded(seed):
-        model = getattr(diffusers, row.cls)(**{**row.config, **overrides})
-    for path, value in row.attributes.items():
-        pattern, attribute = path.rsplit(".", 1)
-        parts = pattern.split(".")
-        for name, module in model.named_modules():
-            names = name.split(".")
-            if len(names) == len(parts) and all(p in ("*", n) for p, n in zip(parts, names)):
-                setattr(module, attribute, value)
-    return _redraw(model, seed)
-
-
-def _redraw(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Every parameter re-drawn from ``seed`` (some inits are zeros, which would hide bugs): the scale and shift of
-    normalisation layers (modules named ``*Norm*``) around 1 and 0, every other parameter ``N(0, std^2)``."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            norm = "Norm" in type(module).__name__
-            for name, param in module.named_parameters(recurse=False):
-                if norm and name == "weight":
-                    param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
-                elif norm:
-                    param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-                else:
-                    param.copy_(std * torch.randn(param.shape, generator=gen))
-    return model.eval()
+    config = {**row.config, **overrides}
+    return build(f"diffusers.{row.cls}", seed, redraw=redraw_by_module, attributes=row.attributes, **config)
 
 
 def tiny_dit_inputs(name: str, seed: int = 1) -> dict[str, Any]:
@@ -931,8 +904,7 @@ class TinyDiTPipe:
 
 
 #: An AutoencoderKL with an 8x spatial factor: 80 x 80 pixels are 10 x 10 latents, 5 x 5 tokens of 2 x 2 patches.
-_KL_8X = ("tiny_autoencoder_kl", dict(down_block_types=("DownEncoderBlock2D",) * 4,
-                                      up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 16)))  # fmt: skip
+_KL_8X = ("tiny_autoencoder_kl", KL_VAE_8X)
 
 #: name -> tiny pipeline row (what tests/patches/test_dit_zoo_pipelines.py runs end to end).
 TINY_DIT_PIPES: dict[str, TinyDiTPipe] = {
@@ -1019,14 +991,13 @@ def tiny_dit_pipe(name: str, seed: int = 0) -> Any:
     row = TINY_DIT_PIPES[name]
     factory, vae_kwargs = row.vae
     scheduler_cls, scheduler_kwargs = row.scheduler
-    pipe = getattr(diffusers, row.cls)(
+    return pipeline(
+        row.cls,
         transformer=tiny_dit(row.transformer, seed=seed),
         vae=getattr(models, factory)(seed=seed, **vae_kwargs),
         scheduler=getattr(diffusers, scheduler_cls)(**scheduler_kwargs),
         **row.components,
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def tiny_dit_pipe_inputs(name: str, seed: int = 1) -> dict[str, Any]:

@@ -1,15 +1,27 @@
 """Tiny random-weight stock models for tests, demos and examples (CPU, no hub, well under a second).
 
-Every factory seeds its own generator, so the same call gives the same weights on every rank.
+Every model is described once, as data: a row of :data:`TINY_MODELS` (:class:`TinyModel`) names the stock class
+and the constructor arguments of its tiny version, and :func:`tiny_model` builds it (seeded construction, every
+parameter re-drawn; some HF inits are zeros, which would hide bugs). The ``tiny_*`` functions are the rows under
+their public names, with the knobs tests turn (``num_heads``, ``head_dim``, ``num_layers``) as arguments and the
+rest as ``**overrides`` of the config. :mod:`hfpatch.testing.dits` describes 30 more DiTs the same way.
+Every factory seeds its own generator, so the same call gives the same weights on every rank
+(``tests/testing/test_models.py`` pins a checksum of each one's weights).
 
 >>> from hfpatch.testing import tiny_wan_transformer
 >>> tiny_wan_transformer().config.num_attention_heads
 4
+>>> from hfpatch.testing.models import tiny_model
+>>> tiny_model("wan_transformer", num_attention_heads=2).config.num_attention_heads
+2
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +49,7 @@ __all__ = [
     "tiny_ltx_pipe",
     "tiny_ltx_transformer",
     "tiny_minimax_h3_transformer",
+    "tiny_model",
     "tiny_pixart_pipe",
     "tiny_pixart_transformer",
     "tiny_qwen2_5_vl",
@@ -58,20 +71,24 @@ __all__ = [
 ]
 
 
-def _seeded(seed: int):
-    class _Seed:
-        def __enter__(self):
-            self.state = torch.random.get_rng_state()
-            torch.manual_seed(seed)
+# ----------------------------------------------------------------------------------------------- the builder
+class _Seeded:
+    """Seed torch's global RNG for a block (constructors draw from it) and restore its state after."""
 
-        def __exit__(self, *exc):
-            torch.random.set_rng_state(self.state)
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
 
-    return _Seed()
+    def __enter__(self) -> None:
+        self.state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.random.set_rng_state(self.state)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Re-draw every parameter (some HF inits are zeros, which would hide bugs) deterministically."""
+def redraw_by_name(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter re-drawn from ``seed``: weights named ``*norm*`` around 1, everything else ``N(0, 0.04)``
+    (the rows of :data:`TINY_MODELS`)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -82,125 +99,617 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def _build(model_cls: type, config: dict[str, Any], overrides: dict[str, Any], seed: int) -> Any:
-    """``model_cls(**config, **overrides)`` with seeded construction and re-drawn weights (see :func:`_randomize`)."""
-    with _seeded(seed):
-        return _randomize(model_cls(**{**config, **overrides}), seed)
+def redraw_by_module(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Every parameter re-drawn from ``seed``: the scale and shift of normalisation layers (modules named ``*Norm*``)
+    around 1 and 0, every other parameter ``N(0, std^2)`` (the rows of :data:`hfpatch.testing.dits.TINY_DITS`,
+    which catches norms whose parameters are not named ``norm``)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            norm = "Norm" in type(module).__name__
+            for name, param in module.named_parameters(recurse=False):
+                if norm and name == "weight":
+                    param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+                elif norm:
+                    param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+                else:
+                    param.copy_(std * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def _resolve(name: str | type) -> Any:
+    """``"diffusers.WanTransformer3DModel"`` -> the class (imported on first use); a class as it is."""
+    if isinstance(name, str):
+        module, _, attr = name.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+    return name
+
+
+def build(
+    cls: str | type,
+    seed: int,
+    /,
+    *args: Any,
+    redraw: Callable[[torch.nn.Module, int], torch.nn.Module] = redraw_by_name,
+    attributes: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls(*args, **kwargs)`` constructed under a seeded global RNG, ``attributes`` set, weights re-drawn.
+
+    ``attributes`` maps ``"module.path.attribute"`` to a value set after construction (``*`` matches one path
+    segment). The one builder of every tiny model here and in :mod:`hfpatch.testing.dits`.
+    """
+    with _Seeded(seed):
+        model = _resolve(cls)(*args, **kwargs)
+    for path, value in (attributes or {}).items():
+        pattern, attribute = path.rsplit(".", 1)
+        parts = pattern.split(".")
+        for name, module in model.named_modules():
+            names = name.split(".")
+            if len(names) == len(parts) and all(p in ("*", n) for p, n in zip(parts, names)):
+                setattr(module, attribute, value)
+    return redraw(model, seed)
+
+
+def pipeline(cls: str, **components: Any) -> Any:
+    """A stock diffusers pipeline ``diffusers.<cls>(**components)`` with its progress bar off."""
+    pipe = _resolve(f"diffusers.{cls}")(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random-weight stock model, as data.
+
+    Args:
+        cls: The class, ``"diffusers.<Name>"`` or ``"transformers.<Name>"`` (imported when first built).
+        config: Constructor arguments (diffusers), or the arguments of ``config_cls`` (transformers).
+        derived: Arguments computed from the final config (``lambda c: {"hidden_size": ...}``): they follow
+            the heads and widths a call sets, unless the call sets them itself.
+        config_cls: For transformers models, the config class (``cls(config_cls(**config), **init)``).
+        init: Further constructor arguments, not part of the config.
+    """
+
+    cls: str
+    config: Mapping[str, Any]
+    derived: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    config_cls: str | None = None
+    init: Mapping[str, Any] = field(default_factory=dict)
+
+
+def tiny_model(name: str, seed: int = 0, **config: Any) -> Any:
+    """The tiny stock model of row ``name`` of :data:`TINY_MODELS` (``config`` updates its constructor arguments).
+
+    >>> tiny_model("bert", num_hidden_layers=1).config.num_hidden_layers
+    1
+    """
+    row = TINY_MODELS[name]
+    merged = {**copy.deepcopy(dict(row.config)), **config}  # constructors may normalise lists in place
+    merged = {**merged, **(row.derived(merged) if row.derived else {}), **config}
+    if row.config_cls is None:
+        return build(row.cls, seed, **merged, **row.init)
+    return build(row.cls, seed, _resolve(row.config_cls)(**merged), **row.init)
+
+
+def _inner(c: dict[str, Any]) -> int:
+    return c["num_attention_heads"] * c["attention_head_dim"]
+
+
+# ----------------------------------------------------------------------------------------------- rows
+# The rows read as a table, one config argument after another: not reformatted.
+# fmt: off
+#: Wan 2.1 text-to-video layout: patch 1x2x2, 4 heads of 8, 2 blocks (ChronoEdit and VACE add to it).
+_WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+    text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
+#: The causal 3D Wan VAE (8x spatial, 4x temporal), z_dim 4.
+_WAN_VAE = dict(
+    base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+    latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+)
+#: A tiny decoder-only text model: 4 query / 2 key-value heads of 8 (released bos/eos ids: outside the vocabulary).
+_TINY_TEXT_LM = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+    pad_token_id=0,
+)
+#: The in-memory tokenizers' alphabet: one token per lowercase letter.
+_TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyz"
+
+#: name -> row. Names are what :func:`tiny_model` takes.
+TINY_MODELS: dict[str, TinyModel] = {
+    # ---- DiT transformers
+    "wan_transformer": TinyModel("diffusers.WanTransformer3DModel", _WAN),
+    "chronoedit_transformer": TinyModel(
+        "diffusers.ChronoEditTransformer3DModel",
+        {**_WAN, "image_dim": 16, "rope_temporal_skip_len": 8},
+        derived=lambda c: {"added_kv_proj_dim": _inner(c)},
+    ),
+    "wan_vace_transformer": TinyModel(
+        "diffusers.WanVACETransformer3DModel",
+        {**_WAN, "vace_in_channels": 8},
+        derived=lambda c: {"vace_layers": list(range(c["num_layers"]))},
+    ),
+    "flux_transformer": TinyModel(  # one double- and one single-stream block
+        "diffusers.FluxTransformer2DModel",
+        dict(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=16, guidance_embeds=False,
+            axes_dims_rope=(2, 2, 4),
+        ),
+    ),
+    "flux2_transformer": TinyModel(
+        "diffusers.Flux2Transformer2DModel",
+        dict(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=16, timestep_guidance_channels=16,
+            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False,
+        ),
+    ),
+    "sd3_transformer": TinyModel(  # two joint blocks
+        "diffusers.SD3Transformer2DModel",
+        dict(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=16, out_channels=4,
+            pos_embed_max_size=32,
+        ),
+        derived=lambda c: {"caption_projection_dim": _inner(c)},
+    ),
+    "cogvideox_transformer": TinyModel(
+        "diffusers.CogVideoXTransformer3DModel",
+        dict(
+            num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=16,
+            text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
+            max_text_seq_length=8, use_rotary_positional_embeddings=True,
+        ),
+    ),
+    "qwenimage_transformer": TinyModel(
+        "diffusers.QwenImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+        ),
+    ),
+    "ltx_transformer": TinyModel(
+        "diffusers.LTXVideoTransformer3DModel",
+        dict(
+            in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, num_layers=2,
+            caption_channels=16,
+        ),
+        derived=lambda c: {"cross_attention_dim": _inner(c)},
+    ),
+    "ltx2_transformer": TinyModel(  # the audio stream has 2 heads of 8
+        "diffusers.LTX2VideoTransformer3DModel",
+        dict(
+            in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, audio_in_channels=8,
+            audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=8,
+            audio_cross_attention_dim=16, num_layers=2, caption_channels=16,
+        ),
+        derived=lambda c: {"cross_attention_dim": _inner(c)},
+    ),
+    "hunyuanvideo_transformer": TinyModel(  # one dual-, one single-stream and one refiner block
+        "diffusers.HunyuanVideoTransformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=False,
+            text_embed_dim=16, pooled_projection_dim=16, rope_axes_dim=(2, 2, 4),
+        ),
+    ),
+    "hunyuanvideo15_transformer": TinyModel(
+        "diffusers.HunyuanVideo15Transformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16, text_embed_2_dim=16,
+            image_embed_dim=16, rope_axes_dim=(2, 2, 4),
+        ),
+    ),
+    "minimax_h3_transformer": TinyModel(  # 4 heads of 12: 2 rotary frequencies per axis
+        "diffusers.MiniMaxH3Transformer3DModel",
+        dict(
+            num_attention_heads=4, attention_head_dim=12, num_layers=2, num_refiner_layers=1, in_channels=2,
+            audio_in_channels=8, text_dim=16, freq_dim=16, time_embed_dim=16,
+        ),
+        derived=lambda c: {
+            "hidden_size": _inner(c),
+            "ffn_dim": 2 * _inner(c),
+            "time_embed_hidden_dim": _inner(c),
+            "rope_freq_dim": c["attention_head_dim"] // 6,
+        },
+    ),
+    "hunyuandit_transformer": TinyModel(  # 4 blocks: one long skip, block 0 to block 3
+        "diffusers.HunyuanDiT2DModel",
+        dict(
+            num_attention_heads=4, attention_head_dim=8, in_channels=4, patch_size=2, sample_size=8,
+            num_layers=4, mlp_ratio=2.0, learn_sigma=True, cross_attention_dim=16, cross_attention_dim_t5=16,
+            pooled_projection_dim=16, text_len=4, text_len_t5=6, use_style_cond_and_image_meta_size=False,
+        ),
+        derived=lambda c: {"hidden_size": _inner(c)},
+    ),
+    "pixart_transformer": TinyModel(
+        "diffusers.PixArtTransformer2DModel",
+        dict(
+            num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+            sample_size=8, patch_size=2, caption_channels=16, use_additional_conditions=False,
+        ),
+        derived=lambda c: {"cross_attention_dim": _inner(c)},
+    ),
+    "sdxl_unet": TinyModel(  # text_time added conditioning: pooled text + 6 time ids of 4 channels
+        "diffusers.UNet2DConditionModel",
+        dict(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+            cross_attention_dim=16, norm_num_groups=8, addition_embed_type="text_time",
+            addition_time_embed_dim=4, projection_class_embeddings_input_dim=16 + 6 * 4,
+        ),
+    ),
+    # ---- VAEs
+    "wan_vae_2.1": TinyModel("diffusers.AutoencoderKLWan", _WAN_VAE),
+    "wan_vae_2.2": TinyModel(  # patchify, residual up/down, 16x spatial
+        "diffusers.AutoencoderKLWan",
+        dict(
+            _WAN_VAE, decoder_base_dim=8, is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+            scale_factor_spatial=16,
+        ),
+    ),
+    "autoencoder_kl": TinyModel(  # two resolutions, GroupNorm, mid-block attention: 2x spatial
+        "diffusers.AutoencoderKL",
+        dict(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(8, 16),
+            layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=32,
+        ),
+    ),
+    "qwenimage_vae": TinyModel(  # 2x spatial
+        "diffusers.AutoencoderKLQwenImage",
+        dict(
+            base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        ),
+    ),
+    "ltx_vae": TinyModel(  # 32x spatial, 8x temporal, 8 latent channels
+        "diffusers.AutoencoderKLLTXVideo",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False),
+            decoder_inject_noise=(False, False, False, False, False),
+            upsample_residual=(False, False, False, False), upsample_factor=(1, 1, 1, 1),
+            timestep_conditioning=False, patch_size=4, patch_size_t=1, encoder_causal=True,
+            decoder_causal=False,
+        ),
+    ),
+    "hunyuanvideo_vae": TinyModel(  # 8x spatial, 4x temporal
+        "diffusers.AutoencoderKLHunyuanVideo",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+            spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True,
+        ),
+    ),
+    # ---- text models
+    "qwen3_causal_lm": TinyModel(
+        "transformers.Qwen3ForCausalLM", _TINY_TEXT_LM, config_cls="transformers.Qwen3Config"
+    ),
+    "llama_causal_lm": TinyModel(
+        "transformers.LlamaForCausalLM", _TINY_TEXT_LM, config_cls="transformers.LlamaConfig"
+    ),
+    "bert": TinyModel(  # no pooler
+        "transformers.BertModel",
+        dict(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        ),
+        config_cls="transformers.BertConfig",
+        init={"add_pooling_layer": False},
+    ),
+    "clip_text_model": TinyModel(  # tiny_clip_tokenizer's vocabulary, 8 positions
+        "transformers.CLIPTextModel",
+        dict(
+            vocab_size=2 + 2 * len(_TOKEN_CHARS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, max_position_embeddings=8, projection_dim=16, bos_token_id=0,
+            eos_token_id=1, pad_token_id=1,
+        ),
+        config_cls="transformers.CLIPTextConfig",
+    ),
+    "t5_encoder": TinyModel(  # tiny_t5_tokenizer's vocabulary
+        "transformers.T5EncoderModel",
+        dict(
+            vocab_size=4 + 2 * len(_TOKEN_CHARS), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+        ),
+        config_cls="transformers.T5Config",
+    ),
+}
+# fmt: on
+
+
+def _knobs(
+    overrides: dict[str, Any], num_heads: int, head_dim: int, num_layers: int | None = None
+) -> dict[str, Any]:
+    """A factory's knobs as config arguments; ``overrides`` win."""
+    knobs: dict[str, Any] = {"num_attention_heads": num_heads, "attention_head_dim": head_dim}
+    if num_layers is not None:
+        knobs["num_layers"] = num_layers
+    return {**knobs, **overrides}
+
+
+# ----------------------------------------------------------------------------------------------- DiT transformers
 
 
 def tiny_wan_transformer(
     num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
 ):
     """A stock ``WanTransformer3DModel`` (Wan 2.1 layout; ``image_dim``/``added_kv_proj_dim`` via overrides)."""
-    from diffusers import WanTransformer3DModel
-
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=64,
-    )
-    return _build(WanTransformer3DModel, config, overrides, seed)
+    return tiny_model("wan_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
 
 
-def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
-    """A stock ``AutoencoderKLWan``: ``"2.1"`` (causal 3D, 8x spatial) or ``"2.2"`` (patchify, residual up/down)."""
-    from diffusers import AutoencoderKLWan
+def tiny_chronoedit_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``ChronoEditTransformer3DModel`` (Wan 2.1 I2V layout: cross-attention to text and image keys).
 
-    if version == "2.1":
-        config = dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        )
-    elif version == "2.2":
-        config = dict(
-            base_dim=8,
-            decoder_base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            is_residual=True,
-            patch_size=2,
-            in_channels=12,
-            out_channels=12,
-            scale_factor_spatial=16,
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        )
-    else:
-        raise ValueError(f"version must be '2.1' or '2.2', got {version!r}")
-    return _build(AutoencoderKLWan, config, overrides, seed)
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2; ``F = 2`` takes ChronoEdit's temporal-skip
+    rotary path), ``timestep`` ``[B]``, ``encoder_hidden_states`` ``[B, T, 16]`` and
+    ``encoder_hidden_states_image`` ``[B, I, 16]``.
+    """
+    return tiny_model("chronoedit_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
 
 
-def tiny_autoencoder_kl(seed: int = 0, **overrides: Any):
-    """A stock 2D ``AutoencoderKL`` (two resolutions, GroupNorm, mid-block attention), 2x spatial factor."""
-    from diffusers import AutoencoderKL
+def tiny_wan_vace_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``WanVACETransformer3DModel``: :func:`tiny_wan_transformer`'s layout plus a VACE block per layer.
 
-    config = dict(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-    )
-    return _build(AutoencoderKL, config, overrides, seed)
+    Call it like the Wan transformer plus ``control_hidden_states`` ``[B, 8, F, H, W]`` (the latent's frames and
+    size) and optionally ``control_hidden_states_scale`` ``[num_layers]``.
+    """
+    return tiny_model("wan_vace_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
 
 
 def tiny_flux_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
     """A stock ``FluxTransformer2DModel`` with one double and one single block."""
-    from diffusers import FluxTransformer2DModel
+    return tiny_model("flux_transformer", seed, **_knobs(overrides, num_heads, head_dim))
 
-    config = dict(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=head_dim,
-        num_attention_heads=num_heads,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        guidance_embeds=False,
-        axes_dims_rope=(2, 2, 4),
-    )
-    return _build(FluxTransformer2DModel, config, overrides, seed)
+
+def tiny_flux2_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``Flux2Transformer2DModel`` with one double-stream and one single-stream block.
+
+    Call it with ``hidden_states`` ``[B, S, 16]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``img_ids`` and
+    ``txt_ids`` (``[B, S, 4]``/``[B, T, 4]`` or 2D) and ``timestep`` in ``[0, 1]``.
+    """
+    return tiny_model("flux2_transformer", seed, **_knobs(overrides, num_heads, head_dim))
 
 
 def tiny_sd3_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
     """A stock ``SD3Transformer2DModel`` with two joint blocks."""
-    from diffusers import SD3Transformer2DModel
+    return tiny_model("sd3_transformer", seed, **_knobs(overrides, num_heads, head_dim))
 
-    config = dict(
-        sample_size=16,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=head_dim,
-        num_attention_heads=num_heads,
-        joint_attention_dim=16,
-        caption_projection_dim=num_heads * head_dim,
-        pooled_projection_dim=16,
-        out_channels=4,
-        pos_embed_max_size=32,
+
+def tiny_cogvideox_transformer(
+    num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``CogVideoXTransformer3DModel`` (5B layout: rotary positions, given as ``image_rotary_emb``).
+
+    ``head_dim`` 16 leaves the 3D rotary table of ``diffusers.models.embeddings.get_3d_rotary_pos_embed``
+    even sizes per axis (4 for time, 6 each for height and width).
+    """
+    return tiny_model("cogvideox_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+def tiny_qwenimage_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``QwenImageTransformer2DModel`` (dual-stream joint attention, text mask, complex rotary).
+
+    Call it with packed latents ``hidden_states`` ``[B, F*H*W, 16]``, ``img_shapes=[[(F, H, W)]] * B`` and text
+    ``encoder_hidden_states`` ``[B, T, 16]`` (optionally ``encoder_hidden_states_mask`` ``[B, T]``).
+    """
+    return tiny_model("qwenimage_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+def tiny_ltx_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``LTXVideoTransformer3DModel`` (video self-attention with rotary, cross-attention to text).
+
+    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``,
+    ``encoder_attention_mask`` ``[B, T]``, ``timestep`` (``[B]``, or ``[B, F*H*W]`` per token) and
+    ``num_frames``/``height``/``width``.
+    """
+    return tiny_model("ltx_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+def tiny_ltx2_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``LTX2VideoTransformer3DModel`` (LTX-2: video and audio streams, audio-video cross-attention).
+
+    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``audio_hidden_states`` ``[B, A, 8]``,
+    ``encoder_hidden_states`` and ``audio_encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask``
+    ``[B, T]``, ``timestep`` ``[B]`` (or ``[B, F*H*W]`` per token, with ``audio_timestep`` ``[B]``),
+    ``num_frames``/``height``/``width`` and ``audio_num_frames=A``. The audio stream has 2 heads of 8.
+    """
+    return tiny_model("ltx2_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
+    """A stock ``HunyuanVideoTransformer3DModel`` (text-to-video) with one dual- and one single-stream block.
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2), ``timestep`` ``[B]``,
+    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` (a prefix of ones) and
+    ``pooled_projections`` ``[B, 16]``.
+    """
+    return tiny_model("hunyuanvideo_transformer", seed, **_knobs(overrides, num_heads, head_dim))
+
+
+def tiny_hunyuanvideo15_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``HunyuanVideo15Transformer3DModel`` (HunyuanVideo 1.5: dual-stream blocks, video and text joined).
+
+    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x1x1: ``F*H*W`` tokens), ``timestep`` ``[B]``,
+    ``encoder_hidden_states`` ``[B, T, 16]`` with ``encoder_attention_mask`` ``[B, T]``,
+    ``encoder_hidden_states_2`` ``[B, T2, 16]`` with ``encoder_attention_mask_2`` ``[B, T2]`` (the ByT5 text) and
+    ``image_embeds`` ``[B, N, 16]`` (all zeros: text-to-video, the image tokens masked).
+    """
+    return tiny_model(
+        "hunyuanvideo15_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers)
     )
-    return _build(SD3Transformer2DModel, config, overrides, seed)
+
+
+def tiny_minimax_h3_transformer(num_heads: int = 4, head_dim: int = 12, seed: int = 0, **overrides: Any):
+    """A stock ``MiniMaxH3Transformer3DModel`` (one packed sequence of video, text and audio rows).
+
+    Call it with ``hidden_states`` ``[B, V, 8]`` (patch 1x2x2 of 2 channels), ``audio_hidden_states``
+    ``[B, A, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``timestep`` (the distinct noise levels),
+    per-row ``timestep_indices``, ``token_tags`` (0 video, 1 text, 2 audio) and ``position_ids`` ``[S, 3]``,
+    and the rows of each modality in the packed sequence (``video_indices``, ``audio_indices``,
+    ``text_indices``; ``S = V + A + T``).
+    """
+    return tiny_model("minimax_h3_transformer", seed, **_knobs(overrides, num_heads, head_dim))
+
+
+def tiny_hunyuandit_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 4, seed: int = 0, **overrides: Any
+):
+    """A stock ``HunyuanDiT2DModel`` (4 blocks: one long skip, block 0 to block 3), without style/size conditions.
+
+    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2), a float ``timestep`` ``[B]``, CLIP-like
+    ``encoder_hidden_states`` ``[B, 4, 16]`` with ``text_embedding_mask`` ``[B, 4]``, T5-like
+    ``encoder_hidden_states_t5`` ``[B, 6, 16]`` with ``text_embedding_mask_t5`` ``[B, 6]`` (masked tokens become
+    the learned padding) and ``image_rotary_emb`` (cos, sin), each ``[H/2 * W/2, head_dim]``, as the pipeline
+    builds it with ``diffusers.models.embeddings.get_2d_rotary_pos_embed``.
+
+    >>> tiny_hunyuandit_transformer().config.num_layers
+    4
+    """
+    return tiny_model("hunyuandit_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+def tiny_pixart_transformer(
+    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
+):
+    """A stock ``PixArtTransformer2DModel`` (PixArt-alpha/sigma layout: ``ada_norm_single``, learned-sigma output).
+
+    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2; the sin-cos positions follow the input size),
+    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` and ``timestep`` ``[B]``.
+
+    >>> tiny_pixart_transformer().config.out_channels
+    8
+    """
+    return tiny_model("pixart_transformer", seed, **_knobs(overrides, num_heads, head_dim, num_layers))
+
+
+# ----------------------------------------------------------------------------------------------- VAEs
+
+
+def tiny_wan_vae(version: str = "2.1", seed: int = 0, **overrides: Any):
+    """A stock ``AutoencoderKLWan``: ``"2.1"`` (causal 3D, 8x spatial) or ``"2.2"`` (patchify, residual up/down)."""
+    if version not in ("2.1", "2.2"):
+        raise ValueError(f"version must be '2.1' or '2.2', got {version!r}")
+    return tiny_model(f"wan_vae_{version}", seed, **overrides)
+
+
+def tiny_autoencoder_kl(seed: int = 0, **overrides: Any):
+    """A stock 2D ``AutoencoderKL`` (two resolutions, GroupNorm, mid-block attention), 2x spatial factor."""
+    return tiny_model("autoencoder_kl", seed, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------- text models
+
+
+def tiny_qwen3_causal_lm(seed: int = 0, **overrides: Any):
+    """A stock ``Qwen3ForCausalLM`` (qk-norm, grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
+
+    >>> import torch
+    >>> tuple(tiny_qwen3_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
+    (1, 3, 128)
+    """
+    return tiny_model("qwen3_causal_lm", seed, **overrides)
+
+
+def tiny_llama_causal_lm(seed: int = 0, **overrides: Any):
+    """A stock ``LlamaForCausalLM`` (grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
+
+    >>> import torch
+    >>> tuple(tiny_llama_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
+    (1, 3, 128)
+    """
+    return tiny_model("llama_causal_lm", seed, **overrides)
+
+
+def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
+    """A stock ``BertModel`` text encoder (no pooler) with tiny dims; ``dropout`` sets hidden and attention dropout.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_bert
+    >>> tuple(tiny_bert()(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state.shape)
+    (1, 3, 32)
+    """
+    dropouts = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    return tiny_model("bert", seed, **{**dropouts, **overrides})
+
+
+def tiny_clip_text_model(seed: int = 0, **overrides: Any):
+    """A stock ``CLIPTextModel`` (hidden 16, 8 positions) matching :func:`tiny_clip_tokenizer`'s vocabulary."""
+    return tiny_model("clip_text_model", seed, **overrides)
+
+
+def tiny_t5_encoder(seed: int = 0, **overrides: Any):
+    """A stock ``T5EncoderModel`` (d_model 16) matching :func:`tiny_t5_tokenizer`'s vocabulary."""
+    return tiny_model("t5_encoder", seed, **overrides)
+
+
+def tiny_clip_tokenizer(model_max_length: int = 8):
+    """A ``CLIPTokenizer`` built in memory (no hub): one token per lowercase letter, with and without ``</w>``.
+
+    >>> from hfpatch.testing.models import tiny_clip_tokenizer
+    >>> tiny_clip_tokenizer()("ab", padding="max_length", max_length=8).input_ids
+    [0, 2, 29, 1, 1, 1, 1, 1]
+    """
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in _TOKEN_CHARS:
+        vocab[char] = len(vocab)
+    for char in _TOKEN_CHARS:
+        vocab[f"{char}</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer(model_max_length: int = 8):
+    """A ``T5TokenizerFast`` (Unigram) built in memory (no hub): one piece per lowercase letter, ``</s>`` is 1.
+
+    >>> from hfpatch.testing.models import tiny_t5_tokenizer
+    >>> tiny_t5_tokenizer()("ab").input_ids[-1]
+    1
+    """
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(char, -2.0) for char in _TOKEN_CHARS] + [(f"\u2581{c}", -1.5) for c in _TOKEN_CHARS]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+# ----------------------------------------------------------------------------------------------- pipelines
+def _no_text_encoders(count: int) -> dict[str, None]:
+    """``text_encoder``/``tokenizer`` (and ``_2``, ``_3``, ... up to ``count``) as ``None``: embeddings given."""
+    suffixes = [""] + [f"_{i}" for i in range(2, count + 1)]
+    return {f"{part}{s}": None for s in suffixes for part in ("text_encoder", "tokenizer")}
+
+
+#: ``tiny_autoencoder_kl`` arguments for an 8x spatial factor: 80 x 80 pixels are 10 x 10 latents.
+KL_VAE_8X = dict(
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(8, 8, 8, 16),
+)
 
 
 def wan_prompt_embeds(batch: int = 1, length: int = 6, text_dim: int = 16, seed: int = 1) -> torch.Tensor:
@@ -220,61 +729,247 @@ def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False):
     >>> tuple(out.shape)
     (1, 5, 3, 32, 32)
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    transformer = tiny_wan_transformer(seed=seed)
-    transformer_2 = tiny_wan_transformer(seed=seed + 100) if two_transformers else None
-    vae = tiny_wan_vae("2.1", seed=seed)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    pipe = WanPipeline(
+    return pipeline(
+        "WanPipeline",
         tokenizer=None,
         text_encoder=None,
-        vae=vae,
-        scheduler=scheduler,
-        transformer=transformer,
-        transformer_2=transformer_2,
+        vae=tiny_wan_vae("2.1", seed=seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan_transformer(seed=seed),
+        transformer_2=tiny_wan_transformer(seed=seed + 100) if two_transformers else None,
         boundary_ratio=0.5 if two_transformers else None,
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def tiny_sd3_pipe(seed: int = 0):
     """A stock ``StableDiffusion3Pipeline`` (batched CFG) from tiny parts; call it with ``prompt_embeds``
     ``[B, L, 16]``, ``pooled_prompt_embeds`` ``[B, 16]`` and their negatives (no text encoders)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    pipe = StableDiffusion3Pipeline(
+    return pipeline(
+        "StableDiffusion3Pipeline",
         transformer=tiny_sd3_transformer(seed=seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
+        **_no_text_encoders(3),
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def tiny_flux_pipe(seed: int = 0):
     """A stock ``FluxPipeline`` from tiny parts; call it with ``prompt_embeds`` and ``pooled_prompt_embeds``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    pipe = FluxPipeline(
+    return pipeline(
+        "FluxPipeline",
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         # shift_factor: FluxPipeline decodes with it (output_type "pil"/"pt")
         vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
+        transformer=tiny_flux_transformer(seed=seed),
+        **_no_text_encoders(2),
+    )
+
+
+def tiny_flux_pipe_with_text_encoders(seed: int = 0):
+    """A stock ``FluxPipeline`` with tiny CLIP and T5 text encoders and in-memory tokenizers: call it with
+    ``prompt=`` (lowercase letters and spaces) and ``max_sequence_length=8``.
+
+    >>> import torch
+    >>> from hfpatch.testing.models import tiny_flux_pipe_with_text_encoders
+    >>> pipe = tiny_flux_pipe_with_text_encoders()
+    >>> out = pipe(prompt=["a cat", "a dog"], height=16, width=16, num_inference_steps=2, max_sequence_length=8,
+    ...            output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (2, 16, 16)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return pipeline(
+        "FluxPipeline",
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        # shift_factor: FluxPipeline decodes with it (output_type "pil"/"pt")
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
+        text_encoder=tiny_clip_text_model(seed=seed),
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=tiny_t5_encoder(seed=seed),
+        tokenizer_2=tiny_t5_tokenizer(),
         transformer=tiny_flux_transformer(seed=seed),
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+
+
+def tiny_sdxl_pipe(seed: int = 0):
+    """A stock ``StableDiffusionXLPipeline`` around a tiny ``UNet2DConditionModel`` (``text_time`` added
+    conditioning), no text encoders: call it with ``prompt_embeds`` ``[B, L, 16]``, ``pooled_prompt_embeds``
+    ``[B, 16]`` and their negatives, and 16 x 16 pixels (8 x 8 latents).
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_sdxl_pipe
+    >>> pipe = tiny_sdxl_pipe()
+    >>> embeds = {"prompt_embeds": torch.zeros(1, 5, 16), "pooled_prompt_embeds": torch.zeros(1, 16)}
+    >>> tuple(pipe(**embeds, height=16, width=16, num_inference_steps=1, output_type="latent").images.shape)
+    (1, 4, 8, 8)
+    """
+    from diffusers import EulerDiscreteScheduler
+
+    return pipeline(
+        "StableDiffusionXLPipeline",
+        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
+        unet=tiny_model("sdxl_unet", seed),
+        scheduler=EulerDiscreteScheduler(),
+        **_no_text_encoders(2),
+    )
+
+
+def tiny_qwenimage_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``QwenImagePipeline`` from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]`` and ``prompt_embeds_mask`` ``[B, T]`` (and their negatives for true CFG), ``height``/``width``
+    multiples of 4 (the VAE's 2x and the 2x2 patches: 20 x 20 pixels are 5 x 5 tokens); packed ``latents=``
+    ``[B, H*W, 16]``. Keyword arguments go to :func:`tiny_qwenimage_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_qwenimage_pipe
+    >>> pipe = tiny_qwenimage_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 5, 16), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
+    ...            height=32, width=32, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (1, 3, 32, 32)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return pipeline(
+        "QwenImagePipeline",
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_model("qwenimage_vae", seed),
+        transformer=tiny_qwenimage_transformer(seed=seed, **transformer_overrides),
+        **_no_text_encoders(1),
+    )
+
+
+def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``LTXPipeline`` (batched CFG) from tiny parts, without text encoder: call it with ``prompt_embeds``
+    ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]`` and their negatives; ``height``/``width`` multiples of 32
+    (the VAE's spatial factor: 160 x 160 gives 5 x 5 latent tokens per frame), ``num_frames`` = 1 + 8k (its
+    temporal factor). Latents (``latents=``) are packed ``[B, F*H*W, 8]``. Keyword arguments go to
+    :func:`tiny_ltx_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_ltx_pipe
+    >>> pipe = tiny_ltx_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            negative_prompt_embeds=torch.zeros(1, 4, 16),
+    ...            negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            height=64, width=32, num_frames=9, num_inference_steps=2, output_type="pt",
+    ...            generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 9, 3, 64, 32)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return pipeline(
+        "LTXPipeline",
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_model("ltx_vae", seed),
+        transformer=tiny_ltx_transformer(seed=seed, **transformer_overrides),
+        **_no_text_encoders(1),
+    )
+
+
+def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``HunyuanVideoPipeline`` (true CFG with a negative prompt) from tiny parts, without text encoders:
+    call it with ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, ``pooled_prompt_embeds``
+    ``[B, 16]`` (and their negatives with ``true_cfg_scale > 1``); ``height``/``width`` multiples of 16 (the
+    VAE's 8x and the 2x2 patches: 80 x 80 pixels are 5 x 5 tokens per latent frame). Keyword arguments go to
+    :func:`tiny_hunyuanvideo_transformer`.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_hunyuanvideo_pipe
+    >>> pipe = tiny_hunyuanvideo_pipe()
+    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
+    ...            pooled_prompt_embeds=torch.ones(1, 16), height=32, width=32, num_frames=1,
+    ...            num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    >>> tuple(out.shape)
+    (1, 1, 3, 32, 32)
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return pipeline(
+        "HunyuanVideoPipeline",
+        transformer=tiny_hunyuanvideo_transformer(seed=seed, **transformer_overrides),
+        vae=tiny_model("hunyuanvideo_vae", seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        **_no_text_encoders(2),
+    )
+
+
+def tiny_pixart_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``PixArtAlphaPipeline`` (batched CFG) from tiny parts, without text encoder: call it with
+    ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, their negatives and
+    ``negative_prompt=None``; ``height``/``width`` multiples of 8 (the VAE's spatial factor is 4: 40 x 40 gives
+    5 x 5 tokens of 2 x 2 latent patches) and ``use_resolution_binning=False``.
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_pixart_pipe
+    >>> out = tiny_pixart_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4),
+    ...     negative_prompt=None, negative_prompt_embeds=torch.zeros(1, 4, 16),
+    ...     negative_prompt_attention_mask=torch.ones(1, 4), height=40, width=40, num_inference_steps=2,
+    ...     use_resolution_binning=False, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    >>> tuple(out.shape)
+    (1, 3, 40, 40)
+    """
+    from diffusers import DPMSolverMultistepScheduler
+
+    vae = tiny_autoencoder_kl(
+        seed=seed,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 8, 16),
+    )
+    return pipeline(
+        "PixArtAlphaPipeline",
+        vae=vae,
+        transformer=tiny_pixart_transformer(seed=seed, **transformer_overrides),
+        scheduler=DPMSolverMultistepScheduler(),
+        **_no_text_encoders(1),
+    )
+
+
+def tiny_hunyuandit_pipe(seed: int = 0, **transformer_overrides: Any):
+    """A stock ``HunyuanDiTPipeline`` (batched CFG) from tiny parts, without text encoders: call it with
+    ``prompt_embeds`` ``[B, 4, 16]`` / ``prompt_embeds_2`` ``[B, 6, 16]``, their attention masks and negatives,
+    ``use_resolution_binning=False`` and ``height``/``width`` multiples of 16 (the pipeline sizes its rotary grid
+    for an 8x VAE, which this one is: 80 x 80 gives 5 x 5 tokens of 2 x 2 latent patches). Its scheduler is DDIM
+    (deterministic: the pipeline's default DDPM draws noise every step, so every rank would need the same
+    ``generator``).
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_hunyuandit_pipe
+    >>> mask = torch.ones(1, 4, dtype=torch.long)
+    >>> out = tiny_hunyuandit_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=mask,
+    ...     negative_prompt_embeds=torch.zeros(1, 4, 16), negative_prompt_attention_mask=mask,
+    ...     prompt_embeds_2=torch.ones(1, 6, 16), prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long),
+    ...     negative_prompt_embeds_2=torch.zeros(1, 6, 16),
+    ...     negative_prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long), height=80, width=80,
+    ...     num_inference_steps=2, use_resolution_binning=False, output_type="latent").images
+    >>> tuple(out.shape)
+    (1, 4, 10, 10)
+    """
+    from diffusers import DDIMScheduler
+
+    return pipeline(
+        "HunyuanDiTPipeline",
+        vae=tiny_autoencoder_kl(seed=seed, **KL_VAE_8X),
+        transformer=tiny_hunyuandit_transformer(seed=seed, **transformer_overrides),
+        scheduler=DDIMScheduler(clip_sample=False),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+        **_no_text_encoders(2),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- vision-language
 
 
 def tiny_qwen3_vl(
@@ -363,9 +1058,9 @@ def tiny_qwen2_5_vl(
     )
 
 
-# head_dim 8 has 4 rotary frequencies, split over the (t, h, w) M-RoPE axes.
 _QWEN_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
-# Qwen2-VL / Qwen2.5-VL: head_dim = hidden / heads = 8; the released bos/eos ids lie outside the tiny vocabulary.
+
+
 _QWEN2_TEXT = dict(bos_token_id=None, eos_token_id=None, rope_parameters=_QWEN_MROPE)
 
 
@@ -411,74 +1106,7 @@ def _tiny_qwen_vl(
         vision_start_token_id=122,
         vision_end_token_id=123,
     )
-    with _seeded(seed):
-        return _randomize(model_cls(config), seed)
-
-
-_TINY_TEXT_LM = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
-
-
-def tiny_qwen3_causal_lm(seed: int = 0, **overrides: Any):
-    """A stock ``Qwen3ForCausalLM`` (qk-norm, grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
-
-    >>> import torch
-    >>> tuple(tiny_qwen3_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
-    (1, 3, 128)
-    """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    with _seeded(seed):
-        return _randomize(Qwen3ForCausalLM(Qwen3Config(**{**_TINY_TEXT_LM, **overrides})), seed)
-
-
-def tiny_llama_causal_lm(seed: int = 0, **overrides: Any):
-    """A stock ``LlamaForCausalLM`` (grouped-query attention: 4 query / 2 key-value heads of 8) with tiny dims.
-
-    >>> import torch
-    >>> tuple(tiny_llama_causal_lm()(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)
-    (1, 3, 128)
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with _seeded(seed):
-        return _randomize(LlamaForCausalLM(LlamaConfig(**{**_TINY_TEXT_LM, **overrides})), seed)
-
-
-def tiny_bert(seed: int = 0, dropout: float = 0.0, **overrides: Any):
-    """A stock ``BertModel`` text encoder (no pooler) with tiny dims; ``dropout`` sets hidden and attention dropout.
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_bert
-    >>> tuple(tiny_bert()(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state.shape)
-    (1, 3, 32)
-    """
-    from transformers import BertConfig, BertModel
-
-    config = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(BertModel(BertConfig(**config), add_pooling_layer=False), seed)
+    return build(model_cls, seed, config)
 
 
 def qwen3_vl_inputs(
@@ -584,709 +1212,3 @@ def _qwen_vl_inputs(
             batch[grid_key] = grid
             batch[pixel_key] = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=gen)
     return batch
-
-
-def tiny_cogvideox_transformer(
-    num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``CogVideoXTransformer3DModel`` (5B layout: rotary positions, given as ``image_rotary_emb``).
-
-    ``head_dim`` 16 leaves the 3D rotary table of ``diffusers.models.embeddings.get_3d_rotary_pos_embed``
-    even sizes per axis (4 for time, 6 each for height and width).
-    """
-    from diffusers import CogVideoXTransformer3DModel
-
-    config = dict(
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=16,
-        text_embed_dim=16,
-        num_layers=num_layers,
-        sample_width=8,
-        sample_height=8,
-        sample_frames=9,
-        patch_size=2,
-        max_text_seq_length=8,
-        use_rotary_positional_embeddings=True,
-    )
-    return _build(CogVideoXTransformer3DModel, config, overrides, seed)
-
-
-_TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def tiny_clip_tokenizer(model_max_length: int = 8):
-    """A ``CLIPTokenizer`` built in memory (no hub): one token per lowercase letter, with and without ``</w>``.
-
-    >>> from hfpatch.testing.models import tiny_clip_tokenizer
-    >>> tiny_clip_tokenizer()("ab", padding="max_length", max_length=8).input_ids
-    [0, 2, 29, 1, 1, 1, 1, 1]
-    """
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in _TOKEN_CHARS:
-        vocab[char] = len(vocab)
-    for char in _TOKEN_CHARS:
-        vocab[f"{char}</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
-
-
-def tiny_t5_tokenizer(model_max_length: int = 8):
-    """A ``T5TokenizerFast`` (Unigram) built in memory (no hub): one piece per lowercase letter, ``</s>`` is 1.
-
-    >>> from hfpatch.testing.models import tiny_t5_tokenizer
-    >>> tiny_t5_tokenizer()("ab").input_ids[-1]
-    1
-    """
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    pieces += [(char, -2.0) for char in _TOKEN_CHARS] + [(f"\u2581{c}", -1.5) for c in _TOKEN_CHARS]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
-
-
-def tiny_clip_text_model(seed: int = 0, **overrides: Any):
-    """A stock ``CLIPTextModel`` (hidden 16, 8 positions) matching :func:`tiny_clip_tokenizer`'s vocabulary."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    config = dict(
-        vocab_size=2 + 2 * len(_TOKEN_CHARS),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=8,
-        projection_dim=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(CLIPTextModel(CLIPTextConfig(**config)), seed)
-
-
-def tiny_t5_encoder(seed: int = 0, **overrides: Any):
-    """A stock ``T5EncoderModel`` (d_model 16) matching :func:`tiny_t5_tokenizer`'s vocabulary."""
-    from transformers import T5Config, T5EncoderModel
-
-    config = dict(
-        vocab_size=4 + 2 * len(_TOKEN_CHARS),
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    config.update(overrides)
-    with _seeded(seed):
-        return _randomize(T5EncoderModel(T5Config(**config)), seed)
-
-
-def tiny_flux_pipe_with_text_encoders(seed: int = 0):
-    """A stock ``FluxPipeline`` with tiny CLIP and T5 text encoders and in-memory tokenizers: call it with
-    ``prompt=`` (lowercase letters and spaces) and ``max_sequence_length=8``.
-
-    >>> import torch
-    >>> from hfpatch.testing.models import tiny_flux_pipe_with_text_encoders
-    >>> pipe = tiny_flux_pipe_with_text_encoders()
-    >>> out = pipe(prompt=["a cat", "a dog"], height=16, width=16, num_inference_steps=2, max_sequence_length=8,
-    ...            output_type="latent", generator=torch.Generator().manual_seed(0)).images
-    >>> tuple(out.shape)
-    (2, 16, 16)
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        # shift_factor: FluxPipeline decodes with it (output_type "pil"/"pt")
-        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4, shift_factor=0.0),
-        text_encoder=tiny_clip_text_model(seed=seed),
-        tokenizer=tiny_clip_tokenizer(),
-        text_encoder_2=tiny_t5_encoder(seed=seed),
-        tokenizer_2=tiny_t5_tokenizer(),
-        transformer=tiny_flux_transformer(seed=seed),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_qwenimage_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``QwenImageTransformer2DModel`` (dual-stream joint attention, text mask, complex rotary).
-
-    Call it with packed latents ``hidden_states`` ``[B, F*H*W, 16]``, ``img_shapes=[[(F, H, W)]] * B`` and text
-    ``encoder_hidden_states`` ``[B, T, 16]`` (optionally ``encoder_hidden_states_mask`` ``[B, T]``).
-    """
-    from diffusers import QwenImageTransformer2DModel
-
-    config = dict(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=num_layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=num_heads,
-        joint_attention_dim=16,
-        axes_dims_rope=(2, 2, 4),
-    )
-    return _build(QwenImageTransformer2DModel, config, overrides, seed)
-
-
-def tiny_flux2_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
-    """A stock ``Flux2Transformer2DModel`` with one double-stream and one single-stream block.
-
-    Call it with ``hidden_states`` ``[B, S, 16]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``img_ids`` and
-    ``txt_ids`` (``[B, S, 4]``/``[B, T, 4]`` or 2D) and ``timestep`` in ``[0, 1]``.
-    """
-    from diffusers import Flux2Transformer2DModel
-
-    config = dict(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=head_dim,
-        num_attention_heads=num_heads,
-        joint_attention_dim=16,
-        timestep_guidance_channels=16,
-        axes_dims_rope=(2, 2, 2, 2),
-        guidance_embeds=False,
-    )
-    return _build(Flux2Transformer2DModel, config, overrides, seed)
-
-
-def tiny_ltx_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``LTXVideoTransformer3DModel`` (video self-attention with rotary, cross-attention to text).
-
-    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``,
-    ``encoder_attention_mask`` ``[B, T]``, ``timestep`` (``[B]``, or ``[B, F*H*W]`` per token) and
-    ``num_frames``/``height``/``width``.
-    """
-    from diffusers import LTXVideoTransformer3DModel
-
-    config = dict(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        cross_attention_dim=num_heads * head_dim,
-        num_layers=num_layers,
-        caption_channels=16,
-    )
-    return _build(LTXVideoTransformer3DModel, config, overrides, seed)
-
-
-def tiny_qwenimage_pipe(seed: int = 0, **transformer_overrides: Any):
-    """A stock ``QwenImagePipeline`` from tiny parts, without text encoder: call it with ``prompt_embeds``
-    ``[B, T, 16]`` and ``prompt_embeds_mask`` ``[B, T]`` (and their negatives for true CFG), ``height``/``width``
-    multiples of 4 (the VAE's 2x and the 2x2 patches: 20 x 20 pixels are 5 x 5 tokens); packed ``latents=``
-    ``[B, H*W, 16]``. Keyword arguments go to :func:`tiny_qwenimage_transformer`.
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_qwenimage_pipe
-    >>> pipe = tiny_qwenimage_pipe()
-    >>> out = pipe(prompt_embeds=torch.ones(1, 5, 16), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
-    ...            height=32, width=32, num_inference_steps=2, output_type="pt",
-    ...            generator=torch.Generator().manual_seed(0)).images
-    >>> tuple(out.shape)
-    (1, 3, 32, 32)
-    """
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-
-    vae = _build(
-        AutoencoderKLQwenImage,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        ),
-        {},
-        seed,
-    )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=tiny_qwenimage_transformer(seed=seed, **transformer_overrides),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_ltx_pipe(seed: int = 0, **transformer_overrides: Any):
-    """A stock ``LTXPipeline`` (batched CFG) from tiny parts, without text encoder: call it with ``prompt_embeds``
-    ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]`` and their negatives; ``height``/``width`` multiples of 32
-    (the VAE's spatial factor: 160 x 160 gives 5 x 5 latent tokens per frame), ``num_frames`` = 1 + 8k (its
-    temporal factor). Latents (``latents=``) are packed ``[B, F*H*W, 8]``. Keyword arguments go to
-    :func:`tiny_ltx_transformer`.
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_ltx_pipe
-    >>> pipe = tiny_ltx_pipe()
-    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
-    ...            negative_prompt_embeds=torch.zeros(1, 4, 16),
-    ...            negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
-    ...            height=64, width=32, num_frames=9, num_inference_steps=2, output_type="pt",
-    ...            generator=torch.Generator().manual_seed(0)).frames
-    >>> tuple(out.shape)
-    (1, 9, 3, 64, 32)
-    """
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
-
-    vae = _build(
-        AutoencoderKLLTXVideo,
-        dict(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=8,
-            block_out_channels=(8, 8, 8, 8),
-            decoder_block_out_channels=(8, 8, 8, 8),
-            layers_per_block=(1, 1, 1, 1, 1),
-            decoder_layers_per_block=(1, 1, 1, 1, 1),
-            spatio_temporal_scaling=(True, True, True, False),
-            decoder_spatio_temporal_scaling=(True, True, True, False),
-            decoder_inject_noise=(False, False, False, False, False),
-            upsample_residual=(False, False, False, False),
-            upsample_factor=(1, 1, 1, 1),
-            timestep_conditioning=False,
-            patch_size=4,
-            patch_size_t=1,
-            encoder_causal=True,
-            decoder_causal=False,
-        ),
-        {},
-        seed,
-    )
-    pipe = LTXPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=tiny_ltx_transformer(seed=seed, **transformer_overrides),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_pixart_pipe(seed: int = 0, **transformer_overrides: Any):
-    """A stock ``PixArtAlphaPipeline`` (batched CFG) from tiny parts, without text encoder: call it with
-    ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, their negatives and
-    ``negative_prompt=None``; ``height``/``width`` multiples of 8 (the VAE's spatial factor is 4: 40 x 40 gives
-    5 x 5 tokens of 2 x 2 latent patches) and ``use_resolution_binning=False``.
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_pixart_pipe
-    >>> out = tiny_pixart_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4),
-    ...     negative_prompt=None, negative_prompt_embeds=torch.zeros(1, 4, 16),
-    ...     negative_prompt_attention_mask=torch.ones(1, 4), height=40, width=40, num_inference_steps=2,
-    ...     use_resolution_binning=False, output_type="pt", generator=torch.Generator().manual_seed(0)).images
-    >>> tuple(out.shape)
-    (1, 3, 40, 40)
-    """
-    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline
-
-    vae = tiny_autoencoder_kl(
-        seed=seed,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 8, 16),
-    )
-    pipe = PixArtAlphaPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=vae,
-        transformer=tiny_pixart_transformer(seed=seed, **transformer_overrides),
-        scheduler=DPMSolverMultistepScheduler(),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_hunyuandit_pipe(seed: int = 0, **transformer_overrides: Any):
-    """A stock ``HunyuanDiTPipeline`` (batched CFG) from tiny parts, without text encoders: call it with
-    ``prompt_embeds`` ``[B, 4, 16]`` / ``prompt_embeds_2`` ``[B, 6, 16]``, their attention masks and negatives,
-    ``use_resolution_binning=False`` and ``height``/``width`` multiples of 16 (the pipeline sizes its rotary grid
-    for an 8x VAE, which this one is: 80 x 80 gives 5 x 5 tokens of 2 x 2 latent patches). Its scheduler is DDIM
-    (deterministic: the pipeline's default DDPM draws noise every step, so every rank would need the same
-    ``generator``).
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_hunyuandit_pipe
-    >>> mask = torch.ones(1, 4, dtype=torch.long)
-    >>> out = tiny_hunyuandit_pipe()(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=mask,
-    ...     negative_prompt_embeds=torch.zeros(1, 4, 16), negative_prompt_attention_mask=mask,
-    ...     prompt_embeds_2=torch.ones(1, 6, 16), prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long),
-    ...     negative_prompt_embeds_2=torch.zeros(1, 6, 16),
-    ...     negative_prompt_attention_mask_2=torch.ones(1, 6, dtype=torch.long), height=80, width=80,
-    ...     num_inference_steps=2, use_resolution_binning=False, output_type="latent").images
-    >>> tuple(out.shape)
-    (1, 4, 10, 10)
-    """
-    from diffusers import DDIMScheduler, HunyuanDiTPipeline
-
-    vae = tiny_autoencoder_kl(
-        seed=seed,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 16),
-    )
-    pipe = HunyuanDiTPipeline(
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=tiny_hunyuandit_transformer(seed=seed, **transformer_overrides),
-        scheduler=DDIMScheduler(clip_sample=False),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-        text_encoder_2=None,
-        tokenizer_2=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_chronoedit_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``ChronoEditTransformer3DModel`` (Wan 2.1 I2V layout: cross-attention to text and image keys).
-
-    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2; ``F = 2`` takes ChronoEdit's temporal-skip
-    rotary path), ``timestep`` ``[B]``, ``encoder_hidden_states`` ``[B, T, 16]`` and
-    ``encoder_hidden_states_image`` ``[B, I, 16]``.
-    """
-    from diffusers import ChronoEditTransformer3DModel
-
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        image_dim=16,
-        added_kv_proj_dim=num_heads * head_dim,
-        rope_max_seq_len=64,
-        rope_temporal_skip_len=8,
-    )
-    return _build(ChronoEditTransformer3DModel, config, overrides, seed)
-
-
-def tiny_wan_vace_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``WanVACETransformer3DModel``: :func:`tiny_wan_transformer`'s layout plus a VACE block per layer.
-
-    Call it like the Wan transformer plus ``control_hidden_states`` ``[B, 8, F, H, W]`` (the latent's frames and
-    size) and optionally ``control_hidden_states_scale`` ``[num_layers]``.
-    """
-    from diffusers import WanVACETransformer3DModel
-
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=64,
-        vace_layers=list(range(num_layers)),
-        vace_in_channels=8,
-    )
-    return _build(WanVACETransformer3DModel, config, overrides, seed)
-
-
-def tiny_hunyuanvideo_transformer(num_heads: int = 4, head_dim: int = 8, seed: int = 0, **overrides: Any):
-    """A stock ``HunyuanVideoTransformer3DModel`` (text-to-video) with one dual- and one single-stream block.
-
-    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x2x2), ``timestep`` ``[B]``,
-    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` (a prefix of ones) and
-    ``pooled_projections`` ``[B, 16]``.
-    """
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    config = dict(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
-        guidance_embeds=False,
-        text_embed_dim=16,
-        pooled_projection_dim=16,
-        rope_axes_dim=(2, 2, 4),
-    )
-    return _build(HunyuanVideoTransformer3DModel, config, overrides, seed)
-
-
-def tiny_hunyuandit_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 4, seed: int = 0, **overrides: Any
-):
-    """A stock ``HunyuanDiT2DModel`` (4 blocks: one long skip, block 0 to block 3), without style/size conditions.
-
-    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2), a float ``timestep`` ``[B]``, CLIP-like
-    ``encoder_hidden_states`` ``[B, 4, 16]`` with ``text_embedding_mask`` ``[B, 4]``, T5-like
-    ``encoder_hidden_states_t5`` ``[B, 6, 16]`` with ``text_embedding_mask_t5`` ``[B, 6]`` (masked tokens become
-    the learned padding) and ``image_rotary_emb`` (cos, sin), each ``[H/2 * W/2, head_dim]``, as the pipeline
-    builds it with ``diffusers.models.embeddings.get_2d_rotary_pos_embed``.
-
-    >>> tiny_hunyuandit_transformer().config.num_layers
-    4
-    """
-    from diffusers import HunyuanDiT2DModel
-
-    config = dict(
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        patch_size=2,
-        sample_size=8,
-        hidden_size=num_heads * head_dim,
-        num_layers=num_layers,
-        mlp_ratio=2.0,
-        learn_sigma=True,
-        cross_attention_dim=16,
-        cross_attention_dim_t5=16,
-        pooled_projection_dim=16,
-        text_len=4,
-        text_len_t5=6,
-        use_style_cond_and_image_meta_size=False,
-    )
-    return _build(HunyuanDiT2DModel, config, overrides, seed)
-
-
-def tiny_pixart_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``PixArtTransformer2DModel`` (PixArt-alpha/sigma layout: ``ada_norm_single``, learned-sigma output).
-
-    Call it with ``hidden_states`` ``[B, 4, H, W]`` (patch 2; the sin-cos positions follow the input size),
-    ``encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask`` ``[B, T]`` and ``timestep`` ``[B]``.
-
-    >>> tiny_pixart_transformer().config.out_channels
-    8
-    """
-    from diffusers import PixArtTransformer2DModel
-
-    config = dict(
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        in_channels=4,
-        out_channels=8,
-        num_layers=num_layers,
-        cross_attention_dim=num_heads * head_dim,
-        sample_size=8,
-        patch_size=2,
-        caption_channels=16,
-        use_additional_conditions=False,
-    )
-    return _build(PixArtTransformer2DModel, config, overrides, seed)
-
-
-def tiny_hunyuanvideo_pipe(seed: int = 0, **transformer_overrides: Any):
-    """A stock ``HunyuanVideoPipeline`` (true CFG with a negative prompt) from tiny parts, without text encoders:
-    call it with ``prompt_embeds`` ``[B, T, 16]``, ``prompt_attention_mask`` ``[B, T]``, ``pooled_prompt_embeds``
-    ``[B, 16]`` (and their negatives with ``true_cfg_scale > 1``); ``height``/``width`` multiples of 16 (the
-    VAE's 8x and the 2x2 patches: 80 x 80 pixels are 5 x 5 tokens per latent frame). Keyword arguments go to
-    :func:`tiny_hunyuanvideo_transformer`.
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_hunyuanvideo_pipe
-    >>> pipe = tiny_hunyuanvideo_pipe()
-    >>> out = pipe(prompt_embeds=torch.ones(1, 4, 16), prompt_attention_mask=torch.ones(1, 4, dtype=torch.long),
-    ...            pooled_prompt_embeds=torch.ones(1, 16), height=32, width=32, num_frames=1,
-    ...            num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
-    >>> tuple(out.shape)
-    (1, 1, 3, 32, 32)
-    """
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
-
-    vae = _build(
-        AutoencoderKLHunyuanVideo,
-        dict(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            norm_num_groups=4,
-            spatial_compression_ratio=8,
-            temporal_compression_ratio=4,
-            mid_block_add_attention=True,
-        ),
-        {},
-        seed,
-    )
-    pipe = HunyuanVideoPipeline(
-        text_encoder=None,
-        tokenizer=None,
-        transformer=tiny_hunyuanvideo_transformer(seed=seed, **transformer_overrides),
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=None,
-        tokenizer_2=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_sdxl_pipe(seed: int = 0):
-    """A stock ``StableDiffusionXLPipeline`` around a tiny ``UNet2DConditionModel`` (``text_time`` added
-    conditioning), no text encoders: call it with ``prompt_embeds`` ``[B, L, 16]``, ``pooled_prompt_embeds``
-    ``[B, 16]`` and their negatives, and 16 x 16 pixels (8 x 8 latents).
-
-    >>> import torch
-    >>> from hfpatch.testing import tiny_sdxl_pipe
-    >>> pipe = tiny_sdxl_pipe()
-    >>> embeds = {"prompt_embeds": torch.zeros(1, 5, 16), "pooled_prompt_embeds": torch.zeros(1, 16)}
-    >>> tuple(pipe(**embeds, height=16, width=16, num_inference_steps=1, output_type="latent").images.shape)
-    (1, 4, 8, 8)
-    """
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-
-    config = dict(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        cross_attention_dim=16,
-        norm_num_groups=8,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=4,
-        projection_class_embeddings_input_dim=16 + 6 * 4,  # pooled text + 6 time ids of 4 channels
-    )
-    pipe = StableDiffusionXLPipeline(
-        vae=tiny_autoencoder_kl(seed=seed, latent_channels=4),
-        text_encoder=None,
-        text_encoder_2=None,
-        tokenizer=None,
-        tokenizer_2=None,
-        unet=_build(UNet2DConditionModel, config, {}, seed),
-        scheduler=EulerDiscreteScheduler(),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_hunyuanvideo15_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``HunyuanVideo15Transformer3DModel`` (HunyuanVideo 1.5: dual-stream blocks, video and text joined).
-
-    Call it with ``hidden_states`` ``[B, 4, F, H, W]`` (patch 1x1x1: ``F*H*W`` tokens), ``timestep`` ``[B]``,
-    ``encoder_hidden_states`` ``[B, T, 16]`` with ``encoder_attention_mask`` ``[B, T]``,
-    ``encoder_hidden_states_2`` ``[B, T2, 16]`` with ``encoder_attention_mask_2`` ``[B, T2]`` (the ByT5 text) and
-    ``image_embeds`` ``[B, N, 16]`` (all zeros: text-to-video, the image tokens masked).
-    """
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    config = dict(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        num_layers=num_layers,
-        num_refiner_layers=1,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=16,
-        text_embed_2_dim=16,
-        image_embed_dim=16,
-        rope_axes_dim=(2, 2, 4),
-    )
-    return _build(HunyuanVideo15Transformer3DModel, config, overrides, seed)
-
-
-def tiny_ltx2_transformer(
-    num_heads: int = 4, head_dim: int = 8, num_layers: int = 2, seed: int = 0, **overrides: Any
-):
-    """A stock ``LTX2VideoTransformer3DModel`` (LTX-2: video and audio streams, audio-video cross-attention).
-
-    Call it with ``hidden_states`` ``[B, F*H*W, 8]``, ``audio_hidden_states`` ``[B, A, 8]``,
-    ``encoder_hidden_states`` and ``audio_encoder_hidden_states`` ``[B, T, 16]``, ``encoder_attention_mask``
-    ``[B, T]``, ``timestep`` ``[B]`` (or ``[B, F*H*W]`` per token, with ``audio_timestep`` ``[B]``),
-    ``num_frames``/``height``/``width`` and ``audio_num_frames=A``. The audio stream has 2 heads of 8.
-    """
-    from diffusers import LTX2VideoTransformer3DModel
-
-    config = dict(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        cross_attention_dim=num_heads * head_dim,
-        audio_in_channels=8,
-        audio_out_channels=8,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=8,
-        audio_cross_attention_dim=16,
-        num_layers=num_layers,
-        caption_channels=16,
-    )
-    return _build(LTX2VideoTransformer3DModel, config, overrides, seed)
-
-
-def tiny_minimax_h3_transformer(num_heads: int = 4, head_dim: int = 12, seed: int = 0, **overrides: Any):
-    """A stock ``MiniMaxH3Transformer3DModel`` (one packed sequence of video, text and audio rows).
-
-    Call it with ``hidden_states`` ``[B, V, 8]`` (patch 1x2x2 of 2 channels), ``audio_hidden_states``
-    ``[B, A, 8]``, ``encoder_hidden_states`` ``[B, T, 16]``, ``timestep`` (the distinct noise levels),
-    per-row ``timestep_indices``, ``token_tags`` (0 video, 1 text, 2 audio) and ``position_ids`` ``[S, 3]``,
-    and the rows of each modality in the packed sequence (``video_indices``, ``audio_indices``,
-    ``text_indices``; ``S = V + A + T``).
-    """
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    hidden = num_heads * head_dim
-    config = dict(
-        num_attention_heads=num_heads,
-        attention_head_dim=head_dim,
-        hidden_size=hidden,
-        num_layers=2,
-        num_refiner_layers=1,
-        ffn_dim=2 * hidden,
-        in_channels=2,
-        audio_in_channels=8,
-        text_dim=16,
-        freq_dim=16,
-        time_embed_hidden_dim=hidden,
-        time_embed_dim=16,
-        rope_freq_dim=head_dim // 6,
-    )
-    return _build(MiniMaxH3Transformer3DModel, config, overrides, seed)

@@ -13,7 +13,7 @@ import pytest
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.core.apply import ApplyMismatchError, _config_text, _text
+from hfpatch.api import ApplyMismatchError, _config_text, _text
 from hfpatch.core.registry import PatchFamily, Registry
 from hfpatch.testing import tiny_autoencoder_kl, tiny_wan_transformer
 

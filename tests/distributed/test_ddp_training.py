@@ -27,34 +27,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pipe_helpers import wan_sample_loss
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing import tiny_wan_transformer
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 MICRO_STEPS = 2
 
 
-def _sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    latents = torch.randn(1, 4, 1, 10, 10, generator=torch.Generator().manual_seed(100 + i))
-    return latents, wan_prompt_embeds(1, 6, seed=200 + i)
-
-
 def _text_module() -> torch.nn.Module:
     torch.manual_seed(5)
     return torch.nn.Linear(16, 16)
-
-
-def _loss(transformer: Any, text: Any, samples: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Mean over ``samples`` of a fixed linear functional of the transformer output (a per-sample loss)."""
-    losses = []
-    for i in samples:
-        latents, prompt = (t.to(dtype) for t in _sample(i))
-        out = transformer(latents, torch.tensor([500]), text(prompt)).sample
-        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + i)).to(dtype)
-        losses.append((out * weight).sum())
-    return torch.stack(losses).mean()
 
 
 def _grads(*modules: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -75,7 +60,7 @@ def _reference(num_data: int, micro_steps: int) -> tuple[dict, dict, dict]:
             transformer, text = to_fp64(transformer), to_fp64(text)
         for step in range(micro_steps):
             global_batch = [step * num_data + d for d in range(num_data)]
-            _loss(transformer, text, global_batch, dtype).backward()
+            wan_sample_loss(transformer, text, global_batch, dtype).backward()
         results.append(_grads(transformer, text))
     ref32, ref64 = results
     floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
@@ -114,7 +99,7 @@ def _training_cases() -> dict[str, tuple[float, float]]:
                     quiet.enter_context(model.no_sync())
                     quiet.enter_context(encoder.no_sync())
                 with quiet:
-                    _loss(model, encoder, [step * num_data + data_rank], torch.float32).backward()
+                    wan_sample_loss(model, encoder, [step * num_data + data_rank], torch.float32).backward()
             if name == "plain loop":
                 hfpatch.all_reduce_gradients(transformer)  # the text module needs nothing
                 if num_data > 1:  # a data-parallel loop without DDP averages over the replicas itself

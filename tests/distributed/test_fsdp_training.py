@@ -24,18 +24,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pipe_helpers import wan_sample_loss
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing import tiny_wan_transformer
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 MICRO_STEPS = 2
-
-
-def _sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    latents = torch.randn(1, 4, 1, 10, 10, generator=torch.Generator().manual_seed(100 + i))
-    return latents, wan_prompt_embeds(1, 6, seed=200 + i)
 
 
 def _models(lora: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -56,17 +52,6 @@ def _models(lora: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Mo
     return transformer, text
 
 
-def _loss(transformer: Any, text: Any, samples: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Mean over ``samples`` of a fixed linear functional of the transformer output (a per-sample loss)."""
-    losses = []
-    for i in samples:
-        latents, prompt = (t.to(dtype) for t in _sample(i))
-        out = transformer(latents, torch.tensor([500]), text(prompt)).sample
-        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + i)).to(dtype)
-        losses.append((out * weight).sum())
-    return torch.stack(losses).mean()
-
-
 def _grads(*modules: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every gradient, the full tensor of a sharded one (a collective: same order on every rank)."""
     from torch.distributed.tensor import DTensor
@@ -85,7 +70,9 @@ def _reference(lora: bool, num_data: int) -> tuple[dict, dict, dict]:
     for dtype in (torch.float32, torch.float64):
         transformer, text = _models(lora, dtype)
         for step in range(MICRO_STEPS):
-            _loss(transformer, text, [step * num_data + d for d in range(num_data)], dtype).backward()
+            wan_sample_loss(
+                transformer, text, [step * num_data + d for d in range(num_data)], dtype
+            ).backward()
         results.append(_grads(transformer, text))
     ref32, ref64 = results
     floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
@@ -157,7 +144,7 @@ def _training_cases(references: dict[bool, tuple[dict, dict, dict]]) -> dict[str
             last = step == MICRO_STEPS - 1
             for module in (transformer, text):
                 module.set_requires_gradient_sync(sync_every or last)
-            _loss(transformer, text, [step * num_data + data_rank], torch.float32).backward()
+            wan_sample_loss(transformer, text, [step * num_data + data_rank], torch.float32).backward()
         grads = _grads(transformer, text)  # no hfpatch line after backward
         assert grads.keys() == ref32.keys(), sorted(set(grads) ^ set(ref32))
         results[name] = (max(rel_error(grads[n], ref32[n], scales[n]) for n in ref32), noise)

@@ -1,5 +1,9 @@
 """``hfpatch.apply``: validate everything on every rank, agree, then mutate through one :class:`Patch`.
 
+This is the top of the package: it joins the core (:class:`Patch`, plans, the registry), the process groups
+(:mod:`hfpatch.distributed.runtime`) and the built-in families (:mod:`hfpatch.patches`); nothing in those
+imports it (``tests/test_imports.py`` checks the layers).
+
 When the plan spans several ranks, the ranks first run a short handshake (:func:`_handshake`, over the
 default group's store, bounded by ``HFPATCH_TIMEOUT_S``): each posts what it was asked to do (target class
 and config, resolved plan and options, or the error its own checks raised). Ranks that were given different
@@ -18,25 +22,17 @@ from typing import Any
 
 import torch
 
-from ..distributed import runtime
-from .config import ModelFacts, ParallelConfig, resolve_parallel
-from .patch import Patch
-from .registry import PatchFamily, Registry, class_key, default_registry
+from .core.config import ModelFacts, ParallelConfig, resolve_parallel
+from .core.patch import MARKER, Patch, get_patch
+from .core.registry import PatchFamily, Registry, class_key
+from .distributed import runtime
+from .patches import default_registry
 
 __all__ = ["ApplyMismatchError", "apply", "get_patch"]
-
-#: Instance attribute holding the live patch of an object (removed with the patch).
-MARKER = "_hfpatch_patch"
 
 
 class ApplyMismatchError(ValueError):
     """The ranks called ``hfpatch.apply`` with different arguments (raised alike on every rank; nothing patched)."""
-
-
-def get_patch(obj: Any) -> Patch | None:
-    """The live :class:`Patch` applied to ``obj`` (directly or as a pipeline component), else ``None``."""
-    patch = getattr(obj, "__dict__", {}).get(MARKER)
-    return patch if patch is not None and patch.is_active else None
 
 
 def _is_pipeline(obj: Any) -> bool:

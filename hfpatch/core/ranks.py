@@ -1,0 +1,77 @@
+"""Where this process sits: the launched world, its rank, its data-parallel replica under a plan.
+
+Reads torch.distributed's default process group, or the launcher's environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) before one exists; initialises and communicates nothing. Process groups,
+meshes and collectives are :mod:`hfpatch.distributed`'s (which re-exports these functions); they live here so
+that :class:`hfpatch.Patch` (``patch.data_rank``) needs nothing above the core.
+
+>>> from hfpatch import ParallelConfig
+>>> from hfpatch.core.ranks import data_coordinates, data_position
+>>> [data_coordinates(r, 8, ParallelConfig(data=2, ulysses=4)) for r in (0, 3, 4, 7)]
+[(0, 2), (0, 2), (1, 2), (1, 2)]
+>>> data_position(None)  # one process
+(0, 1)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from .config import ParallelConfig
+
+__all__ = ["data_coordinates", "data_position", "launched_world_size", "rank", "world_size"]
+
+#: The environment a launcher (torchrun, accelerate launch) sets on every rank.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def world_size() -> int:
+    """World size of the default process group, 1 when torch.distributed is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """Rank in the default process group, 0 when torch.distributed is not initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def launched_world_size() -> int:
+    """World size the launcher announced (``WORLD_SIZE``), or the initialised one, or 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if all(v in os.environ for v in LAUNCH_VARS):
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def data_coordinates(rank: int, world_size: int, plan: ParallelConfig | None) -> tuple[int, int]:
+    """``(data_rank, num_data_ranks)`` of global ``rank`` in a world of ``world_size`` ranks under ``plan``.
+
+    The ranks that compute one result together (``cfg * ring * ulysses`` consecutive ranks, the data axis
+    outermost as in hfpatch's mesh; all ``vae`` ranks of a VAE-only plan) form one replica. A plan of one
+    rank (``parallel=1``, or no patch: ``None``) makes every rank its own replica, as plain DDP does.
+
+    >>> from hfpatch import ParallelConfig
+    >>> data_coordinates(1, 2, ParallelConfig(ulysses=2)), data_coordinates(1, 2, None)
+    ((0, 1), (1, 2))
+    >>> data_coordinates(2, 4, ParallelConfig(vae=4))
+    (0, 1)
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+    together = 1 if plan is None or plan.world_size == 1 else plan.world_size // plan.data
+    if world_size % together:
+        raise ValueError(f"{plan} groups {together} ranks, which does not divide the world of {world_size}")
+    return rank // together, world_size // together
+
+
+def data_position(plan: ParallelConfig | None) -> tuple[int, int]:
+    """``(data_rank, num_data_ranks)`` of this process under ``plan`` (``None``: every process its own replica)."""
+    world = launched_world_size()
+    if world_size() > 1 or world == 1:
+        here = rank()
+    else:  # launched, process group not initialised yet
+        here = int(os.environ["RANK"])
+    return data_coordinates(here, world, plan)
