@@ -82,9 +82,12 @@ def _is_code(block: Block) -> bool:
 
 def _run_python(block: Block, namespace: dict) -> None:
     if block.code.lstrip().startswith(">>>"):
-        test = doctest.DocTestParser().get_doctest(block.code, namespace, str(block), str(block.path), block.line)
+        test = doctest.DocTestParser().get_doctest(
+            block.code, namespace, str(block), str(block.path), block.line
+        )
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        runner.run(test, out=lambda text: print(text, end=""))
+        runner.run(test, out=lambda text: print(text, end=""), clear_globs=False)
+        namespace.update(test.globs)  # doctest runs on a copy; later blocks of the page see its names
         assert runner.failures == 0, f"{block}: {runner.failures} doctest example(s) failed (output above)"
     else:
         exec(compile(block.code, str(block), "exec"), namespace)
@@ -96,14 +99,23 @@ def _run_script(block: Block, nproc: int, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.update(OMP_NUM_THREADS="1", HFPATCH_TIMEOUT_S="120")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0, f"{block} failed under torchrun ({nproc} ranks):\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, (
+        f"{block} failed under torchrun ({nproc} ranks):\n{done.stdout}\n{done.stderr}"
+    )
 
 
 @pytest.mark.parametrize("path", FILES, ids=[str(f.relative_to(ROOT)) for f in FILES])
