@@ -152,3 +152,12 @@ def test_marker_parsing() -> None:
         ("python", ("norun", "needs eight GPUs"), "x = 1\n"),
         ("text", None, "out\n"),
     ]
+
+
+def test_readme_links_point_to_existing_files() -> None:
+    """README.md is outside the Sphinx build (which checks the links of docs/): its relative links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert local, "the README links to its docs pages"
+    assert [link for link in local if not (ROOT / link).exists()] == []
