@@ -311,8 +311,9 @@ def _precheck(name: str) -> Callable[[dict[str, Any]], None]:
 
 # ----------------------------------------------------------------------------------------------- family
 class FluxPipeFusion(PatchFamily):
-    """PipeFusion for ``diffusers.FluxTransformer2DModel`` (options as :class:`~hfpatch.patches.pipefusion.
-    WanPipeFusion`; ``pipefusion_blocks`` counts ``transformer_blocks`` then ``single_transformer_blocks``)."""
+    """PipeFusion for ``diffusers.FluxTransformer2DModel`` (options as
+    :class:`~hfpatch.patches.pipefusion.WanPipeFusion`; ``pipefusion_blocks`` counts ``transformer_blocks`` then
+    ``single_transformer_blocks``)."""
 
     name: ClassVar[str] = "flux_pipefusion"
     role: ClassVar[str] = "transformer"

@@ -3,7 +3,7 @@
 A causal video VAE (Wan's) decodes a video latent frame by latent frame; each causal convolution keeps the
 last frames of its input in a cache, so segment ``k`` depends on segment ``k - 1`` only through that cache.
 Back-propagating through the whole video holds every frame's graph (the memory grows with the frames). Here
-the forward keeps no graph at all, only some of the caches, and the backward sweeps the segments in reverse:
+the forward keeps no graph at all, only some of the caches, and the backward sweeps the segments in reverse::
 
     forward   c_0 = empty;  (y_k, c_{k+1}) = step_k(c_k, x_k)            no graph; keep c_k for some k
     backward  for k = K-1 .. 0:  rebuild c_k;  recompute step_k with grad from (c_k, x_k);

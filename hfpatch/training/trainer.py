@@ -76,8 +76,9 @@ class GradCacheTrainer(Trainer):
     """``transformers.Trainer`` drop-in for contrastive embedding training with GradCache.
 
     Args:
-        *args, **kwargs: As for ``Trainer``. ``TrainingArguments(remove_unused_columns=False)`` is required
-            (the batch holds nested model inputs, not model-signature columns).
+        *args: As for ``Trainer``.
+        **kwargs: As for ``Trainer``. ``TrainingArguments(remove_unused_columns=False)`` is required (the
+            batch holds nested model inputs, not model-signature columns).
         loss_fn: ``loss_fn(*reps) -> scalar``, reps in ``input_keys`` order (default :func:`info_nce`).
         chunk_size: Most samples per chunk; ``chunk_patches`` also bounds Qwen-VL vision patches per chunk.
         input_keys: Batch entries fed to the model, in loss order.
