@@ -83,6 +83,9 @@ class TinyDiT:
         mask: An input whose value changes the output (a padded-text mask): tests check that it does.
         unmasked: That input's value with nothing masked (a spec; default: all ones).
         attributes: ``"module.path.attribute"`` -> value, set after construction (``*`` matches one path segment).
+        rounding: A dtype name the stock code rounds to inside even in fp32 (Kandinsky 5's rotary rounds q/k to
+            ``"bfloat16"``): patched-vs-unpatched tests allow one ulp of it (a reassociation-sized change just
+            before the rounding can move a value by one ulp), whatever the fp64 twin's noise shows.
     """
 
     cls: str
@@ -94,6 +97,7 @@ class TinyDiT:
     mask: str | None = None
     unmasked: Any = None
     attributes: Mapping[str, Any] = field(default_factory=dict)
+    rounding: str | None = None
 
 
 def _make(spec: Any, seed: int) -> Any:
@@ -718,6 +722,7 @@ TINY_DITS: dict[str, TinyDiT] = {
             text_rope_pos=Tensor(list(range(6)), "long"),
             scale_factor=(1.0, 1.0, 1.0),
         ),
+        rounding="bfloat16",  # its stock rotary rounds q/k to bf16 even in fp32
     ),
     "hunyuanvideo_framepack": TinyDiT(  # 25 current + 38 history tokens (clean, 2x, 4x) = 63, padded text
         "HunyuanVideoFramepackTransformer3DModel",
