@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hfpatch
-from hfpatch.patches.fsdp import gathered_parameter_bytes, parameter_bytes, shard_units
+from hfpatch.patches.fsdp import GatheredPeak, parameter_bytes, shard_units
 from hfpatch.testing import RankPool, tiny_t5_encoder, tiny_wan_transformer
 from hfpatch.testing.memory import MemoryTracker, track_memory
 
@@ -104,21 +104,6 @@ class _AllGatherBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _GatherPeak:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.peak = model, 0
-        self.handles = [m.register_forward_pre_hook(self._sample) for m in model.modules()]
-        self.handles += [m.register_forward_hook(self._sample) for m in model.modules()]
-
-    def _sample(self, *_: Any) -> None:
-        self.peak = max(self.peak, gathered_parameter_bytes(self.model))
-
-    def close(self) -> int:
-        for handle in self.handles:
-            handle.remove()
-        return self.peak
-
-
 class _ResizeAwareTracker(MemoryTracker):
     """:class:`hfpatch.testing.memory.MemoryTracker` that counts each tracked storage at its CURRENT size.
 
@@ -174,7 +159,7 @@ def measure() -> dict[str, Any]:
     with hfpatch.apply(pipe, parallel=plan(world), shard_weights=True):
         at_rest = parameter_bytes(transformer)
         encoder_at_rest = parameter_bytes(encoder)
-        peaks = _GatherPeak(transformer)
+        peaks = GatheredPeak(transformer)
         with _AllGatherBytes(transformer) as comm:
             out, sharded_peak = _forward(transformer, kwargs)
         gathered = peaks.close()

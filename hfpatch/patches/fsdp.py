@@ -62,6 +62,7 @@ from ..distributed import runtime
 
 __all__ = [
     "SHARD_OPTIONS",
+    "GatheredPeak",
     "WeightSharding",
     "gathered_parameter_bytes",
     "parameter_bytes",
@@ -178,6 +179,32 @@ def gathered_parameter_bytes(model: torch.nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+class GatheredPeak:
+    """The most all-gathered parameter bytes (:func:`gathered_parameter_bytes`) ``model`` held at any module's
+    entry or exit, from construction to :meth:`close`, which removes its hooks and returns that peak.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> peak = GatheredPeak(model)
+    >>> _ = model(torch.ones(1, 4))
+    >>> peak.close()
+    40
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.peak = model, 0
+        self.handles = [m.register_forward_pre_hook(self._sample) for m in model.modules()]
+        self.handles += [m.register_forward_hook(self._sample) for m in model.modules()]
+
+    def _sample(self, *_: Any) -> None:
+        self.peak = max(self.peak, gathered_parameter_bytes(self.model))
+
+    def close(self) -> int:
+        for handle in self.handles:
+            handle.remove()
+        return self.peak
 
 
 # ----------------------------------------------------------------------------------------------- axes

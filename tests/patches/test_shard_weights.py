@@ -22,7 +22,13 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.patches.fsdp import gathered_parameter_bytes, parameter_bytes, shard_axes, shard_units
+from hfpatch.patches.fsdp import (
+    GatheredPeak,
+    gathered_parameter_bytes,
+    parameter_bytes,
+    shard_axes,
+    shard_units,
+)
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 
@@ -148,23 +154,6 @@ def _restored(before: list[tuple[Any, type, dict, dict, dict]]) -> str:
     return ""
 
 
-class _GatherPeak:
-    """The most all-gathered parameter bytes ``model`` held at any module entry or exit of a call."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.peak = model, 0
-        self.handles = [m.register_forward_pre_hook(self._sample) for m in model.modules()]
-        self.handles += [m.register_forward_hook(self._sample) for m in model.modules()]
-
-    def _sample(self, *_: Any) -> None:
-        self.peak = max(self.peak, gathered_parameter_bytes(self.model))
-
-    def close(self) -> int:
-        for handle in self.handles:
-            handle.remove()
-        return self.peak
-
-
 def _padded(params: list[torch.nn.Parameter], shards: int) -> int:
     """Bytes FSDP2 all-gathers for ``params`` over ``shards`` ranks: dim 0 padded to a multiple of ``shards``
     (a Wan ``scale_shift_table`` of shape ``[1, 6, C]`` is gathered as ``shards`` rows)."""
@@ -235,7 +224,7 @@ def _pipeline_case(
     options = {"shard_weights": True, **options}
     patch = hfpatch.apply(pipe, parallel, **options)
     at_rest = {n: parameter_bytes(m) for n, m in models.items()}
-    peaks = {n: _GatherPeak(m) for n, m in models.items()}
+    peaks = {n: GatheredPeak(m) for n, m in models.items()}
     out = call(pipe, prompts=prompts)
     result = {
         "world": patch.plan.world_size,
