@@ -217,7 +217,7 @@ class _Attend:
         self.attend = attend
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from hfpatch.patches._wan_common import wan_self_attention_qkv
+        from hfpatch.patches.wan_attention import wan_self_attention_qkv
 
         q, k, v = wan_self_attention_qkv(attn, hidden_states, rotary_emb)
         out = self.attend(q, k, v).flatten(2, 3).type_as(q)

@@ -44,7 +44,8 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.distributed import agreement
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches import _sequence_parallel, _vae_common
+from hfpatch.patches.dit import sequence_parallel as _sequence_parallel
+from hfpatch.patches.vae import common as _vae_common
 from hfpatch.testing import RankPool, tiny_wan_pipe, tiny_wan_vae, wan_prompt_embeds
 
 sys.path.insert(0, str(Path(__file__).parent))  # the benchmark model of usp_transformer.py

@@ -11,7 +11,7 @@ Two parts, fp32 on CPU (gloo ranks):
    activation bytes of one pipelined transformer call (``hfpatch.testing.memory.track_memory``; weights,
    inputs and the K/V buffers that exist before the call are not counted) against the unpatched call, and the
    K/V buffer bytes the rank holds; bytes sent per denoising step (cond + uncond calls) against the analytic
-   count (:func:`hfpatch.patches._pipefusion_layout.stage_bytes_per_call`: a stage before the last sends one
+   count (:func:`hfpatch.patches.pipefusion.layout.stage_bytes_per_call`: a stage before the last sends one
    ``[B, S, C]`` tensor per call, as ``M`` patches; the last stage sends the output to the ``P - 1`` others).
 2. **Fidelity** of the approximate mode: PSNR, max and mean abs difference of the decoded frames
    (``output_type="pt"``, values in [0, 1]) against the unpatched pipeline, for warm-up 1, 2, 4 (and 8 = every
@@ -57,9 +57,9 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._pipefusion_layout import patch_ranges, stage_bytes_per_call
-from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
-from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.patches.pipefusion.flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.patches.pipefusion.layout import patch_ranges, stage_bytes_per_call
+from hfpatch.patches.pipefusion.wan import WanPipeFusion, apply_pipefusion, parameter_bytes
 from hfpatch.testing import (
     RankPool,
     tiny_flux_pipe,

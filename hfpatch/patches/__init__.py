@@ -80,12 +80,12 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("transformers.Qwen2VLModel", "hfpatch.patches.decoder:DecoderUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
-    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion_flux:FluxPipeFusion"),
+    ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion.flux:FluxPipeFusion"),
     # Block-causal streaming with KV cache.
-    ("diffusers.WanTransformer3DModel", "hfpatch.patches.wan_streaming:WanStreamingPatch"),
+    ("diffusers.WanTransformer3DModel", "hfpatch.streaming.transformer:WanStreamingPatch"),
     # Patch-parallel VAEs.
-    ("diffusers.AutoencoderKLWan", "hfpatch.patches.wan_vae:WanVAEParallel"),
-    ("diffusers.AutoencoderKL", "hfpatch.patches.kl_vae:KLVAEParallel"),
+    ("diffusers.AutoencoderKLWan", "hfpatch.patches.vae.wan:WanVAEParallel"),
+    ("diffusers.AutoencoderKL", "hfpatch.patches.vae.kl:KLVAEParallel"),
     # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
     # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
     ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp:WeightSharding"),

@@ -125,7 +125,7 @@ class FirstBlockDecision:
 
     Args:
         hook: diffusers' ``FBCHeadBlockHook``.
-        state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`, or ``None`` when its
+        state: The model's :class:`~hfpatch.patches.dit.sequence_parallel.SequenceShard`, or ``None`` when its
             sequence is not split (only CFG/data parallelism split its calls' batches).
         model: The transformer (its ``forward``, when hfpatch's pipeline wrapper, names the groups that split
             the current call's batch).

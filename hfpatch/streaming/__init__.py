@@ -1,7 +1,7 @@
 """Streaming KV-cache video for Wan: cache, block-causal patch options, streaming VAE decode, pipeline, training.
 
 Patch a transformer with ``hfpatch.apply(transformer, streaming=StreamingConfig(...))`` (see
-:mod:`hfpatch.patches.wan_streaming`), then stream with :class:`StreamingWanPipeline` or train with
+:mod:`hfpatch.streaming.transformer`), then stream with :class:`StreamingWanPipeline` or train with
 :class:`StreamingTrainingModel`.
 """
 

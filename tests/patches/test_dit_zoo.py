@@ -167,7 +167,8 @@ def test_zoo_every_diffusers_transformer_is_supported_or_has_a_reason():
     """``hfpatch info``'s table: no class is left at "no plan"; the rows, PLANS and the registry agree."""
     from hfpatch.cli import info_lines
     from hfpatch.patches import DIT_USP_CLASSES
-    from hfpatch.patches.dit import PLANS, UNSUPPORTED, support_table
+    from hfpatch.patches.dit import PLANS, UNSUPPORTED
+    from hfpatch.patches.dit.plans import support_table
 
     assert {f"diffusers.{name}" for name in DIT_USP_CLASSES} == set(PLANS)
     assert {f"diffusers.{row.cls}" for row in TINY_DITS.values()} <= set(PLANS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfpatch.patches._halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
+from hfpatch.patches.vae.halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
 from hfpatch.testing.tolerance import summation_tol
 
 

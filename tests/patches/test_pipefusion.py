@@ -24,15 +24,15 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches._pipefusion_layout import (
+from hfpatch.patches.pipefusion.flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.patches.pipefusion.layout import (
     SequenceShardLayout,
     balanced_stage_counts,
     patch_ranges,
     stage_bytes_per_call,
     stage_ranges,
 )
-from hfpatch.patches.pipefusion import WanPipeFusion, apply_pipefusion, parameter_bytes
-from hfpatch.patches.pipefusion_flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
+from hfpatch.patches.pipefusion.wan import WanPipeFusion, apply_pipefusion, parameter_bytes
 from hfpatch.testing import (
     tiny_flux_pipe,
     tiny_flux_pipe_with_text_encoders,

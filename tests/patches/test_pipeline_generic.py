@@ -28,8 +28,8 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.registry import Registry
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches import pipeline as pipeline_module
 from hfpatch.patches.pipeline import PipelineParallel
+from hfpatch.patches.pipeline import cfg_data as pipeline_module
 from hfpatch.testing import (
     tiny_flux_pipe_with_text_encoders,
     tiny_flux_transformer,

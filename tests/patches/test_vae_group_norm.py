@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfpatch.patches._vae_common import (
+from hfpatch.patches.vae.common import (
     VAEShardState,
     _UpcastScaleShift,
     _UpcastVarMean,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hfpatch
-import hfpatch.patches.wan_streaming as wan_streaming
 import hfpatch.streaming.pipeline as streaming_pipeline
+import hfpatch.streaming.transformer as wan_streaming
 from hfpatch.core.compile import fresh_copy
 from hfpatch.streaming import StreamingConfig, StreamingKVCache, StreamingWanPipeline
 from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds

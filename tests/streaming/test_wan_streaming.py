@@ -9,8 +9,8 @@ import torch
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.patches.wan_streaming import WanStreamingPatch
 from hfpatch.streaming import StreamingConfig, StreamingKVCache
+from hfpatch.streaming.transformer import WanStreamingPatch
 from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
@@ -131,7 +131,7 @@ def test_cached_forward_without_rope_offset_breaks_equality(model, model64, monk
 
 
 def _rope_at(model, frames: int, offset: int):
-    from hfpatch.patches.wan_streaming import _Call
+    from hfpatch.streaming.transformer import _Call
 
     state = model.blocks[0].attn1.processor.state
     state.call = _Call(tokens_per_frame=4, positions=torch.arange(offset, offset + frames))

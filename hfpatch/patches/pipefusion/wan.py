@@ -1,6 +1,6 @@
 """PipeFusion for ``WanTransformer3DModel``: the blocks split over ranks, the tokens pipelined as patches.
 
-The machinery shared with :mod:`hfpatch.patches.pipefusion_flux` (Flux's two block lists and joint text/image
+The machinery shared with :mod:`hfpatch.patches.pipefusion.flux` (Flux's two block lists and joint text/image
 sequence) lives here too: :class:`PipeFusionState`, :func:`check_pipefusion_options`,
 :func:`install_model_hooks`, :func:`wrap_stage_blocks`, :func:`release_other_blocks`.
 
@@ -8,7 +8,7 @@ After ``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_pa
 pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, arXiv 2405.14430):
 
 * **Stages.** Rank ``p`` of the ``pipefusion`` group holds the blocks of stage ``p``
-  (:func:`~hfpatch.patches._pipefusion_layout.stage_ranges`: contiguous, as even as possible, or
+  (:func:`~hfpatch.patches.pipefusion.layout.stage_ranges`: contiguous, as even as possible, or
   ``pipefusion_blocks=(n0, n1, ...)``). The other blocks' parameters are released to the ``meta`` device
   (``pipefusion_release_weights=True``, the default): each rank keeps ``1/P`` of the block weights plus the
   unsplit embeddings, norms and output projection. Every rank runs the stock model around the blocks (patch
@@ -17,7 +17,7 @@ pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, a
   blocks on the whole sequence and sends the hidden states to stage 1, and so on; every self-attention
   stores its full K/V in the stage's per-layer buffer.
 * **Pipelined calls** (after the warm-up): the tokens are cut into ``M`` contiguous patches
-  (:func:`~hfpatch.patches._pipefusion_layout.patch_ranges`). Stage ``p`` runs patch ``m`` through its
+  (:func:`~hfpatch.patches.pipefusion.layout.patch_ranges`). Stage ``p`` runs patch ``m`` through its
   blocks as soon as stage ``p - 1`` sent it, then sends it on (point-to-point, one patch of hidden states
   per boundary). Each self-attention writes the patch's fresh K/V into its buffer and attends to the whole
   buffer: fresh K/V for the patches this call already passed through the layer, the previous call's K/V
@@ -37,14 +37,14 @@ first ``W`` calls of every stream are exact, a Wan 2.2 ``transformer_2`` warms u
 With Ulysses/Ring (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, xDiT's hybrid): each stage is the
 ``U x R`` ranks of an ``sp`` group (the mesh puts ``pipefusion`` outside ``ring`` and ``ulysses``, so the
 ``pipefusion`` group links the same sp rank of every stage). Each patch is padded at its end to a multiple of
-``U x R`` and cut into equal shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout`); a
+``U x R`` and cut into equal shards (:class:`~hfpatch.patches.pipefusion.layout.SequenceShardLayout`); a
 rank runs its shard of every patch and hands it to the same sp rank of the next stage. Self-attention
 (:func:`sequence_parallel_attention`): a Ulysses all-to-all to heads, a K/V buffer holding this rank's heads of
 its ring block of every patch, Ring passes of that buffer, the inverse all-to-all (xDiT: its long-context
 attention with a per-patch K/V cache). Sequence parallel is exact: the output equals PipeFusion alone. The
 last stage's sp ranks all-gather the sequence for the output layers. (The sequence-parallel families stand
 aside when ``pipefusion > 1``: this one runs the sequence parallelism.) Flux shards its joint ``[text, image]``
-patches the same way (:mod:`hfpatch.patches.pipefusion_flux`).
+patches the same way (:mod:`hfpatch.patches.pipefusion.flux`).
 
 Unlike xDiT's engine, which rewrites the denoising loop to run the scheduler patch by patch, hfpatch keeps
 the stock pipeline loop: the pipeline fills and drains at every transformer call, a bubble of ``P - 1`` of
@@ -71,13 +71,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import PatchFamily
-from ..distributed import runtime
-from ..distributed.agreement import install_call_guard, named_arguments
-from ..distributed.collectives import _record, _wait, all_gather
-from ._pipefusion_layout import SequenceShardLayout, check_stage_counts, patch_ranges, stage_ranges
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import PatchFamily
+from ...distributed import runtime
+from ...distributed.agreement import install_call_guard, named_arguments
+from ...distributed.collectives import _record, _wait, all_gather
+from .layout import SequenceShardLayout, check_stage_counts, patch_ranges, stage_ranges
 
 __all__ = [
     "PIPEFUSION_OPTIONS",
@@ -137,7 +137,7 @@ class _Call:
 
 
 class _ShardIndex:
-    """A :class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout` with its index tensors on a device."""
+    """A :class:`~hfpatch.patches.pipefusion.layout.SequenceShardLayout` with its index tensors on a device."""
 
     def __init__(self, layout: SequenceShardLayout, device: torch.device) -> None:
         def index(rows: list[int]) -> torch.Tensor:
@@ -362,7 +362,7 @@ class PipeFusionWanAttnProcessor(PipeFusionAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from ._wan_common import wan_self_attention_qkv
+        from ..wan_attention import wan_self_attention_qkv
 
         call = self.current_call(f"{self.state.name}.blocks.{self.layer}.attn1")
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -394,10 +394,10 @@ def sequence_parallel_attention(
     all-to-all returns ``[B, rows, H, D]``. The same stale/fresh K/V as PipeFusion without sequence parallel,
     so the result equals it up to float reassociation.
     """
-    from ..attention.local import local_attention
-    from ..attention.merge import merge_attention
-    from ..attention.ulysses import heads_to_sequence, sequence_to_heads
-    from ..distributed.collectives import ring_shift
+    from ...attention.local import local_attention
+    from ...attention.merge import merge_attention
+    from ...attention.ulysses import heads_to_sequence, sequence_to_heads
+    from ...distributed.collectives import ring_shift
 
     shard = call.shard
     assert shard is not None

@@ -13,7 +13,7 @@ weights and meet in a joint attention) then ``single_transformer_blocks`` (one s
 state is a (text, image) pair of hidden states of the same width, whatever the block type. A dual-stream block
 holds about 2.4 times the parameters of a single-stream one (two streams of projections and MLPs), so equal
 block counts would leave the first stages heavy: the default stages balance the parameter bytes instead
-(:func:`~hfpatch.patches._pipefusion_layout.balanced_stage_counts`, which also balances the linear layers'
+(:func:`~hfpatch.patches.pipefusion.layout.balanced_stage_counts`, which also balances the linear layers'
 compute; ``pipefusion_blocks=(n0, n1, ...)`` overrides it).
 
 **Text tokens: a prefix of the joint sequence, in the K/V buffer like the image tokens.** Every block is per
@@ -21,7 +21,7 @@ token except its attention, which is one softmax over the joint sequence ``[text
 block types (Flux's dual-stream attention concatenates ``[text, image]`` queries, keys and values exactly as
 the single-stream blocks do, rotary table included). So PipeFusion treats the joint sequence of ``T + S``
 tokens as *the* token sequence: its ``M`` patches are contiguous runs of it
-(:func:`~hfpatch.patches._pipefusion_layout.patch_ranges` over ``T + S``), so the text tokens fall into the
+(:func:`~hfpatch.patches.pipefusion.layout.patch_ranges` over ``T + S``), so the text tokens fall into the
 first patch(es) and, when ``T`` is large, a patch holds the last text tokens and the first image tokens; a
 patch carries its text part and image part together (one point-to-point message of ``[B, tokens, C]``), and
 every attention keeps one K/V buffer of the ``T + S`` rows. The alternatives were weighed:
@@ -44,7 +44,7 @@ the stages synchronous only.)
 **With Ulysses/Ring** (``ParallelConfig(pipefusion=P, ulysses=U, ring=R)``, as for Wan: each stage is the ``U x R``
 ranks of an sp group, each rank runs its shard of every patch and hands it to the same sp rank of the next
 stage). Each patch of the joint sequence is padded at its end to a multiple of ``U x R`` and cut into equal
-shards (:class:`~hfpatch.patches._pipefusion_layout.SequenceShardLayout` over the ``T + S`` tokens). A shard is
+shards (:class:`~hfpatch.patches.pipefusion.layout.SequenceShardLayout` over the ``T + S`` tokens). A shard is
 a contiguous run of the joint sequence (padding repeats the patch's last token), so it is its text rows then
 its image rows: the stage runner splits it at its text count into the dual-stream blocks' two inputs (either
 part may be empty), the rotary table is cut by the same rows, and the joint attention goes through the shared
@@ -57,7 +57,7 @@ exactness with more padding; replicating the text over the sp ranks costs the te
 Refused before any communication: ControlNet residuals (added between blocks, possibly on another stage), an
 ``attention_mask`` in ``joint_attention_kwargs``, and non-stock attention processors (IP-Adapter) at apply.
 
->>> from hfpatch.patches.pipefusion_flux import FluxPipeFusion
+>>> from hfpatch.patches.pipefusion.flux import FluxPipeFusion
 >>> from hfpatch.testing import tiny_flux_transformer
 >>> FluxPipeFusion().facts(tiny_flux_transformer(num_layers=2, num_single_layers=3)).num_blocks
 5
@@ -72,12 +72,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import PatchFamily
-from ..distributed.agreement import install_call_guard
-from ._pipefusion_layout import stage_ranges
-from .pipefusion import (
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import PatchFamily
+from ...distributed.agreement import install_call_guard
+from .layout import stage_ranges
+from .wan import (
     HANDOFF,
     PIPEFUSION_OPTIONS,
     PipeFusionAttnProcessor,

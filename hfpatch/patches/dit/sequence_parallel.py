@@ -30,7 +30,7 @@ compute, or :func:`hfpatch.all_reduce_gradients` in a plain loop) is the unpatch
 model that require grad have their gradient averaged over the group in backward: every rank hands the full
 input gradient to whatever produced the input.
 
->>> from hfpatch.patches._sequence_parallel import GatherOutput, SplitInput, SplitOutput
+>>> from hfpatch.patches.dit.sequence_parallel import GatherOutput, SplitInput, SplitOutput
 >>> plan = {  # Wan's plan
 ...     "": (SplitInput("timestep", dim=1, ndim=2),),      # per-token timesteps [B, S] only
 ...     "rope": (SplitOutput(dim=1),),                     # (cos, sin), each [1, S, 1, D]
@@ -38,7 +38,7 @@ input gradient to whatever produced the input.
 ...     "proj_out": (GatherOutput(dim=1),),
 ... }
 >>> from hfpatch.testing import tiny_wan_transformer
->>> from hfpatch.patches._sequence_parallel import check_plan
+>>> from hfpatch.patches.dit.sequence_parallel import check_plan
 >>> check_plan(tiny_wan_transformer(), plan)   # every path and argument exists
 """
 
@@ -53,13 +53,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..attention.layout import shard_len, shard_sequence
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import PatchFamily
-from ..distributed.agreement import check_same_inputs, named_arguments
-from ..distributed.collectives import all_gather
-from ..distributed.gradients import average_input_gradients, grad_scaled_by_group
+from ...attention.layout import shard_len, shard_sequence
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import PatchFamily
+from ...distributed.agreement import check_same_inputs, named_arguments
+from ...distributed.collectives import all_gather
+from ...distributed.gradients import average_input_gradients, grad_scaled_by_group
 
 __all__ = [
     "GatherOutput",
@@ -593,7 +593,7 @@ class SequenceParallelFamily(PatchFamily):
         if not isinstance(options["compile"], bool):
             raise ValueError(f"compile must be a bool, got {options['compile']!r}")
         if options["compile"]:
-            from ..core.compile import check_compile_backend
+            from ...core.compile import check_compile_backend
 
             check_compile_backend(
                 options["compile_backend"], False, f"hfpatch.apply({type(target).__name__})"
@@ -632,7 +632,7 @@ class SequenceParallelFamily(PatchFamily):
 
         patch.add_forward_pre_hook(target, check_attention_swaps)
         if options.get("compile"):
-            from ..core.compile import compile_function
+            from ...core.compile import compile_function
 
             # The forward only: the hooks above run eagerly around the compiled graph. Shapes follow torch's
             # default (static, then dynamic after a new shape), so another resolution compiles at most once more.
@@ -659,7 +659,7 @@ def usp_attention_call(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated);
     ``backend``/``dense`` as there (Ring's kernel; the ring-degree-1 attention)."""
-    from ..attention.usp import usp_attention
+    from ...attention.usp import usp_attention
 
     if state.local_len is None or query.shape[1] != state.local_len:
         # E.g. model.forward(...) called directly: nn.Module hooks (the split) run only through model(...).

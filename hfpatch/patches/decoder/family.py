@@ -47,14 +47,14 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention.layout import shard_len
-from ..attention.masked import DEFAULT_TILE, CausalMask, classify_tile, masked_usp_attention
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import PatchFamily, class_key
-from ..distributed.agreement import check_same_inputs, named_arguments
-from ..distributed.collectives import all_gather
-from ..distributed.gradients import average_input_gradients, grad_scaled_by_group
+from ...attention.layout import shard_len
+from ...attention.masked import DEFAULT_TILE, CausalMask, classify_tile, masked_usp_attention
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import PatchFamily, class_key
+from ...distributed.agreement import check_same_inputs, named_arguments
+from ...distributed.collectives import all_gather
+from ...distributed.gradients import average_input_gradients, grad_scaled_by_group
 
 __all__ = [
     "DECODERS",

@@ -20,7 +20,7 @@ borders the rows come from the conv's own zero padding instead.
 
 from __future__ import annotations
 
-from ..distributed.collectives import even_sizes
+from ...distributed.collectives import even_sizes
 
 __all__ = ["conv_halo", "halo_bytes", "row_offsets", "scaled_sizes", "split_rows"]
 

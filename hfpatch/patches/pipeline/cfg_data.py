@@ -80,11 +80,11 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.registry import PatchFamily
-from ..distributed import runtime
-from ..distributed.agreement import install_call_guard
-from ..distributed.collectives import all_gather, even_sizes
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.registry import PatchFamily
+from ...distributed import runtime
+from ...distributed.agreement import install_call_guard
+from ...distributed.collectives import all_gather, even_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -837,7 +837,7 @@ class PipelineParallel(PatchFamily):
                     f"components ({found or 'none'}) is a denoiser: a diffusers model named "
                     f"{'/'.join(DENOISER_NAMES)}, or one of {', '.join(PER_SAMPLE_ARGS)}"
                 )
-            from .caches import check_caches
+            from ..caches import check_caches
 
             mode = _cfg_mode(target)
             two_call = mode == "two_call" or (mode == "generic" and not _batches_cfg(target))
@@ -888,7 +888,7 @@ class PipelineParallel(PatchFamily):
             if mode in ("two_call", "generic") and callable(getattr(model, "cache_context", None)):
                 patch.wrap_method(model, "cache_context", _recording_cache_context(forward))
             if config.ring * config.ulysses == 1:  # else its sequence-parallel family agrees the caches
-                from .caches import agree_caches
+                from ..caches import agree_caches
 
                 agree_caches(model, None, patch)  # decisions over the batch groups that split each call
 

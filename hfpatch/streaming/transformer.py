@@ -52,8 +52,8 @@ from ..core.compile import check_cuda_graphs, compiled_variant
 from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
-from ..streaming.kv_cache import StreamingConfig, StreamingKVCache, to_device, visible_frames, weights_version
-from ._wan_common import wan_self_attention_qkv
+from ..patches.wan_attention import wan_self_attention_qkv
+from .kv_cache import StreamingConfig, StreamingKVCache, to_device, visible_frames, weights_version
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
 

@@ -1,7 +1,7 @@
 """PipeFusion geometry, pure: which blocks each stage holds, which tokens each patch covers, and the bytes a
 stage sends per transformer call. No torch.distributed and no Hugging Face imports.
 
->>> from hfpatch.patches._pipefusion_layout import patch_ranges, stage_ranges
+>>> from hfpatch.patches.pipefusion.layout import patch_ranges, stage_ranges
 >>> stage_ranges(5, 3)                 # uneven: the first stages take one block more
 [(0, 2), (2, 4), (4, 5)]
 >>> stage_ranges(5, 2, counts=(1, 4))  # explicit blocks per stage

@@ -4,7 +4,7 @@ Two pieces of data describe a model; one family (:class:`PlannedDiTUSP`) interpr
 
 **Where the sequence is cut and gathered.** diffusers declares it on many transformers as ``_cp_plan``
 (``ContextParallelInput``/``ContextParallelOutput`` keyed by submodule path, ``*`` for every block);
-:func:`plan_from_cp` translates it into hfpatch's :mod:`~hfpatch.patches._sequence_parallel` specs, so the
+:func:`plan_from_cp` translates it into hfpatch's :mod:`~hfpatch.patches.dit.sequence_parallel` specs, so the
 split gets hfpatch's guarantees: end padding for token counts that do not divide the degree (masked keys,
 trimmed gather), uneven heads, Ring with P2P overlap, Ulysses x Ring, exact backward, CPU/gloo. Models
 without ``_cp_plan`` get their plan from :data:`PLANS` instead: a table entry, not a module.
@@ -70,10 +70,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core.config import ModelFacts, ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import class_key
-from ._sequence_parallel import (
+from ...core.config import ModelFacts, ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import class_key
+from .sequence_parallel import (
     GatherOutput,
     MeasureInput,
     ReplicatedOutput,
@@ -1286,7 +1286,7 @@ class USPDispatchProcessor:
 
     Args:
         stock: The stock processor (kept, put back by ``patch.remove()``).
-        state: The model's :class:`~hfpatch.patches._sequence_parallel.SequenceShard`.
+        state: The model's :class:`~hfpatch.patches.dit.sequence_parallel.SequenceShard`.
         joint: ``None``, ``"front"`` or ``"back"``: where the processor puts the replicated text tokens.
         where: Module path, for messages.
 
@@ -1341,7 +1341,7 @@ class USPDispatchProcessor:
 
         ``backend`` (the processor's diffusers attention backend; ``None``: diffusers' active one) is honoured:
         at a ring degree of 1 the call is diffusers' own ``dispatch_attention_fn`` with it, under Ring its
-        log-sum-exp form (:mod:`hfpatch.patches._attention_backends`; refused by name where there is none).
+        log-sum-exp form (:mod:`hfpatch.patches.dit.attention_backends`; refused by name where there is none).
         """
         self.calls += 1
         if dropout_p or is_causal or enable_gqa or attention_kwargs:
@@ -1402,7 +1402,7 @@ class USPDispatchProcessor:
         """``(Ring's local kernel, the ring-degree-1 attention)`` for the processor's diffusers ``backend``."""
         if not self.uses_dispatch:
             return "auto", None
-        from ._attention_backends import attention_kernels
+        from .attention_backends import attention_kernels
 
         ring = 1 if self.state.ring_group is None else torch.distributed.get_world_size(self.state.ring_group)
         return attention_kernels(backend, _stock_dispatch, ring, self.where)
@@ -1468,7 +1468,7 @@ class USPDispatchProcessor:
 
     def _attend_sharded_keys(self, query, key, value, attn_mask, scale) -> torch.Tensor:
         """Replicated queries over the sharded tokens' keys/values (``joint="queries"``)."""
-        from ..attention.sharded_keys import sharded_keys_attention
+        from ...attention.sharded_keys import sharded_keys_attention
 
         if attn_mask is not None:
             raise ValueError(
@@ -1632,7 +1632,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
         return plan
 
     def _routes(self, target: Any) -> list[tuple[str, torch.nn.Module, AttentionRoute]]:
-        from ._sequence_parallel import expand_plan
+        from .sequence_parallel import expand_plan
 
         found = []
         for route in self._entry(target).attention:
@@ -1651,7 +1651,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         self.check_compile(target, config, options)
-        from .caches import cache_names, check_caches
+        from ..caches import cache_names, check_caches
 
         if config.pipefusion > 1 and cache_names(target):
             raise ValueError(
@@ -1697,7 +1697,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
         entry = self._entry(target)
         refuse, check = dict(entry.refuse), entry.check
         if refuse or check is not None:
-            from ..distributed.agreement import named_arguments
+            from ...distributed.agreement import named_arguments
 
             def refuse_arguments(_module, args, kwargs):
                 named = named_arguments(type(target).forward, (target, *args), kwargs)
@@ -1711,7 +1711,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
                     check(target, named)
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
-        from .caches import _hooks, agree_caches
+        from ..caches import _hooks, agree_caches
 
         enabled = [hook for _, hook in _hooks(target)]
 
@@ -1743,7 +1743,7 @@ def support_table() -> list[tuple[str, str]]:
     """
     import diffusers.models.transformers as transformers
 
-    from . import default_registry
+    from .. import default_registry
 
     supported = default_registry().supported()
     rows = []

@@ -1,4 +1,4 @@
-"""Shared machinery of the height-split VAE patches (:mod:`.wan_vae`, :mod:`.kl_vae`).
+"""Shared machinery of the height-split VAE patches (:mod:`hfpatch.patches.vae.wan`, :mod:`hfpatch.patches.vae.kl`).
 
 How a patched ``vae.decode`` runs on N ranks (every rank passes the same latents; checked at the entry):
 
@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..core.config import ParallelConfig
-from ..core.registry import PatchFamily
-from ..distributed.agreement import check_same_inputs
-from ..distributed.collectives import all_gather, halo_exchange
-from ..distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
-from ._halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
+from ...core.config import ParallelConfig
+from ...core.registry import PatchFamily
+from ...distributed.agreement import check_same_inputs
+from ...distributed.collectives import all_gather, halo_exchange
+from ...distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
+from .halo import conv_halo, halo_bytes, row_offsets, scaled_sizes, split_rows
 
 __all__ = [
     "VAEParallelFamily",

@@ -55,10 +55,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..core.config import ParallelConfig
-from ..core.patch import Patch
-from ..core.registry import PatchFamily, class_key
-from ..distributed import runtime
+from ...core.config import ParallelConfig
+from ...core.patch import Patch
+from ...core.registry import PatchFamily, class_key
+from ...distributed import runtime
 
 __all__ = [
     "SHARD_OPTIONS",
@@ -368,7 +368,7 @@ def _models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     transformers-library encoders (text, image), or the model itself."""
     if not _is_class(target, "diffusers.DiffusionPipeline"):
         return [(type(target).__name__, target)]
-    from .pipeline import _transformers
+    from ..pipeline.cfg_data import _transformers
 
     denoisers = _transformers(target)
     found: list[tuple[str, torch.nn.Module]] = []
@@ -389,7 +389,7 @@ def _check_same_weights(models: list[tuple[str, torch.nn.Module]], group: Any) -
     all-gather of two 64-bit content digests per parameter
     (:func:`hfpatch.distributed.agreement.content_digest`) over every rank of the plan.
     """
-    from ..distributed.agreement import content_digest
+    from ...distributed.agreement import content_digest
 
     names, rows = [], []
     for model_name, model in models:
@@ -557,7 +557,7 @@ def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, 
     """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
     module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
     forward raises (the patch stays usable) and names a peer's failure as :class:`CollectiveError`."""
-    from ..core.patch import get_patch
+    from ...core.patch import get_patch
 
     def wrapper(original: Any) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,7 @@
 """Helpers of the Wan streaming patch (the stock Wan self-attention arithmetic).
 
 >>> import torch
->>> from hfpatch.patches._wan_common import apply_wan_rotary
+>>> from hfpatch.patches.wan_attention import apply_wan_rotary
 >>> x = torch.randn(1, 3, 2, 4)  # [B, S, H, D]
 >>> cos, sin = torch.ones(1, 3, 1, 4), torch.zeros(1, 3, 1, 4)  # angle 0: the identity rotation
 >>> torch.equal(apply_wan_rotary(x, cos, sin), x)

@@ -1,0 +1,24 @@
+"""diffusers pipelines: CFG parallel and data parallel, by patching the pipeline's denoiser calls.
+
+Patches any ``DiffusionPipeline``: each transformer call's batch (or its cond/uncond branch) is divided over
+the ``cfg`` and ``data`` mesh axes and the outputs all-gathered (:mod:`.cfg_data`). Exports the family
+(:class:`PipelineParallel`), its tables and the per-call batch split of unknown denoisers.
+"""
+
+from .cfg_data import (
+    BATCHED_CFG_PIPELINES,
+    DENOISER_NAMES,
+    PER_SAMPLE_ARGS,
+    TWO_CALL_CFG_PIPELINES,
+    PipelineParallel,
+    generic_split,
+)
+
+__all__ = [
+    "BATCHED_CFG_PIPELINES",
+    "DENOISER_NAMES",
+    "PER_SAMPLE_ARGS",
+    "PipelineParallel",
+    "TWO_CALL_CFG_PIPELINES",
+    "generic_split",
+]
