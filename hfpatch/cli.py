@@ -161,7 +161,7 @@ def info_lines() -> list[str]:
         options = ", ".join(f"{k}={v!r}" for k, v in family.options.items()) or "no options"
         lines.append(f"  {key}: {family.name} ({family.role}) [{options}]")
     try:
-        from .patches.dit.plans import support_table
+        from .patches.dit.family import support_table
 
         rows = support_table()
     except ImportError as exc:

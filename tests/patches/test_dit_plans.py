@@ -271,7 +271,7 @@ class _Branchy:
 
 
 def test_planned_usp_sdpa_route_is_per_object_and_refuses_unrouted_attention():
-    from hfpatch.patches.dit.plans import USPSDPAProcessor, usp_dispatch_processor
+    from hfpatch.patches.dit.processors import USPSDPAProcessor, usp_dispatch_processor
 
     stock = _Branchy()
     stand_in = usp_dispatch_processor(stock, state=None, joint=None, where="blocks.0.attn1")
@@ -329,7 +329,7 @@ def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
 
 def test_planned_usp_support_table_names_plan_source_per_class():
     from hfpatch.cli import info_lines
-    from hfpatch.patches.dit.plans import support_table
+    from hfpatch.patches.dit.family import support_table
 
     rows = dict(support_table())
     assert rows["QwenImageTransformer2DModel"] == "dit_usp (plan: _cp_plan)"
@@ -358,7 +358,7 @@ def test_planned_usp_support_table_names_plan_source_per_class():
 
 def test_planned_usp_token_mask_is_a_key_mask_plus_masked_query_rows_or_refused():
     """HunyuanVideo 1.5's query x key mask m[i] & m[j] is read as key mask m plus masked query rows."""
-    from hfpatch.patches.dit.plans import _token_masks
+    from hfpatch.patches.dit.processors import _token_masks
 
     m = torch.tensor([[True, True, True, False], [True, True, True, True]])
     outer = (m[:, :, None] & m[:, None, :])[:, None]

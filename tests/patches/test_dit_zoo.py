@@ -168,7 +168,7 @@ def test_zoo_every_diffusers_transformer_is_supported_or_has_a_reason():
     from hfpatch.cli import info_lines
     from hfpatch.patches import DIT_USP_CLASSES
     from hfpatch.patches.dit import PLANS, UNSUPPORTED
-    from hfpatch.patches.dit.plans import support_table
+    from hfpatch.patches.dit.family import support_table
 
     assert {f"diffusers.{name}" for name in DIT_USP_CLASSES} == set(PLANS)
     assert {f"diffusers.{row.cls}" for row in TINY_DITS.values()} <= set(PLANS)

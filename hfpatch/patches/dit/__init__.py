@@ -7,17 +7,10 @@ through Ulysses/Ring. Exports the table (:data:`PLANS`, :data:`UNSUPPORTED`), it
 the ``_cp_plan`` translation.
 """
 
-from .plans import (
-    PLANS,
-    UNSUPPORTED,
-    AttentionRoute,
-    DiTPlan,
-    PlannedDiTUSP,
-    USPDispatchProcessor,
-    USPSDPAProcessor,
-    plan_from_cp,
-    plan_source,
-)
+from .family import PlannedDiTUSP, plan_from_cp, plan_source
+from .plans import PLANS, UNSUPPORTED
+from .processors import USPDispatchProcessor, USPSDPAProcessor
+from .vocabulary import AttentionRoute, DiTPlan
 
 __all__ = [
     "PLANS",

@@ -1,0 +1,215 @@
+"""The words the DiT plan table is written in: its row types and the pieces several rows share.
+
+A row of :data:`~hfpatch.patches.dit.plans.PLANS` is a :class:`DiTPlan`: the attention modules to route through
+USP (:class:`AttentionRoute`), where the token sequence is cut (specs of :mod:`hfpatch.patches.dit.sequence_parallel`,
+or diffusers' ``_cp_plan`` translated), and what is refused. What several rows repeat lives here: the Flux-like row
+(:func:`flux_like`), shared sequence plans, per-call input checks, head counts. Adding a DiT class adds a row to the
+table and, at most, one function here.
+
+>>> from hfpatch.patches.dit.vocabulary import flux_like
+>>> [route.path for route in flux_like("FluxAttnProcessor").attention]
+['transformer_blocks.*.attn', 'single_transformer_blocks.*.attn']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sequence_parallel import GatherOutput, SequencePlan, SplitInput, SplitOutput
+
+__all__ = ["AttentionRoute", "DiTPlan", "flux_like", "refused_unless"]
+
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """Attention modules whose attention runs through USP.
+
+    Args:
+        path: Submodule path, ``*`` for one whole segment (``"transformer_blocks.*.attn"``).
+        processors: Class names of the stock processors the modules may have (anything else is refused).
+        joint: ``None`` for self-attention over the sharded tokens only; ``"front"``/``"back"`` where the
+            processor concatenates the replicated text tokens before/after the image tokens; ``"queries"``
+            for a cross-attention whose queries are a replicated stream and whose keys/values are the sharded
+            tokens (LTX-2's video-to-audio attention: :mod:`hfpatch.attention.sharded_keys`); ``"keys"`` where
+            only the image tokens query and the replicated text joins as keys/values in front (PRX).
+        optional: The path may match no module (SD3.5's ``attn2`` exists only in its dual-attention blocks).
+    """
+
+    path: str
+    processors: tuple[str, ...]
+    joint: str | None = None
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class DiTPlan:
+    """How hfpatch parallelises one DiT class (a row of :data:`PLANS`).
+
+    Args:
+        attention: The attention modules to route through USP (cross-attention to the text is left alone).
+        plan: hfpatch's own sequence plan, for a class without ``_cp_plan``; ``None``: translate ``_cp_plan``.
+        replicate: ``(path, key)`` entries of ``_cp_plan`` that hfpatch keeps replicated (the text); ``key``
+            is an argument name or an output index, as in ``_cp_plan``.
+        earlier: ``(path, key)`` entries of ``_cp_plan`` whose tensor hfpatch cuts *earlier* instead, by a spec
+            of ``extra`` (QwenImage: the image tokens at ``img_in``'s output rather than block 0's input, so the
+            full embedding is freed at once instead of living until block 0 returns).
+        extra: Specs added to the translated plan (e.g. 2D ``img_ids``, per-token timesteps).
+        refuse: ``forward`` arguments that must be ``None`` (or ``False``) under sequence parallelism (checked
+            per call, before any collective), with the reason.
+        refuse_config: ``config`` attribute -> (value, reason): a model configured so is refused at ``apply``
+            (a variant whose stock code indexes the token sequence by position, say). ``value`` may be a
+            predicate of the attribute's value instead (``refused_unless(1)``).
+        check: ``(model, named forward arguments) -> None`` run per call before any collective: raises a
+            ``ValueError`` for inputs the plan cannot cut exactly (a batch whose samples pack text and image at
+            different offsets, say).
+        heads: The ``config`` attribute holding the attention head count (Ulysses splits heads), or a function of
+            the config that returns it.
+    """
+
+    attention: tuple[AttentionRoute, ...]
+    plan: SequencePlan | None = None
+    replicate: tuple[tuple[str, str | int], ...] = ()
+    earlier: tuple[tuple[str, str | int], ...] = ()
+    extra: SequencePlan = field(default_factory=dict)
+    refuse: Mapping[str, str] = field(default_factory=dict)
+    refuse_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    check: Callable[[Any, dict[str, Any]], None] | None = None
+    heads: str | Callable[[Any], int] = "num_attention_heads"
+
+
+def refused_unless(*allowed: Any) -> Callable[[Any], bool]:
+    """A :attr:`DiTPlan.refuse_config` predicate: refuse every value but ``allowed``."""
+
+    def refused(value: Any) -> bool:
+        return value not in allowed
+
+    refused.__qualname__ = f"refused_unless{allowed!r}"
+    return refused
+
+
+_TEXT = "the text tokens stay replicated (joint part of the attention)"
+
+#: Wan 2.1/2.2 (T2V, I2V) and ChronoEdit: hfpatch's own plan, though diffusers has one. It cuts the patch
+#: embedding's output instead of block 0's input (the full embedding is freed at once:
+#: tests/patches/test_usp_memory.py) and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to
+#: the replicated text/image.
+_WAN_PLAN: SequencePlan = {
+    "": (SplitInput("timestep", dim=1, ndim=2),),
+    "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
+    "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+#: The packed image tokens [B, S, C] and their ids ([S, n], or deprecated [B, S, n]) cut at the model's input, the
+#: output gathered at ``proj_out``: the plan of every Flux-like model (and of Flux.1's _cp_plan minus the text).
+_IMAGE_TOKENS_PLAN: SequencePlan = {
+    "": (SplitInput("hidden_states", dim=1), SplitInput("img_ids", dim=-2)),
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+
+#: Flux-style ControlNet residuals: lists of [B, S, D] added per image token (to the image part of the joint
+#: sequence in the single-stream blocks), cut like the tokens.
+_CONTROLNET = (
+    SplitInput("controlnet_block_samples", dim=1),
+    SplitInput("controlnet_single_block_samples", dim=1),
+)
+
+
+def flux_like(processor: str, single: str | None = None, **row: Any) -> DiTPlan:
+    """The row of a Flux-like model: dual-stream ``transformer_blocks.*.attn`` (``processor``) and single-stream
+    ``single_transformer_blocks.*.attn`` (``single``, default ``processor``) both attend over ``[text, image]``
+    (text replicated, in front); the packed image tokens and their ids are cut at the model's input
+    (:data:`_IMAGE_TOKENS_PLAN`). ``row`` adds or overrides :class:`DiTPlan` fields.
+    """
+    return DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", (processor,), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", (single or processor,), joint="front"),
+        ),
+        **{"plan": _IMAGE_TOKENS_PLAN, **row},
+    )
+
+
+#: HunyuanVideo's layout (and its relatives'): the video tokens cut at the patch embedding's output, the rotary
+#: tables at the rope's, the output gathered at ``proj_out``.
+_HUNYUAN_PLAN: SequencePlan = {
+    "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
+    "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
+    "proj_out": (GatherOutput(dim=1),),
+}
+
+
+def _same_size_images(model: Any, named: dict[str, Any]) -> None:
+    """Z-Image: every sample's image tokens must start at the same place of the packed sequence."""
+    images = named.get("x") or []
+    if images and isinstance(images[0], list):
+        raise ValueError(
+            f"{type(model).__name__}: the omni mode (lists of images per sample, [text, images, SigLIP] packed per "
+            "sample) is not supported under sequence parallelism; call with one image per sample"
+        )
+    if len({tuple(x.shape) for x in images}) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: images of different sizes in one batch are packed at different offsets "
+            "(masked per sample), which a sequence split cannot cut exactly; call with images of one size"
+        )
+
+
+def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
+    """Lumina 2: every sample's image tokens must start at the same place of the packed [text, image] sequence."""
+    mask = named.get("encoder_attention_mask")
+    if mask is not None and len(set(mask.sum(dim=1).tolist())) > 1:
+        raise ValueError(
+            f"{type(model).__name__}: captions of different lengths in one batch put the image tokens at different "
+            "offsets of the packed sequence, which a sequence split cannot cut exactly; pad the prompts of one call "
+            "to the same number of valid tokens, or use CFG parallel (one prompt per rank)"
+        )
+
+
+def _one_segment(model: Any, named: dict[str, Any]) -> None:
+    """Ideogram 4: one attention segment per sample (several make a block-diagonal mask over the sharded tokens)."""
+    segments = named.get("segment_ids")
+    if segments is not None and bool((segments != segments[:, :1]).any()):
+        raise ValueError(
+            f"{type(model).__name__}: segment_ids with several segments per sample (packed samples attending "
+            "within their segment) make a block-diagonal mask over the sharded tokens; call with one segment per "
+            "sample"
+        )
+
+
+def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
+    """JoyImage-Edit-Plus: no padded (masked) patch among the sharded tokens."""
+    shapes, hidden_states = named.get("shape_list"), named.get("hidden_states")
+    if shapes is None or hidden_states is None or named.get("encoder_hidden_states_mask") is None:
+        return
+    if any(sum(t * h * w for t, h, w in sample) != hidden_states.shape[1] for sample in shapes):
+        raise ValueError(
+            f"{type(model).__name__}: samples with fewer patches than the batch's longest are padded with masked "
+            "patches, which are sharded over the ranks; call with samples of one patch count"
+        )
+
+
+def _kandinsky_heads(config: Any) -> int:
+    """Kandinsky 5's head count: its head size is the sum of the rotary axes."""
+    return config.model_dim // sum(config.axes_dims)
+
+
+#: HunyuanVideo's and Framepack's token-replace I2V: its blocks treat the first frame's tokens apart by position.
+_TOKEN_REPLACE_REFUSED = {
+    "image_condition_type": (
+        "token_replace",
+        "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
+    )
+}
+
+#: CogVideoX's plan, which ConsisID shares (see their rows in :data:`PLANS`).
+_COGVIDEOX_LAYOUT = DiTPlan(
+    attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
+    plan={
+        "": (SplitInput("image_rotary_emb", dim=0),),
+        "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+        "proj_out": (GatherOutput(dim=1),),
+    },
+)
