@@ -368,7 +368,7 @@ def _models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     transformers-library encoders (text, image), or the model itself."""
     if not _is_class(target, "diffusers.DiffusionPipeline"):
         return [(type(target).__name__, target)]
-    from ..pipeline.cfg_data import _transformers
+    from ..denoisers import _transformers
 
     denoisers = _transformers(target)
     found: list[tuple[str, torch.nn.Module]] = []
