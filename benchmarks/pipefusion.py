@@ -57,9 +57,10 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
+from hfpatch.patches.pipefusion import WanPipeFusion, parameter_bytes
 from hfpatch.patches.pipefusion.flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
 from hfpatch.patches.pipefusion.layout import patch_ranges, stage_bytes_per_call
-from hfpatch.patches.pipefusion.wan import WanPipeFusion, apply_pipefusion, parameter_bytes
+from hfpatch.patches.pipefusion.wan import apply_pipefusion
 from hfpatch.testing import (
     RankPool,
     tiny_flux_pipe,

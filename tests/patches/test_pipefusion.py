@@ -24,6 +24,7 @@ import hfpatch
 from hfpatch import ParallelConfig
 from hfpatch.core.patch import Patch
 from hfpatch.distributed.collectives import count_comm
+from hfpatch.patches.pipefusion import WanPipeFusion, parameter_bytes
 from hfpatch.patches.pipefusion.flux import FluxPipeFusion, apply_flux_pipefusion, flux_blocks
 from hfpatch.patches.pipefusion.layout import (
     SequenceShardLayout,
@@ -32,7 +33,7 @@ from hfpatch.patches.pipefusion.layout import (
     stage_bytes_per_call,
     stage_ranges,
 )
-from hfpatch.patches.pipefusion.wan import WanPipeFusion, apply_pipefusion, parameter_bytes
+from hfpatch.patches.pipefusion.wan import apply_pipefusion
 from hfpatch.testing import (
     tiny_flux_pipe,
     tiny_flux_pipe_with_text_encoders,

@@ -77,11 +77,8 @@ from ...core.patch import Patch
 from ...core.registry import PatchFamily
 from ...distributed.agreement import install_call_guard
 from .layout import stage_ranges
-from .wan import (
-    HANDOFF,
+from .stages import (
     PIPEFUSION_OPTIONS,
-    PipeFusionAttnProcessor,
-    PipeFusionState,
     _spans,
     check_pipefusion_options,
     gather_stage_output,
@@ -91,6 +88,7 @@ from .wan import (
     stage_rows,
     wrap_stage_blocks,
 )
+from .state import HANDOFF, PipeFusionAttnProcessor, PipeFusionState
 
 __all__ = [
     "FluxPipeFusion",
