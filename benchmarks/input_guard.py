@@ -45,7 +45,7 @@ from hfpatch import ParallelConfig
 from hfpatch.distributed import agreement
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches.dit import sequence_parallel as _sequence_parallel
-from hfpatch.patches.vae import common as _vae_common
+from hfpatch.patches.vae import layers as vae_layers
 from hfpatch.testing import RankPool, tiny_wan_pipe, tiny_wan_vae, wan_prompt_embeds
 
 sys.path.insert(0, str(Path(__file__).parent))  # the benchmark model of usp_transformer.py
@@ -117,7 +117,7 @@ def _record_guards() -> Iterator[list[tuple[dict[str, Any], Any, str]]]:
         if comm.calls.get("guard"):
             checks.append((_clone(dict(named)), group, what))
 
-    modules = (agreement, _sequence_parallel, _vae_common)  # every module that calls it by name
+    modules = (agreement, _sequence_parallel, vae_layers)  # every module that calls it by name
     for module in modules:
         module.check_same_inputs = recording
     try:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches.vae.common import analytic_halo_bytes
+from hfpatch.patches.vae.family import analytic_halo_bytes
 from hfpatch.testing import tiny_wan_vae
 from hfpatch.testing.memory import track_memory
 from hfpatch.testing.runner import RankPool

@@ -206,7 +206,7 @@ class WanFrames:
 
     @staticmethod
     def _finish(out: torch.Tensor, state: Any, full: bool) -> torch.Tensor:
-        from ..patches.vae.common import gather_rows
+        from ..patches.vae.state import gather_rows
 
         if full or state.output == "full":
             return gather_rows(out, state)
@@ -214,7 +214,7 @@ class WanFrames:
 
 
 def _split_state(vae: Any) -> Any:
-    from ..patches.vae.common import STATE_ATTR
+    from ..patches.vae.state import STATE_ATTR
 
     return getattr(vae, "__dict__", {}).get(STATE_ATTR)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from vae_helpers import from_rank0, gradient_error, run, unpatched_reference
 
 import hfpatch
-from hfpatch.patches.vae.common import local_rows
+from hfpatch.patches.vae.family import local_rows
 from hfpatch.testing import tiny_autoencoder_kl
 from hfpatch.testing.memory import track_memory
 from hfpatch.testing.tolerance import reassociation_tol, rel_error

@@ -16,14 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfpatch.patches.vae.common import (
-    VAEShardState,
-    _UpcastScaleShift,
-    _UpcastVarMean,
-    gather_rows,
-    group_norm_forward,
-    scatter_rows,
-)
+from hfpatch.patches.vae.layers import _UpcastScaleShift, _UpcastVarMean, group_norm_forward
+from hfpatch.patches.vae.state import VAEShardState, gather_rows, scatter_rows
 from hfpatch.testing.tolerance import eps, summation_tol
 
 

@@ -18,7 +18,7 @@ from vae_helpers import from_rank0, gradient_error, run, unpatched_reference
 
 import hfpatch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches.vae.common import analytic_halo_bytes
+from hfpatch.patches.vae.family import analytic_halo_bytes
 from hfpatch.testing import tiny_wan_vae
 from hfpatch.testing.memory import track_memory
 from hfpatch.testing.tolerance import reassociation_tol, rel_error

@@ -1,12 +1,14 @@
 """VAEs (diffusers): encode/decode split by height over ranks (patch parallel), one module per VAE family.
 
-Patches ``AutoencoderKLWan`` (:mod:`.wan`) and ``AutoencoderKL`` (:mod:`.kl`) on the machinery they share
-(:mod:`.common`: the shard state, the per-layer halo exchanges, the family base; :mod:`.halo`: the row
-geometry, pure). Exports the two families and the shared family base and state.
+Patches ``AutoencoderKLWan`` (:mod:`.wan`) and ``AutoencoderKL`` (:mod:`.kl`) on the machinery they share: the
+family base and the mechanics (:mod:`.family`), the per-layer forwards (:mod:`.layers`), the shard state and its
+row collectives (:mod:`.state`), the row geometry, pure (:mod:`.halo`). Exports the two families and the shared
+family base and state.
 """
 
-from .common import VAEParallelFamily, VAEShardState
+from .family import VAEParallelFamily
 from .kl import KLVAEParallel
+from .state import VAEShardState
 from .wan import WanVAEParallel
 
 __all__ = ["KLVAEParallel", "VAEParallelFamily", "VAEShardState", "WanVAEParallel"]

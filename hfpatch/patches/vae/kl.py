@@ -1,7 +1,7 @@
 """Height-split encode/decode for diffusers ``AutoencoderKL`` (SD, SDXL, SD3, Flux VAEs).
 
 Applied by :func:`hfpatch.apply` to an ``AutoencoderKL`` (or a pipeline holding one) when more than one rank
-is used; see :mod:`hfpatch.patches.vae.common` for the mechanics. Row-coupling layers:
+is used; see :mod:`hfpatch.patches.vae.family` for the mechanics. Row-coupling layers:
 
 - ``Conv2d`` 3x3: one halo row from each neighbour, zero rows only at the global border.
 - ``Downsample2D`` (``F.pad((0, 1, 0, 1))`` + stride-2 conv): shards start on even rows; one halo row from
@@ -26,16 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .common import (
-    VAEParallelFamily,
-    VAEShardState,
-    check_conv2d,
-    coder_forward,
-    gather_tokens_forward,
-    group_norm_forward,
-    session_forward,
-    tiled_forward,
-)
+from .family import VAEParallelFamily, check_conv2d
+from .layers import coder_forward, gather_tokens_forward, group_norm_forward, session_forward, tiled_forward
+from .state import VAEShardState
 
 __all__ = ["KLVAEParallel"]
 

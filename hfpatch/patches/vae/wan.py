@@ -3,7 +3,7 @@
 Applied by :func:`hfpatch.apply` to an ``AutoencoderKLWan`` (or a pipeline holding one) when more than one
 rank is used. Each rank holds ``1/N`` of the rows of every feature map; the result equals the unsplit VAE
 (``vae_mode="precise"``, default) or skips the conv halo exchange (``vae_mode="approx"``). See
-:mod:`hfpatch.patches.vae.common` for the mechanics.
+:mod:`hfpatch.patches.vae.family` for the mechanics.
 
 Row-coupling layers and how they are handled:
 
@@ -33,17 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from ...distributed.collectives import all_gather
-from .common import (
-    VAEParallelFamily,
-    VAEShardState,
-    causal_conv3d_forward,
-    check_conv2d,
-    coder_forward,
-    session_forward,
-    tile_boundary,
-    tiled_forward,
-)
+from .family import VAEParallelFamily, check_conv2d
 from .halo import conv_halo
+from .layers import causal_conv3d_forward, coder_forward, session_forward, tile_boundary, tiled_forward
+from .state import VAEShardState
 
 __all__ = ["WanVAEParallel"]
 
@@ -92,7 +85,7 @@ class WanVAEParallel(VAEParallelFamily):
         vae_mode: ``"precise"`` (default; equal to one device, differentiable) or ``"approx"`` (no conv halo
             exchange: each shard pads itself; attention stays global). Inference only.
         vae_output: ``"full"`` (default; every rank gets the whole output) or ``"shard"`` (this rank's rows,
-            see :func:`hfpatch.patches.vae.common.local_rows`).
+            see :func:`hfpatch.patches.vae.family.local_rows`).
     """
 
     name = "wan_vae"

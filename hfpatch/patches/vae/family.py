@@ -1,0 +1,211 @@
+"""The base family of the height-split VAE patches (:mod:`hfpatch.patches.vae.wan`, :mod:`hfpatch.patches.vae.kl`).
+
+How a patched ``vae.decode`` runs on N ranks (every rank passes the same latents; checked at the entry):
+
+1. ``vae._decode`` opens a *session*; the stock code runs unchanged on the full input until it calls the
+   encoder or decoder, whose entry slices the input along height (latent rows split evenly, scaled by the
+   module's factor so every stride-2/patchify boundary is a shard boundary).
+2. Inside, every row-coupling layer is swapped per object: convs exchange ``k // 2`` halo rows with their
+   neighbours (:func:`hfpatch.distributed.collectives.halo_exchange`) and zero-pad only at the global
+   border, GroupNorm combines per-rank statistics, attention gathers keys/values (queries stay local).
+   Wan's causal ``feat_cache`` keeps working shard by shard; each causal conv also keeps the halo rows of
+   its cached frames, so only new frames cross the wire.
+3. ``vae._decode`` gathers the output rows (or returns the local shard with ``vae_output="shard"``).
+
+With tiling on, stock tiled decoding runs twice: first every rank computes its round-robin share of the
+tiles (shapes of the others come from a FakeTensor run, no compute), the tiles are exchanged, then the
+stock blend replays with every tile known, so the result equals single-process tiled decoding.
+
+Everything is differentiable: gradients of inputs equal the unpatched ones on every rank; parameter
+gradients are ``N`` times per-rank partial sums, whose mean over the VAE group (DDP's, FSDP2's, or
+:func:`hfpatch.all_reduce_gradients`) is the unpatched gradient (:mod:`hfpatch.distributed.gradients`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ...core.config import ParallelConfig
+from ...core.registry import PatchFamily
+from .halo import conv_halo, halo_bytes, row_offsets, split_rows
+from .layers import conv2d_forward
+from .state import MODES, OUTPUTS, STATE_ATTR, VAEShardState
+
+__all__ = [
+    "VAEParallelFamily",
+    "VAEShardState",
+    "analytic_halo_bytes",
+    "local_rows",
+    "trace_conv_inputs",
+]
+
+
+# ----------------------------------------------------------------------------------------------- family
+class VAEParallelFamily(PatchFamily):
+    """Base of the VAE families: options, the module audit, and the install walk.
+
+    Subclasses list the module classes whose forward they have audited (:meth:`audited_types`) and install
+    their wrappers in :meth:`install`. Precise mode refuses any module it has not audited, because an
+    unknown layer may couple rows and silently break exactness.
+    """
+
+    options: ClassVar[dict[str, Any]] = {"vae_mode": "precise", "vae_output": "full", "check_inputs": True}
+    role: ClassVar[str] = "vae"
+    split_axis: ClassVar[str | None] = "vae"
+
+    def audited_types(self) -> tuple[type, ...]:
+        raise NotImplementedError
+
+    def check_module(self, path: str, module: torch.nn.Module) -> None:
+        """Raise ``TypeError`` for a configuration of an audited class that the split cannot run."""
+
+    def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        mode, output = options["vae_mode"], options["vae_output"]
+        if mode not in MODES:
+            raise ValueError(f"vae_mode must be one of {MODES} for {type(target).__name__}, got {mode!r}")
+        if output not in OUTPUTS:
+            raise ValueError(
+                f"vae_output must be one of {OUTPUTS} for {type(target).__name__}, got {output!r}"
+            )
+        if config.vae == 1:
+            return
+        audited = self.audited_types()
+        for path, module in target.named_modules():
+            if not path:
+                continue
+            if type(module) not in audited:
+                raise TypeError(
+                    f"{type(target).__name__}.{path} is a {type(module).__module__}.{type(module).__name__}, "
+                    "which the hfpatch VAE split has not audited (it may couple rows across the split); "
+                    "run this VAE on one rank (ParallelConfig(vae=1)) or open an issue"
+                )
+            self.check_module(path, module)
+
+    def apply(self, target: Any, patch: Any, mesh: Any, options: dict[str, Any]) -> None:
+        group = mesh.group("vae")
+        if group is None:
+            return  # one rank: the stock VAE is already the answer
+        state = VAEShardState(
+            group=group,
+            world=dist.get_world_size(group),
+            rank=dist.get_rank(group),
+            approx=options["vae_mode"] == "approx",
+            output=options["vae_output"],
+            name=type(target).__name__,
+            check_inputs=bool(options["check_inputs"]),
+        )
+        self.install(target, patch, state)
+        if state.halos:
+            state.min_rows = max(1, *(max(h) for h in state.halos.values()))
+        patch.set_attr(target, STATE_ATTR, state)
+
+    def install(self, target: Any, patch: Any, state: VAEShardState) -> None:
+        raise NotImplementedError
+
+    # helpers for subclasses
+    @staticmethod
+    def patch_conv2d(
+        patch: Any,
+        conv: torch.nn.Conv2d,
+        state: VAEShardState,
+        pad_top: int | None = None,
+        pad_bottom: int | None = None,
+    ) -> None:
+        """Halo-wrap ``conv`` when it couples rows (kernel or stride > 1 along height).
+
+        ``pad_top``/``pad_bottom``: zero rows the unsplit layer sees (default: the conv's own padding).
+        """
+        kernel, stride = conv.kernel_size[0], conv.stride[0]
+        if kernel == 1 and stride == 1:
+            return
+        top = conv.padding[0] if pad_top is None else pad_top
+        bottom = conv.padding[0] if pad_bottom is None else pad_bottom
+        state.halos[id(conv)] = conv_halo(kernel, stride, top)
+        patch.set_attr(conv, "forward", conv2d_forward(conv, state, top, bottom))
+
+
+def check_conv2d(path: str, conv: torch.nn.Conv2d) -> None:
+    """The split handles zero-padded, undilated convs with integer padding."""
+    if (
+        conv.padding_mode != "zeros"
+        or isinstance(conv.padding, str)
+        or conv.dilation[0] != 1
+        or conv.padding[0] > conv.kernel_size[0] // 2
+    ):
+        raise TypeError(
+            f"{path}: Conv2d(kernel={conv.kernel_size}, stride={conv.stride}, padding={conv.padding}, "
+            f"dilation={conv.dilation}, padding_mode={conv.padding_mode!r}) is not supported by the VAE split; "
+            "it handles zero padding, dilation 1 and padding <= kernel // 2"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- public helpers
+def _state(vae: Any) -> VAEShardState:
+    state = getattr(vae, "__dict__", {}).get(STATE_ATTR)
+    if state is None:
+        raise ValueError(
+            f"{type(vae).__name__} is not split over ranks by hfpatch (apply it with parallel > 1)"
+        )
+    return state
+
+
+def local_rows(vae: Any, height: int, factor: int) -> tuple[int, int]:
+    """``(start, stop)`` rows of an output of ``height`` rows that this rank holds with ``vae_output="shard"``.
+
+    Args:
+        vae: A VAE patched with more than one rank.
+        height: Full output height (pixels for decode, latent rows for encode).
+        factor: Output rows per latent row (``vae_scale_factor`` for decode, 1 for encode).
+    """
+    state = _state(vae)
+    sizes = [r * factor for r in split_rows(height // factor, state.world, state.min_rows)]
+    offsets = row_offsets(sizes)
+    return offsets[state.rank], offsets[state.rank + 1]
+
+
+def trace_conv_inputs(
+    module: torch.nn.Module, fn: Callable[[], Any]
+) -> list[tuple[torch.nn.Module, torch.Size]]:
+    """Input shapes of every conv call while ``fn()`` runs the *unsplit* model (FakeTensor: no compute)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen: list[tuple[torch.nn.Module, torch.Size]] = []
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].shape)))
+        for m in module.modules()
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))
+    ]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def conv_row_halo(conv: torch.nn.Module) -> tuple[int, int]:
+    """``(before, after)`` halo rows of a stock conv from its attributes alone (test and benchmark reference)."""
+    pad_top = conv._padding[2] if hasattr(conv, "_padding") else conv.padding[0]
+    kernel, stride = conv.kernel_size[-2], conv.stride[-2]
+    if kernel == 1 and stride == 1:
+        return 0, 0
+    return conv_halo(kernel, stride, pad_top)
+
+
+def analytic_halo_bytes(module: torch.nn.Module, fn: Callable[[], Any], rank: int, world: int) -> int:
+    """Bytes ``rank`` sends for halos while ``fn()`` runs ``module`` split over ``world`` ranks.
+
+    Sum over conv calls of ``(before + after) x (row elements: B x C x T x W) x itemsize`` for an interior
+    rank (one side at the borders), with the shapes of the unsplit run.
+    """
+    total = 0
+    for conv, shape in trace_conv_inputs(module, fn):
+        before, after = conv_row_halo(conv)
+        row_numel = shape.numel() // shape[-2]
+        total += halo_bytes(rank, world, before, after, row_numel, conv.weight.element_size())
+    return total

@@ -1,0 +1,358 @@
+"""The per-layer forwards of a height-split VAE, installed per object by the VAE families: convolutions with halo
+rows, GroupNorm with statistics over every rank, attention with gathered keys/values, the encoder/decoder entry
+and the session around a call, and tiled decoding. The mechanics are described in :mod:`hfpatch.patches.vae.family`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...distributed.agreement import check_same_inputs
+from ...distributed.collectives import all_gather
+from ...distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
+from .state import VAEShardState, _assemble, all_reduce_stats, exchange_rows, gather_rows, scatter_rows
+
+__all__: list[str] = []
+
+
+# ----------------------------------------------------------------------------------------------- wrappers
+def conv2d_forward(conv: torch.nn.Conv2d, state: VAEShardState, pad_top: int, pad_bottom: int) -> Callable:
+    """Forward for an ``nn.Conv2d`` on height shards: halo rows inside, zero rows only at the border.
+
+    ``pad_top``/``pad_bottom`` are the zero rows the unsplit layer sees (its padding, or a preceding
+    ``ZeroPad2d``).
+    """
+    original = conv.forward
+    before, after = state.halos[id(conv)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.sharding or state.approx:
+            return original(x)
+        top, bottom = exchange_rows(x, before, after, state)
+        x = _assemble(
+            x,
+            top,
+            bottom,
+            pad_top if state.rank == 0 else 0,
+            pad_bottom if state.rank == state.world - 1 else 0,
+            [conv.padding[1], conv.padding[1]],
+        )
+        return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+    return forward
+
+
+def causal_conv3d_forward(conv: Any, state: VAEShardState, cache_frames: int) -> Callable:
+    """Forward for Wan's ``WanCausalConv3d`` on height shards, with the causal frame cache.
+
+    The stock caller passes ``cache_x``: the last ``cache_frames`` frames of this conv's input stream. Their
+    halo rows were received with the previous chunk and are kept here, so only new frames are exchanged.
+    """
+    original = conv.forward
+    before, after = state.halos[id(conv)]
+    conv3d_forward = torch.nn.Conv3d.forward
+
+    def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        if not state.sharding or state.approx:
+            return original(x, cache_x)
+        padding = list(conv._padding)
+        top, bottom = exchange_rows(x, before, after, state)
+        if cache_x is not None and padding[4] > 0:
+            n = cache_x.shape[2]
+            tail = state.tails.get(id(conv))
+            if tail is not None and tail[0].shape[2] >= n and tail[0].shape[:2] == x.shape[:2]:
+                cached_top, cached_bottom = tail[0][:, :, -n:], tail[1][:, :, -n:]
+            else:  # a cache this conv did not see being made: exchange its rows too (same on every rank)
+                cached_top, cached_bottom = exchange_rows(cache_x.to(x.device), before, after, state)
+            top, bottom = torch.cat([cached_top, top], 2), torch.cat([cached_bottom, bottom], 2)
+            x = torch.cat([cache_x.to(x.device), x], 2)
+            padding[4] -= n
+        state.tails[id(conv)] = (top[:, :, -cache_frames:], bottom[:, :, -cache_frames:])
+        x = _assemble(
+            x,
+            top,
+            bottom,
+            padding[2] if state.rank == 0 else 0,
+            padding[3] if state.rank == state.world - 1 else 0,
+            padding,
+        )
+        return conv3d_forward(conv, x)
+
+    return forward
+
+
+class _UpcastVarMean(torch.autograd.Function):
+    """``torch.var_mean(x.float(), dim=-1, correction=0)`` that keeps ``x`` in its own dtype for backward.
+
+    Autograd would save the upcast copy (two bytes per bf16 byte) until backward. Backward, in the upcast
+    dtype: ``d mean / dx = 1 / n``, ``d var / dx = 2 (x - mean) / n`` (the biased variance).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        var, mean = torch.var_mean(x.to(_compute_dtype(x.dtype)), dim=-1, correction=0)
+        ctx.save_for_backward(x, mean)
+        return var, mean
+
+    @staticmethod
+    def backward(ctx, grad_var: torch.Tensor, grad_mean: torch.Tensor) -> torch.Tensor:
+        x, mean = ctx.saved_tensors
+        n = x.shape[-1]
+        grad = x.to(mean.dtype) - mean.unsqueeze(-1)  # a new tensor: safe to update in place
+        grad.mul_(grad_var.unsqueeze(-1) * (2 / n)).add_(grad_mean.unsqueeze(-1) / n)
+        return grad.to(x.dtype)
+
+
+class _UpcastScaleShift(torch.autograd.Function):
+    """``(x.to(scale.dtype) * scale + shift).to(x.dtype)`` that keeps ``x`` in its own dtype for backward.
+
+    ``scale`` and ``shift`` broadcast against ``x``. The arithmetic stays in ``scale``'s (fp32) dtype: with
+    a bf16 shift, ``|mean| >> std`` would lose the result to cancellation. Backward recomputes the upcast
+    ``x`` for the scale gradient instead of saving it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.shift_shape = shift.shape
+        return torch.addcmul(shift, x.to(scale.dtype), scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        grad = grad.to(scale.dtype)
+        grad_x = grad_scale = grad_shift = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad * scale).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_scale = x.to(scale.dtype, copy=True).mul_(grad).sum_to_size(scale.shape)
+        if ctx.needs_input_grad[2]:
+            grad_shift = grad.sum_to_size(ctx.shift_shape)
+        return grad_x, grad_scale, grad_shift
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """GroupNorm statistics and normalisation run in at least fp32 (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def group_norm_forward(norm: torch.nn.GroupNorm, state: VAEShardState) -> Callable:
+    """Forward for ``nn.GroupNorm`` on height shards: statistics over all ranks, one small all-gather.
+
+    Each rank reduces its rows to (count, mean, M2) per group; these merge exactly (Chan et al.'s
+    parallel variance), so there is no ``E[x^2] - E[x]^2`` cancellation. The normalisation is one fused
+    ``x * scale + shift`` in fp32 (or wider), and autograd keeps only ``x`` itself: in fp32 the stock ops
+    already do; for bf16/fp16 inputs :class:`_UpcastVarMean` and :class:`_UpcastScaleShift` save ``x``
+    rather than the two fp32 copies that plain autograd would keep (4x a bf16 input's bytes per norm).
+    """
+    original = norm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.sharding:
+            return original(x)
+        b, c = x.shape[:2]
+        groups = norm.num_groups
+        compute = _compute_dtype(x.dtype)
+        grouped = x.reshape(b, groups, -1)
+        if x.dtype == torch.float32:
+            var_local, mean_local = torch.var_mean(grouped, dim=-1, correction=0)
+        else:
+            var_local, mean_local = _UpcastVarMean.apply(grouped)
+        counts = torch.tensor(state.sizes(grouped.shape[-1]), dtype=torch.float64, device=x.device)
+        stats = all_reduce_stats(torch.stack([mean_local, var_local]), state).double()  # (world, 2, b, g)
+        weights = (counts / counts.sum()).view(-1, 1, 1)
+        mean = (weights * stats[:, 0]).sum(0)
+        var = (weights * (stats[:, 1] + (stats[:, 0] - mean) ** 2)).sum(0)
+        scale = torch.rsqrt(var + norm.eps).to(compute).repeat_interleave(c // groups, dim=1)  # (b, c)
+        shift = -mean.to(compute).repeat_interleave(c // groups, dim=1) * scale
+        if norm.affine:
+            # Upcast once: the weight's two gradient terms cancel when |mean| >> std, so they must be summed
+            # in fp32 before the one rounding to the parameter's dtype (a no-op for fp32 parameters).
+            weight, bias = norm.weight.to(compute), norm.bias.to(compute)
+            scale, shift = scale * weight, shift * weight + bias
+        view = (b, c) + (1,) * (x.dim() - 2)
+        if x.dtype == torch.float32:
+            return torch.addcmul(shift.view(view), x, scale.view(view))
+        return _UpcastScaleShift.apply(x, scale.view(view), shift.view(view))
+
+    return forward
+
+
+def gather_tokens_forward(projection: torch.nn.Module, state: VAEShardState) -> Callable:
+    """Forward for an attention key/value projection ``(B, L_local, C)``: output gathered over all ranks."""
+    original = projection.forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        out = original(hidden_states)
+        if not state.sharding:
+            return out
+        return all_gather(out, 1, state.group, state.sizes(out.shape[1]), backward="reduce_scatter")
+
+    return forward
+
+
+def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callable:
+    """Entry of an encoder/decoder: slice the rows in a session, distribute tiles in a tiled run."""
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if state.sharding:
+            return original(scatter_rows(x, state.plan(x.shape[-2], unit), state), *args, **kwargs)
+        if state.mode == "tiles":
+            return state.tiles.call(original, x, args, kwargs)
+        return original(x, *args, **kwargs)
+
+    return forward
+
+
+def session_forward(
+    original: Callable, state: VAEShardState, kind: str, cleanup: Callable[[], Any] | None = None
+) -> Callable:
+    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple).
+
+    ``cleanup`` runs when the call raises (an out-of-memory error, say): the Wan VAE keeps its per-conv frame
+    cache on the module (``clear_cache``), which would otherwise hold the failed call's activations (and
+    their graph) until the next call.
+    """
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if state.mode is None:
+            # Every rank computes its rows of ONE output from its own copy of x: copies must be identical.
+            named = {"x": x, **{f"arg{i}": a for i, a in enumerate(args, 1)}, **kwargs}
+            check_same_inputs(
+                named,
+                state.group,
+                what=f"{state.name}.{kind}",
+                enabled=state.check_inputs,
+                hint=f"To {kind} a different batch on each rank (e.g. data-parallel training), do not split "
+                "this VAE: call patch.remove() first, or apply hfpatch with ParallelConfig(..., vae=1) or to "
+                "the transformer only; or gather the batches so that every rank passes the same tensor.",
+            )
+            if x.shape[0] == 0:  # an empty batch has no rows to split: run it as the unpatched VAE does
+                return original(x, *args, **kwargs)
+        if state.mode is None:
+            # Each rank's input gradient covers its own rows, N-scaled: their mean is the full gradient.
+            x = grad_averaged_over_group(x, state.group)
+        try:
+            with state.session():
+                out = original(x, *args, **kwargs)
+                rows = state.latent_rows
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
+        if rows is None:
+            return out  # tiled: already full
+        if state.output == "shard":
+            # The local rows; the gradient is then that of the SUM of the ranks' losses on their rows.
+            def finish(t: torch.Tensor) -> torch.Tensor:
+                return grad_scaled_by_group(t, state.group)
+        else:
+
+            def finish(t: torch.Tensor) -> torch.Tensor:
+                return gather_rows(t, state)
+
+        if kind == "encode":
+            return finish(out)
+        if isinstance(out, tuple):
+            return (finish(out[0]), *out[1:])
+        out.sample = finish(out.sample)
+        return out
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------------------- tiling
+@dataclass(eq=False)
+class _TileRun:
+    """Two passes of a stock tiled method: compute own tiles (others as fakes), exchange, replay the blend."""
+
+    state: VAEShardState
+    per_call: bool  # True: each coder call is a tile (KL); False: tiles start at ``clear_cache`` (Wan)
+    tile: int = -1
+    replaying: bool = False
+    replayed: int = 0
+    device: torch.device = torch.device("cpu")
+    calls: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
+    mine: list[torch.Tensor] = field(default_factory=list)
+    results: list[torch.Tensor] = field(default_factory=list)
+
+    def new_tile(self) -> None:
+        if not self.replaying:
+            self.tile += 1
+
+    def call(self, original: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.replaying:
+            self.replayed += 1
+            return self.results[self.replayed - 1]
+        if self.per_call:
+            self.new_tile()
+        self.device = x.device
+        owner = max(self.tile, 0) % self.state.world
+        if owner == self.state.rank:
+            out = original(x, *args, **kwargs)
+            self.mine.append(out)
+        else:
+            # Private but stable since torch 2.0: runs the stock code for shapes only, no compute, no memory.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = original(x, *args, **kwargs)
+            out = torch.zeros(fake.shape, dtype=fake.dtype, device=x.device)
+        self.calls.append((owner, out.shape, out.dtype))
+        return out
+
+    def exchange(self) -> None:
+        """Every rank gets every tile, in call order."""
+        state = self.state
+        numels = [[s.numel() for o, s, _ in self.calls if o == r] for r in range(state.world)]
+        flat = (
+            torch.cat([t.reshape(-1) for t in self.mine]) if self.mine else torch.empty(0, device=self.device)
+        )
+        dtype = self.calls[0][2] if self.calls else torch.float32
+        gathered = all_gather(flat.to(dtype), 0, state.group, [sum(n) for n in numels])
+        per_rank = [list(p.split(n)) for p, n in zip(gathered.split([sum(n) for n in numels]), numels)]
+        self.results = [per_rank[owner].pop(0).view(shape) for owner, shape, _ in self.calls]
+        self.mine, self.replaying, self.replayed = [], True, 0
+
+
+def tiled_forward(original: Callable, state: VAEShardState, per_call: bool) -> Callable:
+    """A stock tiled method run with its tiles spread over the ranks (inference only)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if state.mode is None:  # called directly, outside encode/decode: stock single-process tiling
+            return original(*args, **kwargs)
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())
+        ):
+            raise ValueError(
+                "VAE tiling is inference-only under hfpatch (tiles are exchanged without autograd); run it under "
+                "torch.no_grad(), or call vae.disable_tiling() for training: the height split alone gives 1/N "
+                "activation memory"
+            )
+        saved_mode, run = state.mode, _TileRun(state, per_call)
+        state.mode, state.tiles = "tiles", run
+        try:
+            with torch.no_grad():
+                original(*args, **kwargs)
+                run.exchange()
+                return original(*args, **kwargs)
+        finally:
+            state.mode, state.tiles = saved_mode, None
+
+    return forward
+
+
+def tile_boundary(original: Callable, state: VAEShardState) -> Callable:
+    """``clear_cache`` marks a new tile inside a tiled run (Wan: one cache per tile)."""
+
+    def clear_cache(*args: Any, **kwargs: Any) -> Any:
+        if state.mode == "tiles":
+            state.tiles.new_tile()
+        return original(*args, **kwargs)
+
+    return clear_cache

@@ -1,0 +1,172 @@
+"""The shard state of a height-split VAE and the collectives over its rows: scatter, gather, halo exchange,
+statistics. The mechanics are described in :mod:`hfpatch.patches.vae.family`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...distributed.collectives import all_gather, halo_exchange
+from ...distributed.gradients import grad_scaled_by_group
+from .halo import row_offsets, scaled_sizes, split_rows
+
+if TYPE_CHECKING:
+    from .layers import _TileRun
+
+__all__ = ["VAEShardState"]
+
+#: Instance attribute holding the :class:`VAEShardState` of a patched VAE (removed with the patch).
+STATE_ATTR = "_hfpatch_vae_state"
+MODES = ("precise", "approx")
+OUTPUTS = ("full", "shard")
+
+
+# ----------------------------------------------------------------------------------------------- state
+@dataclass(eq=False)
+class VAEShardState:
+    """Per-VAE runtime state shared by the wrappers of one patch.
+
+    Attributes:
+        group: The ``"vae"`` process group.
+        world: Ranks in it; ``rank``: this rank's index.
+        approx: ``vae_mode="approx"``: convs pad each shard themselves (no halo exchange).
+        output: ``"full"`` (gather the result on every rank) or ``"shard"`` (return the local rows).
+        mode: ``None`` (stock behaviour), ``"shard"`` (inside a split encode/decode) or ``"tiles"``.
+        latent_rows: Latent rows of every rank in the current session (set at the encoder/decoder entry).
+        min_rows: Fewest latent rows a rank may hold (the largest conv halo).
+        halos: ``id(conv) -> (before, after)`` rows exchanged by each patched conv.
+        name: The VAE's class name (messages); ``check_inputs``: run the same-input guard at each call.
+    """
+
+    group: Any
+    world: int
+    rank: int
+    approx: bool
+    output: str
+    min_rows: int = 1
+    halos: dict[int, tuple[int, int]] = field(default_factory=dict)
+    mode: str | None = None
+    latent_rows: list[int] | None = None
+    tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tiles: _TileRun | None = None
+    checks: list[Callable[[], None]] = field(default_factory=list)
+    name: str = "VAE"
+    check_inputs: bool = True
+
+    @property
+    def sharding(self) -> bool:
+        return self.mode == "shard"
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """One split encode/decode; nested calls (tiling inside ``_decode``) reuse the open one."""
+        if self.mode is not None:
+            yield
+            return
+        for check in self.checks:
+            check()
+        self.mode, self.latent_rows, self.tails = "shard", None, {}
+        try:
+            yield
+        finally:
+            self.mode, self.tails = None, {}
+
+    def plan(self, height: int, unit: int) -> list[int]:
+        """Row sizes of every rank for an input of ``height`` rows, ``unit`` rows per latent row.
+
+        Pure and identical on every rank, so a bad height raises everywhere before any collective.
+        """
+        if height % unit:
+            raise ValueError(
+                f"the VAE split needs an input height that is a multiple of {unit} (the spatial factor), got "
+                f"{height}; resize or pad the input to a multiple of {unit}"
+            )
+        rows = split_rows(height // unit, self.world, self.min_rows)
+        if self.latent_rows is not None and rows != self.latent_rows:
+            raise ValueError(f"input height changed inside one VAE call: {rows} vs {self.latent_rows} rows")
+        self.latent_rows = rows
+        return [r * unit for r in rows]
+
+    def sizes(self, local: int) -> list[int]:
+        """Every rank's extent of a dim that is ``local`` long here and proportional to the latent rows."""
+        assert self.latent_rows is not None
+        return scaled_sizes(self.latent_rows, local, self.rank)
+
+
+# ----------------------------------------------------------------------------------------------- ops
+def scatter_rows(x: torch.Tensor, sizes: list[int], state: VAEShardState) -> torch.Tensor:
+    """This rank's rows (dim -2) of ``x``, which every rank holds in full.
+
+    Its backward puts the row gradients into a zero tensor of the full shape, so everything upstream (e.g.
+    Wan's ``post_quant_conv`` on the full latents) gets its rank's part only; the session entry averages the
+    input gradient over the ranks, parameter gradients are averaged by DDP or
+    :func:`hfpatch.all_reduce_gradients` (:mod:`hfpatch.distributed.gradients`).
+    """
+    return x.narrow(-2, row_offsets(sizes)[state.rank], sizes[state.rank])
+
+
+def gather_rows(x: torch.Tensor, state: VAEShardState) -> torch.Tensor:
+    """All ranks' rows (dim -2) concatenated; backward takes the local slice of ``N`` x the gradient (every rank
+    has the same loss; :func:`hfpatch.distributed.gradients.grad_scaled_by_group`)."""
+    full = all_gather(x, x.dim() - 2, state.group, state.sizes(x.shape[-2]), backward="slice")
+    return grad_scaled_by_group(full, state.group)
+
+
+def all_reduce_stats(x: torch.Tensor, state: VAEShardState) -> torch.Tensor:
+    """``(world, *x.shape)``: every rank's ``x``; backward sums the gradients of each slot over the ranks."""
+    return all_gather(x.unsqueeze(0), 0, state.group, backward="reduce_scatter")
+
+
+def exchange_rows(
+    x: torch.Tensor, before: int, after: int, state: VAEShardState
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous rank's last ``before`` rows and the next rank's first ``after`` rows (dim -2).
+
+    Only the boundary rows enter the exchange, so no copy of the shard is made. Empty at the global borders.
+    """
+    n = x.shape[-2]
+    edge = torch.cat([x.narrow(-2, 0, min(after, n)), x.narrow(-2, n - min(before, n), min(before, n))], -2)
+    out = halo_exchange(edge, edge.dim() - 2, before, after, state.group)
+    n_top = before if state.rank > 0 else 0
+    n_bottom = after if state.rank < state.world - 1 else 0
+    return out.narrow(-2, 0, n_top), out.narrow(-2, out.shape[-2] - n_bottom, n_bottom)
+
+
+def _assemble(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    bottom: torch.Tensor,
+    zeros_top: int,
+    zeros_bottom: int,
+    pad: list[int],
+) -> torch.Tensor:
+    """``F.pad(cat([0 * zeros_top, top, x, bottom, 0 * zeros_bottom], H), pad)`` in one allocation.
+
+    ``pad`` is ``F.pad``'s list for the dims other than H (its H entries are ignored), e.g. ``[wl, wr]`` or
+    ``[wl, wr, 0, 0, t_front, t_back]``.
+    """
+    h = zeros_top + top.shape[-2] + x.shape[-2] + bottom.shape[-2] + zeros_bottom
+    shape = list(x.shape)
+    shape[-2] = h
+    shape[-1] += pad[0] + pad[1]
+    if x.dim() == 5:
+        shape[2] += pad[4] + pad[5]
+    out = x.new_zeros(shape)
+    w = slice(pad[0], pad[0] + x.shape[-1])
+    t = slice(pad[4], pad[4] + x.shape[2]) if x.dim() == 5 else slice(None)
+    row = zeros_top
+    # Assign even empty halos: every rank must build the same autograd graph, so that the engine runs the
+    # backward halo exchanges in the same order everywhere (a skipped node reorders the ready queue).
+    for part in (top, x, bottom):
+        rows = part.shape[-2]
+        if x.dim() == 5:
+            out[:, :, t, row : row + rows, w] = part
+        else:
+            out[..., row : row + rows, w] = part
+        row += rows
+    return out
