@@ -2,12 +2,13 @@
 
 Patches the decoder's attention through transformers' attention interface, its mask (evaluated on tiles of
 global positions), the split and gather of its token sequence and, for a VLM, its vision tower
-(:mod:`.family`). Exports the family (:class:`DecoderUSP`), its table and the sharding helpers.
+(:mod:`.family`, with the design notes; the split itself is :mod:`.sharding`). Exports the family
+(:class:`DecoderUSP`), its table and the sharding helpers.
 """
 
-from .family import (
+from .family import DecoderUSP
+from .sharding import (
     DECODERS,
-    DecoderUSP,
     ModelMask,
     decoder_of,
     frame_split,

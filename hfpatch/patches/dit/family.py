@@ -41,16 +41,8 @@ from ...core.patch import Patch
 from ...core.registry import class_key
 from .plans import PLANS, UNSUPPORTED
 from .processors import DISPATCH, SDPA, USPDispatchProcessor, _route_kind, usp_dispatch_processor
-from .sequence_parallel import (
-    GatherOutput,
-    SequenceParallelFamily,
-    SequencePlan,
-    SequenceShard,
-    Spec,
-    SplitInput,
-    SplitOutput,
-)
-from .vocabulary import AttentionRoute, DiTPlan
+from .sequence_parallel import SequenceParallelFamily, SequenceShard
+from .vocabulary import AttentionRoute, DiTPlan, GatherOutput, SequencePlan, Spec, SplitInput, SplitOutput
 
 __all__ = ["PlannedDiTUSP", "plan_from_cp", "plan_source"]
 

@@ -14,7 +14,6 @@ True
 
 from __future__ import annotations
 
-from .sequence_parallel import GatherOutput, MeasureInput, ReplicatedOutput, SplitInput, SplitOutput
 from .vocabulary import (
     _COGVIDEOX_LAYOUT,
     _CONTROLNET,
@@ -24,6 +23,11 @@ from .vocabulary import (
     _WAN_PLAN,
     AttentionRoute,
     DiTPlan,
+    GatherOutput,
+    MeasureInput,
+    ReplicatedOutput,
+    SplitInput,
+    SplitOutput,
     _kandinsky_heads,
     _no_padded_patches,
     _one_segment,

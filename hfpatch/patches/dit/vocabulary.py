@@ -1,8 +1,10 @@
-"""The words the DiT plan table is written in: its row types and the pieces several rows share.
+"""The words the DiT plan table is written in: the sequence-plan specs, the row types, and what several rows share.
 
 A row of :data:`~hfpatch.patches.dit.plans.PLANS` is a :class:`DiTPlan`: the attention modules to route through
-USP (:class:`AttentionRoute`), where the token sequence is cut (specs of :mod:`hfpatch.patches.dit.sequence_parallel`,
-or diffusers' ``_cp_plan`` translated), and what is refused. What several rows repeat lives here: the Flux-like row
+USP (:class:`AttentionRoute`), where the token sequence is cut (a :data:`SequencePlan`: :class:`SplitInput`,
+:class:`SplitOutput`, :class:`GatherOutput`, ... specs by submodule path, which
+:mod:`hfpatch.patches.dit.sequence_parallel` turns into hooks; or diffusers' ``_cp_plan`` translated), and what is
+refused. What several rows repeat lives here: the Flux-like row
 (:func:`flux_like`), shared sequence plans, per-call input checks, head counts. Adding a DiT class adds a row to the
 table and, at most, one function here.
 
@@ -17,11 +19,102 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sequence_parallel import GatherOutput, SequencePlan, SplitInput, SplitOutput
+__all__ = [
+    "AttentionRoute",
+    "DiTPlan",
+    "GatherOutput",
+    "MeasureInput",
+    "ReplicatedOutput",
+    "SequencePlan",
+    "SplitInput",
+    "SplitOutput",
+    "flux_like",
+    "refused_unless",
+]
 
-__all__ = ["AttentionRoute", "DiTPlan", "flux_like", "refused_unless"]
+
+# ----------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class SplitInput:
+    """Shard the argument ``name`` of a submodule's ``forward`` along ``dim``.
+
+    Args:
+        name: Parameter name in the submodule's ``forward`` signature (found positionally or by keyword).
+        dim: Sequence dim of the tensor (of each tensor, for a tuple or list).
+        ndim: Only shard tensors with this many dims; others pass through replicated (e.g. Wan's
+            ``timestep`` is sharded when it is per-token ``[B, S]`` and left alone when it is ``[B]``).
+        joint: ``"front"``/``"back"``: the tensor holds replicated tokens (the text) before/after the sharded
+            ones, whose count is this call's sequence length (set by an earlier split of the plan): only those are
+            cut, the replicated ones stay in place (a packed ``[text, image]`` sequence or its mask).
+        index: Only cut element ``index`` of a tuple/list argument (JoyImage's ``((cos, sin), text_freqs)``).
+    """
+
+    name: str
+    dim: int
+    ndim: int | None = None
+    joint: str | None = None
+    index: int | None = None
 
 
+@dataclass(frozen=True)
+class MeasureInput:
+    """Take this call's sequence length from the argument ``name`` (its size along ``dim``) without cutting it.
+
+    For a model that packs its image tokens with the text before cutting them (a joint split, which needs the
+    sharded length, comes first in the plan): the length is measured where the image tokens are still alone.
+    """
+
+    name: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class SplitOutput:
+    """Shard a submodule's output (each tensor of a tuple/list output) along ``dim``.
+
+    ``flatten_from`` flattens the output from that dim first, so a patch embedding's ``[B, C, F, H, W]``
+    output can be cut as the ``[B, C, S]`` token sequence the model builds from it: the full output is freed
+    right after the patch embedding instead of living until the first block returns. ``index`` shards only
+    that element of a tuple/list output (QwenImage's rotary ``(image, text)`` tables: the image one).
+    """
+
+    dim: int
+    ndim: int | None = None
+    flatten_from: int | None = None
+    index: int | None = None
+    joint: str | None = None
+
+
+@dataclass(frozen=True)
+class GatherOutput:
+    """Gather a submodule's (tensor) output along ``dim`` over the ``sp`` group and trim the padding.
+
+    ``joint="front"``/``"back"``: the output holds replicated tokens before/after this rank's shard (a packed
+    ``[text, image]`` sequence); only the shards are gathered, the replicated tokens are kept in place.
+    ``index``: gather only that element of a tuple/list output (a block returning ``(image, text)``).
+    """
+
+    dim: int
+    joint: str | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplicatedOutput:
+    """A submodule output every rank computes in full (a replicated stream's output: LTX-2's audio).
+
+    Every rank returns the same tensor, and the attention couples it with the sharded stream, whose
+    gradients are per-rank shares: rank 0 of the ``sp`` group takes its gradient (scaled by ``N``, as at a
+    gather), the others get none, so the replicated stream's gradients are shares too (forward: identity).
+    """
+
+
+Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput
+#: Submodule path (``""`` = the model) -> the specs applied there.
+SequencePlan = Mapping[str, tuple[Spec, ...]]
+
+
+# ----------------------------------------------------------------------------------------------- rows
 @dataclass(frozen=True)
 class AttentionRoute:
     """Attention modules whose attention runs through USP.
