@@ -13,7 +13,12 @@ The layers, bottom to top (a module may import its own layer and the ones below)
 * ``hfpatch.core``: patches as undo logs, plans, the registry, where this process sits. Imports no other layer.
 * ``hfpatch.distributed``: process groups, collectives with their backward, gradients, data sharding.
 * ``hfpatch.attention``: plain maths over torch and hfpatch's collectives, process groups as arguments.
-* ``hfpatch.patches``, ``hfpatch.training``, ``hfpatch.streaming``: the HF glue.
+* ``hfpatch.patches``: the patch families, one sub-package per kind of HF object (``dit``, ``vae``, ...), over
+  the shared modules of ``hfpatch.patches`` itself (its ``__init__``: the registry table; ``caches``,
+  ``denoisers``, ``wan_attention``). A family imports the layers below, the shared modules and its own package,
+  never another family: families meet only through the core (the registry, ``hfpatch.apply``). The shared
+  modules import no family.
+* ``hfpatch.training``, ``hfpatch.streaming``: the HF glue built on the patches.
 * ``hfpatch.api`` (``hfpatch.apply``), the CLI, the demo and ``hfpatch.testing``.
 """
 
@@ -156,12 +161,23 @@ LAYERS = {  # a module of a layer imports hfpatch modules of these layers only
     "core": {"core"},
     "distributed": {"core", "distributed"},
     "attention": {"core", "distributed", "attention"},
+    "patches": {"core", "distributed", "attention", "patches"},
 }
 
 
 def _layer(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def _family(module: str, modules: dict[str, Path]) -> str | None:
+    """The family sub-package of ``hfpatch.patches`` that ``module`` belongs to (``"dit"``), or ``None`` for
+    the shared modules of ``hfpatch.patches`` (and for any module outside it)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "patches":
+        return None
+    package = ".".join(parts[:3])
+    return parts[2] if modules.get(package, Path()).name == "__init__.py" else None
 
 
 def test_the_walk_sees_function_level_relative_imports(tmp_path):
@@ -203,6 +219,24 @@ def test_lower_layers_import_nothing_above_them(layer):
         if _layer(target) not in LAYERS[layer]
     ]
     assert not wrong, f"hfpatch.{layer} may import only {sorted(LAYERS[layer])}:\n" + "\n".join(wrong)
+
+
+def test_patch_families_import_no_other_family():
+    """A family sub-package of ``hfpatch.patches`` imports the layers below it (core, distributed, attention), the
+    shared modules of ``hfpatch.patches`` and its own package, never another family (the test above keeps the
+    layers below); the shared modules import no family at all."""
+    modules = module_names()
+    edges = import_graph()[0]
+    families = {_family(m, modules) for m in modules} - {None}
+    assert {"dit", "vae", "decoder", "pipeline", "pipefusion", "fsdp"} <= families  # the walk found them
+    wrong = [
+        f"{module} imports {target} (line {line})"
+        for module, targets in edges.items()
+        if _layer(module) == "patches"
+        for target, line in targets.items()
+        if _family(target, modules) not in (None, _family(module, modules))
+    ]
+    assert not wrong, "a family imports another family, or a shared module a family:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("layer", ["attention", "core"])

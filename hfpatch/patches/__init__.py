@@ -1,7 +1,20 @@
-"""Built-in patch families: one module per HF target family, imported lazily on first lookup.
+"""Built-in patch families, one sub-package per kind of HF object they patch, imported lazily on first lookup.
 
-Each entry is ``(class key, "module:Family")``; :func:`default_registry` (the registry ``hfpatch.apply`` uses)
-reads this table, so ``import hfpatch`` imports no diffusers or transformers module.
+* :mod:`hfpatch.patches.dit`: diffusers DiT transformers, sequence parallelism (USP) read from a table of plans;
+* :mod:`hfpatch.patches.decoder`: transformers decoders (text LLMs, Qwen-VL), sequence parallelism;
+* :mod:`hfpatch.patches.pipefusion`: DiT transformers (Wan, Flux), PipeFusion;
+* :mod:`hfpatch.patches.vae`: VAEs, encode and decode split by height;
+* :mod:`hfpatch.patches.pipeline`: diffusers pipelines, CFG and data parallel;
+* :mod:`hfpatch.patches.fsdp`: pipelines and DiT transformers, weights sharded with FSDP2.
+
+A family imports the core, distributed and attention layers and the shared modules beside it, never another family
+(``tests/test_imports.py``): :mod:`hfpatch.patches.caches` (diffusers' step caches, agreed over the ranks),
+:mod:`hfpatch.patches.denoisers` (a pipeline's denoisers) and :mod:`hfpatch.patches.wan_attention` (the stock Wan
+self-attention arithmetic). The block-causal streaming patch lives with the rest of streaming
+(:mod:`hfpatch.streaming.transformer`).
+
+Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``; :func:`default_registry` (the registry
+``hfpatch.apply`` uses) reads this table, so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
 from __future__ import annotations
@@ -66,20 +79,20 @@ DIT_USP_CLASSES: tuple[str, ...] = (
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Sequence-parallel attention (USP) for DiT transformers, plan-driven (hfpatch.patches.dit.PLANS:
     # diffusers' _cp_plan or hfpatch's table entry).
-    *((f"diffusers.{name}", "hfpatch.patches.dit:PlannedDiTUSP") for name in DIT_USP_CLASSES),
+    *((f"diffusers.{name}", "hfpatch.patches.dit.family:PlannedDiTUSP") for name in DIT_USP_CLASSES),
     # Sequence parallelism for transformers decoders (text LLMs and Qwen-VL), through the attention interface.
-    ("transformers.Qwen3ForCausalLM", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen3Model", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.LlamaForCausalLM", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.LlamaModel", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen3VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen3VLModel", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen2_5_VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen2_5_VLModel", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen2VLForConditionalGeneration", "hfpatch.patches.decoder:DecoderUSP"),
-    ("transformers.Qwen2VLModel", "hfpatch.patches.decoder:DecoderUSP"),
+    ("transformers.Qwen3ForCausalLM", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen3Model", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.LlamaForCausalLM", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.LlamaModel", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen3VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen3VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen2_5_VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen2_5_VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen2VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
+    ("transformers.Qwen2VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
-    ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion:WanPipeFusion"),
+    ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion.wan:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion.flux:FluxPipeFusion"),
     # Block-causal streaming with KV cache.
     ("diffusers.WanTransformer3DModel", "hfpatch.streaming.transformer:WanStreamingPatch"),
@@ -88,16 +101,16 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     ("diffusers.AutoencoderKL", "hfpatch.patches.vae.kl:KLVAEParallel"),
     # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
     # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
-    ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp:WeightSharding"),
+    ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp.sharding:WeightSharding"),
     # CFG / data parallel at the pipeline level.
-    ("diffusers.DiffusionPipeline", "hfpatch.patches.pipeline:PipelineParallel"),
+    ("diffusers.DiffusionPipeline", "hfpatch.patches.pipeline.family:PipelineParallel"),
 ]
 
 # ... and every DiT transformer applied on its own (after its other families: the sharded forward is outermost).
 BUILTIN_FAMILIES += [
-    (key, "hfpatch.patches.fsdp:WeightSharding")
+    (key, "hfpatch.patches.fsdp.sharding:WeightSharding")
     for key, family in list(BUILTIN_FAMILIES)
-    if family == "hfpatch.patches.dit:PlannedDiTUSP"
+    if family == "hfpatch.patches.dit.family:PlannedDiTUSP"
 ]
 
 
