@@ -1,5 +1,6 @@
-"""The shard state of a height-split VAE and the collectives over its rows: scatter, gather, halo exchange,
-statistics. The mechanics are described in :mod:`hfpatch.patches.vae.family`.
+"""The shard state of a height-split VAE, the collectives over its rows (scatter, gather, halo exchange,
+statistics) and the state of a tiled run spread over the ranks. The mechanics are described in
+:mod:`hfpatch.patches.vae.family`.
 """
 
 from __future__ import annotations
@@ -7,16 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ...distributed.collectives import all_gather, halo_exchange
 from ...distributed.gradients import grad_scaled_by_group
 from .halo import row_offsets, scaled_sizes, split_rows
-
-if TYPE_CHECKING:
-    from .layers import _TileRun
 
 __all__ = ["VAEShardState"]
 
@@ -170,3 +168,57 @@ def _assemble(
             out[..., row : row + rows, w] = part
         row += rows
     return out
+
+
+# ----------------------------------------------------------------------------------------------- tiling
+@dataclass(eq=False)
+class _TileRun:
+    """Two passes of a stock tiled method: compute own tiles (others as fakes), exchange, replay the blend."""
+
+    state: VAEShardState
+    per_call: bool  # True: each coder call is a tile (KL); False: tiles start at ``clear_cache`` (Wan)
+    tile: int = -1
+    replaying: bool = False
+    replayed: int = 0
+    device: torch.device = torch.device("cpu")
+    calls: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
+    mine: list[torch.Tensor] = field(default_factory=list)
+    results: list[torch.Tensor] = field(default_factory=list)
+
+    def new_tile(self) -> None:
+        if not self.replaying:
+            self.tile += 1
+
+    def call(self, original: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.replaying:
+            self.replayed += 1
+            return self.results[self.replayed - 1]
+        if self.per_call:
+            self.new_tile()
+        self.device = x.device
+        owner = max(self.tile, 0) % self.state.world
+        if owner == self.state.rank:
+            out = original(x, *args, **kwargs)
+            self.mine.append(out)
+        else:
+            # Private but stable since torch 2.0: runs the stock code for shapes only, no compute, no memory.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = original(x, *args, **kwargs)
+            out = torch.zeros(fake.shape, dtype=fake.dtype, device=x.device)
+        self.calls.append((owner, out.shape, out.dtype))
+        return out
+
+    def exchange(self) -> None:
+        """Every rank gets every tile, in call order."""
+        state = self.state
+        numels = [[s.numel() for o, s, _ in self.calls if o == r] for r in range(state.world)]
+        flat = (
+            torch.cat([t.reshape(-1) for t in self.mine]) if self.mine else torch.empty(0, device=self.device)
+        )
+        dtype = self.calls[0][2] if self.calls else torch.float32
+        gathered = all_gather(flat.to(dtype), 0, state.group, [sum(n) for n in numels])
+        per_rank = [list(p.split(n)) for p, n in zip(gathered.split([sum(n) for n in numels]), numels)]
+        self.results = [per_rank[owner].pop(0).view(shape) for owner, shape, _ in self.calls]
+        self.mine, self.replaying, self.replayed = [], True, 0
