@@ -106,6 +106,9 @@ def _write_module_index(app) -> None:
         members = [
             m for m in getattr(module, "__all__", []) if not (callable(getattr(module, m)) and id(getattr(module, m)) in documented)
         ]
+        # A package re-exports the names of its modules (hfpatch.patches.dit.PlannedDiTUSP): each object is
+        # documented once, at the first path in sorted order, which is the package's.
+        documented.update(id(getattr(module, m)) for m in members if callable(getattr(module, m)))
         out += [name, "-" * len(name), "", f".. automodule:: {name}"]
         out += [f"   :members: {', '.join(members)}"] if members else []
         out.append("")

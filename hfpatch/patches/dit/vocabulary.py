@@ -173,7 +173,7 @@ class DiTPlan:
 
 
 def refused_unless(*allowed: Any) -> Callable[[Any], bool]:
-    """A :attr:`DiTPlan.refuse_config` predicate: refuse every value but ``allowed``."""
+    """A predicate for :class:`DiTPlan`'s ``refuse_config``: refuse every value but ``allowed``."""
 
     def refused(value: Any) -> bool:
         return value not in allowed

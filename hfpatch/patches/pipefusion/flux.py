@@ -48,7 +48,7 @@ shards (:class:`~hfpatch.patches.pipefusion.layout.SequenceShardLayout` over the
 a contiguous run of the joint sequence (padding repeats the patch's last token), so it is its text rows then
 its image rows: the stage runner splits it at its text count into the dual-stream blocks' two inputs (either
 part may be empty), the rotary table is cut by the same rows, and the joint attention goes through the shared
-:func:`~hfpatch.patches.pipefusion.sequence_parallel_attention` (the K/V buffer sharded by ring block and
+:func:`~hfpatch.patches.pipefusion.state.sequence_parallel_attention` (the K/V buffer sharded by ring block and
 head, padding keys masked out). Sequence parallel is exact: the output equals Flux PipeFusion alone up to
 reassociation. The last stage's sp ranks all-gather the joint sequence and return its text and image parts.
 (Alternatives weighed: sharding a patch's text and image parts separately, each padded, gives the same
@@ -362,7 +362,7 @@ def apply_flux_pipefusion(
 ) -> PipeFusionState:
     """Install PipeFusion on a ``FluxTransformer2DModel`` through ``patch`` (what :class:`FluxPipeFusion` does);
     ``group=None`` is the one-process simulation; ``sp_groups`` and ``guard`` as in
-    :func:`hfpatch.patches.pipefusion.apply_pipefusion`.
+    :func:`hfpatch.patches.pipefusion.wan.apply_pipefusion`.
 
     >>> import torch
     >>> from hfpatch.core.patch import Patch

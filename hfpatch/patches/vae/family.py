@@ -37,7 +37,6 @@ from .state import MODES, OUTPUTS, STATE_ATTR, VAEShardState
 
 __all__ = [
     "VAEParallelFamily",
-    "VAEShardState",
     "analytic_halo_bytes",
     "local_rows",
     "trace_conv_inputs",
