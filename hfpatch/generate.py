@@ -56,13 +56,9 @@ __all__ = [
     "check_model",
     "inspect_model",
     "load_pipeline",
-    "call_arguments",
-    "compile_denoisers",
-    "enable_cache",
     "main",
     "mp4_unavailable",
     "parse_cache",
-    "place_pipeline",
     "requested_ranks",
     "run_report",
     "write_outputs",
@@ -329,6 +325,10 @@ def mp4_unavailable() -> str | None:
     """Why diffusers' ``export_to_video`` cannot write ``.mp4`` here (a missing package), or ``None``.
 
     ``export_to_video`` uses imageio when it is installed (then imageio-ffmpeg must be too), else OpenCV.
+
+    >>> reason = mp4_unavailable()
+    >>> reason is None or "pip install" in reason
+    True
     """
     have = {name: importlib.util.find_spec(name) is not None for name in ("imageio", "imageio_ffmpeg", "cv2")}
     if have["imageio"] and have["imageio_ffmpeg"]:
@@ -346,6 +346,15 @@ def check_arguments(args: argparse.Namespace, world_size: int) -> None:
     Raises:
         UsageError: Degrees that do not multiply to ``world_size``, options that do not combine, an unknown
             output suffix or a folder that cannot be written.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="hfpatch generate")
+    >>> add_arguments(parser)
+    >>> args = parser.parse_args(["org/model", "--prompt", "a fox", "--parallel", "3", "--out", "fox.png"])
+    >>> check_arguments(args, world_size=2)
+    Traceback (most recent call last):
+    ...
+    hfpatch.generate.UsageError: --parallel 3 uses 3 ranks but 2 processes were launched (WORLD_SIZE=2); ...
     """
     degrees = [f"--{name}" for name in (*_DEGREES, "vae") if getattr(args, name) is not None]
     if args.parallel is not None and degrees:
@@ -457,6 +466,15 @@ def inspect_model(model: str) -> ModelInfo:
 
     Raises:
         UsageError: No ``model_index.json`` there, or a pipeline class this diffusers does not have.
+
+    >>> import json, tempfile
+    >>> folder = tempfile.mkdtemp()  # a model_index.json and no weights: nothing else is read
+    >>> index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+    ...          "vae": ["diffusers", "AutoencoderKLWan"], "transformer_2": [None, None]}
+    >>> _ = open(f"{folder}/model_index.json", "w").write(json.dumps(index))
+    >>> info = inspect_model(folder)
+    >>> info.kind, info.denoisers, info.frame_argument
+    ('video', {'transformer': 'WanTransformer3DModel'}, 'num_frames')
     """
     import diffusers
 
@@ -530,6 +548,17 @@ def check_model(info: ModelInfo, args: argparse.Namespace, world_size: int) -> N
         UsageError: An output suffix that does not fit the pipeline's output (or ``.mp4`` without a writer
             installed: :func:`mp4_unavailable`), an option its ``__call__`` does not take, or degrees that need
             a denoiser hfpatch cannot split.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="hfpatch generate")
+    >>> add_arguments(parser)
+    >>> args = parser.parse_args(["org/wan", "--prompt", "a cat", "--out", "cat.png"])
+    >>> info = ModelInfo("WanPipeline", {"transformer": ("diffusers", "WanTransformer3DModel")}, "video",
+    ...                  frozenset({"prompt", "num_frames", "output_type"}))
+    >>> check_model(info, args, world_size=2)
+    Traceback (most recent call last):
+    ...
+    hfpatch.generate.UsageError: --out cat.png: WanPipeline makes videos; write .mp4, .gif, .pt
     """
     fits = {"image": IMAGE_SUFFIXES, "video": VIDEO_SUFFIXES}.get(info.kind, ()) + (RAW_SUFFIX,)
     for out in args.out:
@@ -608,7 +637,7 @@ def load_pipeline(model: str, dtype: Any, **kwargs: Any) -> Any:
     """The pipeline of ``model`` in ``dtype`` on the CPU: diffusers' ``DiffusionPipeline.from_pretrained``.
 
     The seam for other loaders (a sharded loader that reads only this rank's weights): ``hfpatch generate``
-    calls this and then places the components (:func:`place_pipeline`).
+    calls this, then moves the components to the rank's device.
 
     >>> import tempfile, torch
     >>> from hfpatch.testing import tiny_flux_pipe_with_text_encoders
@@ -628,7 +657,7 @@ def _is_sharded_by_fsdp(name: str, module: Any) -> bool:
     return name.startswith(DENOISER_PREFIXES) or type(module).__module__.startswith("transformers.")
 
 
-def place_pipeline(pipe: Any, device: Any, shard_weights: bool) -> None:
+def _place_pipeline(pipe: Any, device: Any, shard_weights: bool) -> None:
     """Move ``pipe``'s modules to ``device``; with ``shard_weights`` the modules FSDP2 shards stay on the CPU
     (``hfpatch.apply`` moves them block by block), so no rank ever holds their full weights on the GPU."""
     import torch
@@ -640,7 +669,7 @@ def place_pipeline(pipe: Any, device: Any, shard_weights: bool) -> None:
             component.to(device)
 
 
-def enable_cache(pipe: Any, kind: str, value: float | int) -> None:
+def _enable_cache(pipe: Any, kind: str, value: float | int) -> None:
     """``--cache KIND:VALUE``: the diffusers cache config on each denoiser of ``pipe`` (before ``hfpatch.apply``)."""
     import diffusers
 
@@ -654,7 +683,7 @@ def enable_cache(pipe: Any, kind: str, value: float | int) -> None:
         module.enable_cache(getattr(diffusers, cls_name)(**options))
 
 
-def compile_denoisers(pipe: Any, backend: str) -> list[str]:
+def _compile_denoisers(pipe: Any, backend: str) -> list[str]:
     """``--compile BACKEND``: each denoiser's repeated blocks (``compile_repeated_blocks(fullgraph=True)``), or
     the whole module in place (``nn.Module.compile``) when it declares none; returns what was compiled."""
     import torch
@@ -681,7 +710,7 @@ def _parallel(args: argparse.Namespace, world_size: int) -> Any:
     return args.parallel or world_size
 
 
-def call_arguments(args: argparse.Namespace, info: ModelInfo) -> dict[str, Any]:
+def _call_arguments(args: argparse.Namespace, info: ModelInfo) -> dict[str, Any]:
     """The pipeline call's arguments from the options (without the generator and the output type)."""
     call = {
         name: getattr(args, option)
@@ -904,14 +933,14 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
         pipe = load_pipeline(args.model, dtype)
         if args.lora is not None:
             pipe.load_lora_weights(args.lora)
-        place_pipeline(pipe, device, args.shard_weights)
+        _place_pipeline(pipe, device, args.shard_weights)
         if args.cache is not None:
-            enable_cache(pipe, *args.cache)
+            _enable_cache(pipe, *args.cache)
         times["load"] = time.perf_counter() - started
         started = time.perf_counter()
         options = {"shard_weights": True} if args.shard_weights else {}
         patch = hfpatch.apply(pipe, parallel=_parallel(args, world_size), **options)
-        compiled = compile_denoisers(pipe, args.compile) if args.compile is not None else []
+        compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
         times["apply"] = time.perf_counter() - started
         pipe.set_progress_bar_config(disable=rank != 0)
         backend = dist.get_backend() if dist.is_initialized() else "none"
@@ -925,7 +954,7 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
             )
             print(f"plan: {patch.plan}", flush=True)
 
-        call = call_arguments(args, info)
+        call = _call_arguments(args, info)
         clock = _Clock(sync=torch.cuda.synchronize if device.type == "cuda" else lambda: None)
         if "callback_on_step_end" in info.parameters:
             call["callback_on_step_end"] = clock.step_end
