@@ -907,6 +907,7 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
     import torch
     import torch.distributed as dist
     from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
 
     import hfpatch
 
@@ -921,8 +922,6 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
         device = torch.device("cpu")
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     initialised_here = world_size > 1 and not dist.is_initialized()
-    from transformers.utils import logging as transformers_logging
-
     quiet = rank != 0 and diffusers_logging.is_progress_bar_enabled()
     if quiet:  # one progress bar: rank 0's (loading too)
         diffusers_logging.disable_progress_bar()
