@@ -1,5 +1,7 @@
-"""The ``hfpatch`` command: ``demo``, ``selftest``, ``bench`` and ``info``.
+"""The ``hfpatch`` command: ``generate``, ``demo``, ``selftest``, ``bench`` and ``info``.
 
+* ``hfpatch generate MODEL --prompt ... --out FILE``: a diffusers checkpoint on every launched rank
+  (``torchrun --nproc-per-node N -m hfpatch generate ...``), see :mod:`hfpatch.generate`.
 * ``hfpatch demo [--nproc N]``: the tiny Wan pipeline unpatched vs ``hfpatch.apply(pipe, parallel=N)``.
 * ``hfpatch selftest [--nproc N]``: collectives and ``usp_attention`` exactness on N local gloo ranks.
 * ``hfpatch bench [NAME]``: list, or run, the scripts in ``benchmarks/`` of a source checkout.
@@ -69,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hfpatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    from .generate import add_arguments as add_generate_arguments
+
+    add_generate_arguments(
+        commands.add_parser(
+            "generate",
+            help="run a diffusers checkpoint on every launched rank: torchrun --nproc-per-node N -m hfpatch generate",
+            description="Load a diffusers pipeline (a local folder or a hub id), hfpatch.apply it over the ranks "
+            "torchrun launched (or one process) and write its output from rank 0. Every rank runs the same "
+            "command and computes the unpatched pipeline's output; what can be checked without the weights "
+            "(degrees vs the world size, output suffixes, the model's classes) is a usage error (exit status 2) "
+            "before any weight loads.",
+        )
+    )
     demo = commands.add_parser(
         "demo",
         help="run the tiny Wan pipeline unpatched and with hfpatch.apply(pipe, parallel=N) on N CPU ranks",
@@ -219,6 +234,10 @@ def _bench(name: str | None, directory: Path | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hfpatch`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        from .generate import main as generate
+
+        return generate(args)
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
