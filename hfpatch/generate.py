@@ -529,7 +529,7 @@ def _families(cls_name: str) -> list[str]:
 
 def _why_not_split(cls_name: str) -> str:
     """The reason ``hfpatch info`` gives for a transformer class hfpatch does not split (or a U-Net's)."""
-    from .patches.dit import support_table
+    from .patches.dit.family import support_table
 
     how = dict(support_table()).get(cls_name)
     if how is not None and how.startswith("not supported (") and how.endswith(")"):
