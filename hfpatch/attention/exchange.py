@@ -24,7 +24,7 @@ module does exactly that, and nothing more:
 Analytic minimum of the bytes copied per attention call (``e`` bytes per element, ``n_r`` real tokens of this
 rank's shard, ``T`` text tokens): ``e * B * D * (4 n_r H + 3 T H_r + T H)``: one copy of q, k, v and the output,
 the text heads of q, k, v into the kernel's buffers and the text output heads into the joined output
-(:func:`copy_minimum`; ``benchmarks/usp_attention.py`` measures it with :func:`hfpatch.testing.memory.count_copies`).
+(:func:`copy_minimum`; ``benchmarks/ulysses_exchange.py`` measures it with :func:`hfpatch.testing.memory.count_copies`).
 Bytes sent are unchanged: ``(u - 1) / u`` of each local tensor (the analytic minimum of an all-to-all).
 
 Transport: point-to-point sends and receives in one batch (:func:`hfpatch.distributed.collectives.start_p2p`;
