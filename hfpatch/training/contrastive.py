@@ -161,6 +161,10 @@ class _Rows:
     total: int
 
 
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # no copy of a single input
+
+
 def _row_slices(rows: int, block: int) -> list[slice]:
     return [slice(s, min(s + block, rows)) for s in range(0, rows, block)]
 
@@ -188,26 +192,33 @@ def _softmax_rows(
         guides: GIST: (local guide rows, global guide rows, per-row threshold ``[b]``).
 
     Returns:
-        ``(partial loss, d anchors (local, unscaled: times ``scale`` below), d columns (global), d scale)``; the
-        gradients are ``None`` without ``grad``.
+        ``(partial loss, d anchors (local), d columns (global), d scale)``, the gradients of anchors and columns
+        still to be multiplied by ``scale``; in one process (``columns`` are ``anchors``) every gradient is in
+        d anchors and d columns is all ``None``. The gradients are ``None`` without ``grad``.
     """
     rows = anchors[0].shape[0]
     dtype, device = anchors[0].dtype, anchors[0].device
     n_groups = 1 + max(p.group for p in pieces)
-    candidates = {p.candidates: torch.cat([columns[k] for k in p.candidates]) for p in pieces}
+    candidates = {p.candidates: _concat([columns[k] for k in p.candidates]) for p in pieces}
     guide_candidates = (
-        {p.candidates: torch.cat([guides[1][k] for k in p.candidates]) for p in pieces if p.guide}
+        {p.candidates: _concat([guides[1][k] for k in p.candidates]) for p in pieces if p.guide}
         if guides is not None
         else {}
     )
+    # Gradients per input: of its local rows as anchors, of its global rows as candidates. In one process the
+    # two are the same rows, so they share one buffer (``columns`` are ``anchors``).
+    shared = all(c is a for c, a in zip(columns, anchors) if c is not None)
     d_anchor: list[torch.Tensor | None] = [None] * len(anchors)
-    d_candidates: dict[tuple[int, ...], torch.Tensor] = {}
+    d_columns: list[torch.Tensor | None] = [None] * len(columns)
     if grad:
         for p in pieces:
             if d_anchor[p.anchor] is None:
                 d_anchor[p.anchor] = torch.zeros_like(anchors[p.anchor])
-            if p.candidates not in d_candidates:
-                d_candidates[p.candidates] = torch.zeros_like(candidates[p.candidates])
+            for k in p.candidates:
+                if d_columns[k] is None:
+                    if shared and d_anchor[k] is None:
+                        d_anchor[k] = torch.zeros_like(anchors[k])
+                    d_columns[k] = d_anchor[k] if shared else torch.zeros_like(columns[k])
     value = torch.zeros((), dtype=dtype, device=device)
     d_scale = torch.zeros((), dtype=dtype, device=device) if grad else None
     for rows_ in _row_slices(rows, block):
@@ -252,12 +263,11 @@ def _softmax_rows(
             grad_rows = piece @ candidates[p.candidates]  # [b, D] = G c (times scale: dL/d anchor)
             d_scale += (anchor * grad_rows).sum()  # sum_ij G_ij a_i . c_j = dL/d scale
             d_anchor[p.anchor][rows_] += grad_rows
-            d_candidates[p.candidates].addmm_(piece.T, anchor)
+            for j, k in enumerate(p.candidates):  # G^T a, per candidate input's columns
+                d_columns[k].addmm_(piece[:, j * where.total : (j + 1) * where.total].T, anchor)
         del logits, piece
-    d_columns: list[torch.Tensor | None] = [None] * len(columns)
-    for key, d in d_candidates.items():
-        for k, part in zip(key, d.split([columns[k].shape[0] for k in key])):
-            d_columns[k] = part if d_columns[k] is None else d_columns[k] + part
+    if shared:
+        d_columns = [None] * len(columns)  # all in d_anchor
     return value / where.total, d_anchor, d_columns, d_scale
 
 
@@ -345,10 +355,16 @@ class _BlockwiseLoss(torch.autograd.Function):
                 "the row-blocked contrastive losses compute their gradients in the forward and support no "
                 "double backward (create_graph=True); use the unchunked loss for higher-order gradients."
             )
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the row-blocked loss was back-propagated twice (retain_graph=True): its "
+                "gradients are kept for one backward."
+            )
         d_scalars, d_reps = ctx.grads
+        ctx.grads = None  # one backward: the kept buffers are scaled in place and handed over
         out = [None] * 6
         for d, dtype in zip([*d_scalars, *d_reps], ctx.dtypes):
-            out.append(None if d is None else (d * grad_out.to(d.dtype)).to(dtype))
+            out.append(None if d is None else d.mul_(grad_out.to(d.dtype)).to(dtype))
         return (*out, *([None] * ctx.n_guides))
 
 
@@ -549,8 +565,8 @@ class ContrastiveLoss(nn.Module):
         if grad:
             d_reps = []
             for a, c in zip(d_anchor, d_local):
-                d = a if c is None else (c if a is None else a + c)
-                d_reps.append(None if d is None else (d * world if world > 1 else d))
+                d = a if c is None else (c if a is None else a.add_(c))  # buffers of this call: in place
+                d_reps.append(None if d is None else (d.mul_(world) if world > 1 else d))
         return value, (d_reps or [None] * len(reps)), (d_scalars or [None] * len(scalars))
 
     def extra_repr(self) -> str:

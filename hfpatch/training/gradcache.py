@@ -650,13 +650,17 @@ class GradCache:
         # 2. Loss on the (gathered) embeddings and its gradient with respect to each local embedding. The
         # losses of hfpatch.training.contrastive gather the negatives themselves, compute only this rank's
         # rows (in blocks) and hand back gradients that are already routed and scaled for DDP's average.
+        shapes = [[r.shape for r in model_reps] for model_reps in reps]
+        local = [torch.cat(r) for r in reps]
+        del reps  # the chunks' copies: one [B, D] per input fewer during the loss
         if takes_local_embeddings(self.loss_fn):
-            leaves = [torch.cat(r).detach().requires_grad_() for r in reps]
+            leaves = [x.requires_grad_() for x in local]
             full, world = leaves, 1
             if self.cross_rank:
                 loss_kwargs = {**loss_kwargs, "cross_rank": True, "process_group": self.process_group}
         else:
-            leaves, full, world = self._gather([torch.cat(r) for r in reps])
+            leaves, full, world = self._gather(local)
+        del local
         with self._autocast(models[0]):
             loss = self.loss_fn(*full, **loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -665,17 +669,16 @@ class GradCache:
             return loss.detach(), _no_backward
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         grads = []
-        for leaf, model_reps in zip(leaves, reps):
+        for leaf, model_shapes in zip(leaves, shapes):
             grad = leaf.grad
             if grad is None and (dist.is_available() and dist.is_initialized()):
                 grad = torch.zeros_like(leaf)  # every rank must run the same backwards (DDP/FSDP hooks)
             if grad is None:
                 # The loss ignores this input: its parameters keep .grad None, as after a plain step.
-                grads.append([None] * len(model_reps))
+                grads.append([None] * len(model_shapes))
                 continue
-            grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
-        shapes = [[r.shape for r in model_reps] for model_reps in reps]
-        del reps, leaves, full, loss_kwargs
+            grads.append((grad * world if world > 1 else grad).split([s[0] for s in model_shapes]))
+        del leaves, full, loss_kwargs
         pending = {"kept_rep": kept_rep}
         del kept_rep
 

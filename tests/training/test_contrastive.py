@@ -350,6 +350,10 @@ def test_takes_local_embeddings_and_double_backward_is_refused():
     x = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(RuntimeError, match="no double backward"):  # not a silently wrong second derivative
         torch.autograd.grad(InfoNCELoss()(x, x.flip(0)), x, create_graph=True)
+    loss = InfoNCELoss()(x, x.flip(0))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated twice"):  # its kept gradients were handed over
+        loss.backward()
 
 
 # -- cross-rank: world 2 and 3 ---------------------------------------------------------------------------
