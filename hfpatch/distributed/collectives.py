@@ -483,7 +483,7 @@ def reduce_scatter(
         sizes: Every rank's slice length along ``dim`` (default: equal).
 
     Returns:
-        This rank's slice, summed over the ranks (one process: ``x`` itself).
+        This rank's slice summed over the ranks (``x`` itself in one process).
     """
     world = _size(group)
     dim %= x.dim()
