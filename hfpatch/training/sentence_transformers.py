@@ -201,7 +201,7 @@ def row_blocked_equivalent(
     >>> from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     >>> blocked, guide = row_blocked_equivalent(MultipleNegativesRankingLoss(tiny_sentence_transformer()))
     >>> blocked, guide
-    (InfoNCELoss(normalize=True, directions=('query_to_doc',), partition_mode='joint', block_bytes=268435456), None)
+    (InfoNCELoss(normalize=True, scale=20.0, directions=('query_to_doc',), partition_mode='joint', block_bytes=268435456), None)
     """
     if not type(loss).__module__.startswith("sentence_transformers."):
         return None
