@@ -362,6 +362,33 @@ def _release(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.d
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
 
 
+def _copy_views(value: Any) -> Any:
+    """``value`` (a tensor, or a model output: tuple, list, dict, ``BaseOutput``/``ModelOutput``, in place) with each
+    tensor that requires grad and is a VIEW replaced by a copy, while autograd records.
+
+    FSDP2 hooks its pre-backward (the all-gather of a unit's weights before its backward) on the root's output
+    tensors. Stock output reshaping returns views (Wan's ``unflatten``/``permute``/``flatten`` chain, and
+    hfpatch's sequence gather, a ``narrow``), and an in-place op on a view (``pred += x``) rebases it onto
+    its base and drops that hook without a word: torch only warns that it might happen. A copy is not a view,
+    so an in-place op on the output keeps the hook. Costs one output-sized copy per training forward (the
+    view's base is freed with it); nothing under ``no_grad``.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value._base is not None else value
+    if isinstance(value, dict):  # diffusers' BaseOutput and transformers' ModelOutput set the attribute too
+        for key, item in list(value.items()):
+            copied = _copy_views(item)
+            if copied is not item:
+                value[key] = copied
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_copy_views(item) for item in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
 def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, label: str) -> Any:
     """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
     module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
@@ -381,7 +408,7 @@ def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, 
             try:
                 args, kwargs = state._pre_forward(model, args, kwargs)
                 output = original(*args, **kwargs)
-                return state._post_forward(model, args, output)
+                return state._post_forward(model, args, _copy_views(output))
             except Exception as exc:
                 try:
                     model.reset_iter_state()  # free what this call gathered; the next call starts afresh
