@@ -19,8 +19,8 @@ import pytest
 PUBLIC: dict[str, str | None] = {
     "hfpatch": (
         "ApplyMismatchError CollectiveError InputMismatchError ModelFacts ParallelConfig Patch PatchError "
-        "PatchFamily __version__ all_reduce_gradients apply data_parallel_loaders data_parallel_sampler "
-        "get_patch register_ddp_hook register_patch step_generator step_rng"
+        "PatchFamily StepRNG __version__ all_reduce_gradients apply data_parallel_loaders data_parallel_sampler "
+        "get_patch prepare_accelerator register_ddp_hook register_patch step_generator step_rng"
     ),
     "hfpatch.api": "ApplyMismatchError apply get_patch",
     "hfpatch.generate": (
@@ -70,8 +70,8 @@ PUBLIC: dict[str, str | None] = {
         "ring_shift"
     ),
     "hfpatch.distributed.data": (
-        "data_coordinates data_parallel_loaders data_parallel_position data_parallel_sampler step_generator "
-        "step_rng step_seed"
+        "StepRNG data_coordinates data_parallel_loaders data_parallel_position data_parallel_sampler "
+        "prepare_accelerator step_generator step_rng step_seed"
     ),
     "hfpatch.distributed.gradients": (
         "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group register_ddp_hook"
