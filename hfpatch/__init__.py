@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError, get_patch
     from .core.registry import PatchFamily
-    from .distributed.agreement import InputMismatchError
+    from .distributed.agreement import InputMismatchError, WeightMismatchError
     from .distributed.data import data_parallel_loaders, data_parallel_sampler, step_generator, step_rng
     from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
@@ -45,6 +45,7 @@ _LAZY = {
     "step_generator": ".distributed.data",
     "step_rng": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
+    "WeightMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".api",
 }
@@ -78,6 +79,7 @@ __all__ = [
     "Patch",
     "PatchError",
     "PatchFamily",
+    "WeightMismatchError",
     "__version__",
     "all_reduce_gradients",
     "apply",

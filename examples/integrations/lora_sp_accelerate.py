@@ -9,10 +9,12 @@ training, ``--validate-every``). Tiny random-weight Wan transformer, Wan VAE and
 ``hfpatch.testing``, so it runs on CPU in seconds. The hfpatch lines are marked ``# hfpatch``; without them
 (``--no-hfpatch``) this is the plain script, which the tests run on one process as the reference.
 
-    # 2 CPU processes, one sequence-parallel group (on GPUs: torchrun / accelerate launch without the CPU flag)
+    # 2 CPU processes, one sequence-parallel group. On CPU, accelerate joins the processes only with
+    # ACCELERATE_USE_CPU=true (without it each one trains alone, and hfpatch.apply refuses); on GPUs drop it.
+    export ACCELERATE_USE_CPU=true
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --resume
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
+    accelerate launch --multi_gpu --num_processes 2 \\
         examples/integrations/lora_sp_accelerate.py --steps 4 --grad-accum 2 --train-text-encoder
     # 4 processes: 2 data replicas x Ulysses 2
     torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
@@ -27,7 +29,8 @@ rather than a list (accelerate's FSDP2 ``no_sync`` needs them). On CPU, accelera
 ``tests/integration/accelerate_fsdp2_cpu.py`` runs this script under it there (see its docstring).
 
 Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
-the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON).
+the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON); ``--output-dir``
+defaults to ``hfpatch-lora-sp-output`` in the system's temporary folder (checkpoints go there too).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import contextlib
 import itertools
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,7 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with data replicas)",
     )
     parser.add_argument("--validate-every", type=int, default=0, help="validation on the main process")
-    parser.add_argument("--output-dir", default="lora-sp-output")
+    parser.add_argument(
+        "--output-dir",
+        default=os.path.join(tempfile.gettempdir(), "hfpatch-lora-sp-output"),
+        help="results and checkpoints (default: hfpatch-lora-sp-output in the temporary folder)",
+    )
     parser.add_argument("--results-file", default="results.json")
     parser.add_argument("--checkpoint-at", type=int, default=0, help="accelerator.save_state after this step")
     parser.add_argument(
