@@ -323,6 +323,8 @@ class _State:
     shapes: dict[int, tuple[torch.Size, torch.dtype]] = field(
         default_factory=dict
     )  # id(model) -> prediction's
+    noted_unguided: bool = False  # a call without guidance was reported (once per patch; not reset per call)
+    plan: ParallelConfig | None = None  # the patch's degrees (for that report)
 
     def reset(self) -> None:
         self.pending, self.phase, self.watched = None, "observe", None
@@ -532,6 +534,7 @@ class _ParallelForward:
         if batch < world:
             # Only the cfg axis gets here (data batches are checked in __call__, before any collective): a
             # call without guidance and batch 1. Every cfg rank computes it: redundant, still exact.
+            self._note_unguided("its batch holds no uncond half")
             return self._split_compute(bound, rest, names)
         sizes = even_sizes(batch, world)
         me = torch.distributed.get_rank(group)
@@ -582,6 +585,7 @@ class _ParallelForward:
         if not guiding:  # guidance_scale <= 1: a single call per step, computed on both cfg ranks
             if self.state.pending is not None:
                 raise self._pattern_error("a call without guidance while an uncond call was due")
+            self._note_unguided("do_classifier_free_guidance is False: one call per step")
             return self._split_compute(bound, data_only, names)
         cfg_rank = torch.distributed.get_rank(self.cfg_group)
         if self.context == "cond":
@@ -654,8 +658,9 @@ class _ParallelForward:
         if contexts == ["cond", "uncond"] and state.seen[0][1] is state.seen[1][1] and not state.watched.read:
             return "parallel"
         if contexts == ["cond"]:
-            reason = "it made one cond call per step (no guidance in this call)"
-        elif contexts == ["cond", "uncond"] and not state.watched.read:
+            self._note_unguided("it made one cond call per step")
+            return "off"
+        if contexts == ["cond", "uncond"] and not state.watched.read:
             reason = "its cond and uncond calls went to different transformers"
         elif contexts == ["cond", "uncond"]:
             reason = "it computed with the cond prediction before the uncond call"
@@ -668,6 +673,40 @@ class _ParallelForward:
             reason,
         )
         return "off"
+
+    def _note_unguided(self, why: str) -> None:
+        """Say once per patch (on global rank 0) that a call without guidance leaves the cfg axis idle.
+
+        Such a call is exact (every cfg rank computes the same prediction, the unpatched one) but gets nothing
+        from the cfg ranks. hfpatch does not re-plan them into sequence parallelism per call: the sequence split
+        is bound to the plan's groups at ``apply`` (processors, shard plans, caches), so the advice is to plan
+        without cfg for models that run without guidance (distilled checkpoints, guidance_scale=1).
+        """
+        if self.state.noted_unguided:
+            return
+        self.state.noted_unguided = True
+        if runtime.rank() != 0:
+            return
+        plan = self.state.plan
+        sp = 2 * (1 if plan is None else plan.ring * plan.ulysses)
+        data = 1 if plan is None else plan.data
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int):
+            ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and heads % d == 0)
+            degrees = [("data", data), ("ring", sp // ulysses), ("ulysses", ulysses)]
+            advice = "so that every rank joins sequence parallelism, e.g. parallel=hfpatch.ParallelConfig({})".format(
+                ", ".join(f"{k}={v}" for k, v in degrees if v > 1)
+            )
+        else:  # a denoiser without attention heads in its config (a UNet): no sequence parallelism
+            advice = f"and data={2 * data} to split several prompts over the ranks"
+        logger.warning(
+            "hfpatch: this %s call does not guide (%s), so the plan's cfg=2 has nothing to split: both cfg ranks "
+            "compute the same prediction, which is exact but gives no speed-up from the cfg axis. For calls "
+            "without guidance, apply with cfg=1 %s. (Said once per patch.)",
+            type(self.pipe).__name__,
+            why,
+            advice,
+        )
 
     def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int, names: tuple[str, ...]) -> torch.Tensor:
         pending = self.state.pending
@@ -865,7 +904,7 @@ class PipelineParallel(PatchFamily):
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
             # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
             patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
-        state = _State()
+        state = _State(plan=config)
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
@@ -935,6 +974,16 @@ class PipelineParallel(PatchFamily):
             state.pending = None
             return pending.error
 
+        given = _record_pipeline_arguments(pipe, patch)
+
+        def sources() -> dict[str, Any]:
+            # The first transformer call of a pipeline call also compares what the user passed the pipeline
+            # (its check_inputs and prepare_latents arguments), so a mismatch names prompt_embeds or the
+            # generator, not the transformer arguments computed from them.
+            taken = dict(given)
+            given.clear()
+            return taken
+
         for model in _transformers(pipe):
 
             def settings() -> dict[str, Any]:
@@ -950,4 +999,64 @@ class PipelineParallel(PatchFamily):
                 }
 
             what = f"{type(pipe).__name__} call of {type(model).__name__}"
-            install_call_guard(patch, model, world_group, what, extra=settings, deferred_error=deferred_error)
+            install_call_guard(
+                patch,
+                model,
+                world_group,
+                what,
+                extra=settings,
+                deferred_error=deferred_error,
+                sources=sources,
+            )
+
+
+#: ``prepare_latents``/``check_inputs`` arguments that the pipeline computes itself (not the user's).
+_DERIVED_ARGUMENTS = frozenset({"self", "device", "dtype"})
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` as it is now: a generator's state is copied (the pipeline draws from it next)."""
+    if isinstance(value, torch.Generator):
+        copy = torch.Generator(device=value.device)
+        copy.set_state(value.get_state())
+        return copy
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+def _record_pipeline_arguments(pipe: Any, patch: Any) -> dict[str, Any]:
+    """Record the arguments of ``pipe.check_inputs`` and ``pipe.prepare_latents`` (every diffusers pipeline
+    calls them at the start of ``__call__`` with the user's prompt, embeddings, sizes, generator and latents)
+    into the returned dict, keyed ``"'prompt_embeds' (WanPipeline argument)"``; ``check_inputs`` starts a new
+    record. Pipelines without these methods record nothing (their transformer arguments are compared alone)."""
+    recorded: dict[str, Any] = {}
+    label = type(pipe).__name__
+
+    def recording(method: str) -> Callable[[Callable], Callable]:
+        def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            try:
+                signature = inspect.signature(original)
+            except (TypeError, ValueError):
+                return original
+
+            def record(*args: Any, **kwargs: Any) -> Any:
+                if method == "check_inputs":
+                    recorded.clear()
+                try:
+                    arguments = signature.bind(*args, **kwargs).arguments
+                except TypeError:  # diffusers raises its own error
+                    arguments = {}
+                for name, value in arguments.items():
+                    if name not in _DERIVED_ARGUMENTS:
+                        recorded[f"{name!r} ({label} argument)"] = _snapshot(value)
+                return original(*args, **kwargs)
+
+            return record
+
+        return wrapper
+
+    for method in ("check_inputs", "prepare_latents"):
+        if callable(getattr(pipe, method, None)):
+            patch.wrap_method(pipe, method, recording(method))
+    return recorded
