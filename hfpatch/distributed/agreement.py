@@ -38,6 +38,7 @@ False
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import inspect
 import struct
@@ -161,8 +162,10 @@ def content_digest(x: torch.Tensor, *, on_device: bool | None = None) -> tuple[i
 _ROW = 4096
 
 
+@functools.lru_cache(maxsize=128)
 def _odd(length: int, seed: int, device: torch.device) -> torch.Tensor:
-    """``length`` odd pseudo-random int64 weights (odd: invertible mod 2^64)."""
+    """``length`` odd pseudo-random int64 weights (odd: invertible mod 2^64); cached, as a model's tensors
+    share a few lengths (at most 128 small vectors are kept)."""
     position = torch.arange(length, dtype=torch.int64, device=device)
     return torch.bitwise_or(_mix(position + _to_int64(seed)), 1)
 
@@ -682,7 +685,7 @@ class WeightWatch:
         self.what = what
         self.refreshes = 0  # times the tensors were re-read (tests, benchmarks)
         self._digests: dict[str, list[int]] = {}
-        self._tensors: dict[str, Any] = {}  # name -> weakref of the tensor its digest is of
+        self._tensors: dict[int, tuple[Any, list[int]]] = {}  # id(tensor) -> (weakref of it, its row)
         self._row: torch.Tensor | None = None
         self._seen = -1
         self._closed = False
@@ -697,24 +700,25 @@ class WeightWatch:
 
     def _refresh(self, known: Mapping[str, list[int]]) -> None:
         named = _named_tensors(self.modules)
-        stale = [
-            (n, t)
-            for n, t in named
-            if n not in known and (n not in self._tensors or self._tensors[n]() is not t)
-        ]
+        reuse: dict[str, list[int]] = {}  # rows of tensors digested before, under this name or another one
+        stale: list[tuple[str, torch.Tensor]] = []
+        for n, t in named:
+            seen = self._tensors.get(id(t))
+            if n in known:
+                reuse[n] = known[n]
+            elif seen is not None and seen[0]() is t:  # the same tensor (peft renames wrapped weights)
+                reuse[n] = seen[1]
+            elif t.is_meta and n in self._digests:  # offloaded for now: its data did not change
+                reuse[n] = self._digests[n]
+            else:
+                stale.append((n, t))
         if stale or len(named) != len(self._digests) or self._row is None:
-            fresh = dict(zip([n for n, _ in stale], _rows([t for _, t in stale])))
-            digests = {}
-            for n, t in named:
-                row = known.get(n) or fresh.get(n) or self._digests[n]
-                if n in fresh and t.is_meta and n in self._digests:
-                    row = self._digests[n]  # offloaded for now: its data did not change
-                digests[n] = row
-            self._digests = digests
-            self._tensors = {n: self._weakref(t) for n, t in named}
-            folded = int.from_bytes(bytes.fromhex(fold_digests(digests))[:8], "little", signed=True)
-            self._row = torch.tensor([len(digests), folded], dtype=torch.int64)
+            reuse.update(zip([n for n, _ in stale], _rows([t for _, t in stale])))
+            self._digests = {n: reuse[n] for n, _ in named}
+            folded = int.from_bytes(bytes.fromhex(fold_digests(self._digests))[:8], "little", signed=True)
+            self._row = torch.tensor([len(self._digests), folded], dtype=torch.int64)
             self.refreshes += 1
+        self._tensors = {id(t): (self._weakref(t), self._digests[n]) for n, t in named}
         self._seen = _REGISTRATIONS[0]
 
     def row(self) -> torch.Tensor:
