@@ -239,12 +239,14 @@ def _plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (ax_copy, ax_sent, ax_time, ax_err) = plt.subplots(1, 4, figsize=(19, 4.2))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
+    fig, (ax_copy, ax_sent, ax_time, ax_err) = plt.subplots(4, 1, figsize=(9, 19))
     labels, measured, minimum, overlapped = [], [], [], []
     for world in WORLDS:
         for batch in (1, 2):
             row = results["worlds"][str(world)]["copies"][str(batch)]
-            labels.append(f"u={world}\nB={batch}")
+            labels.append(f"u={world}, B={batch}")
             measured.append(row["exact_max"] / 2**20)
             overlapped.append(row["overlap_max"] / 2**20)
             minimum.append(row["minimum_max"] / 2**20)
@@ -252,10 +254,10 @@ def _plot(results: dict, path: Path) -> None:
     ax_copy.bar([i - 0.27 for i in x], measured, 0.27, label="exact exchange")
     ax_copy.bar(list(x), overlapped, 0.27, label="overlapped")
     ax_copy.bar([i + 0.27 for i in x], minimum, 0.27, label="analytic minimum")
-    ax_copy.set_xticks(list(x), labels, fontsize=8)
-    ax_copy.set(ylabel="bytes copied per attention call (MiB)")
-    ax_copy.set_title(f"copies, S={SEQ} + {TEXT} text, H={HEADS}, D={DIM}, fp32", fontsize=10)
-    ax_copy.legend(fontsize=8)
+    ax_copy.set_xticks(list(x), labels)
+    ax_copy.set(ylabel="bytes copied per call (MiB)")
+    ax_copy.set_title(f"copies per attention call, S={SEQ} + {TEXT} text, H={HEADS}, D={DIM}, fp32")
+    ax_copy.legend()
     sent = [results["worlds"][str(w)]["sent"] for w in WORLDS]
     xs = range(len(WORLDS))
     ax_sent.bar([i - 0.27 for i in xs], [s["bf16 exact"] / 2**20 for s in sent], 0.27, label="bf16 exact")
@@ -264,21 +266,19 @@ def _plot(results: dict, path: Path) -> None:
         [i + 0.27 for i in xs], [s["minimum_fp32"] / 2**20 for s in sent], 0.27, label="fp32 analytic"
     )
     ax_sent.set_xticks(list(xs), [f"u={w}" for w in WORLDS])
-    ax_sent.set(ylabel="bytes sent per rank, batch 1 (MiB)")
-    ax_sent.set_title("bytes sent (FP8 / bf16 on the bars)", fontsize=10)
+    ax_sent.set(ylabel="bytes sent per rank, B=1 (MiB)")
+    ax_sent.set_title("bytes sent per attention call (FP8 / bf16 on the bars)")
     for i, s in enumerate(sent):
-        ax_sent.text(
-            i, s["bf16 fp8"] / 2**20, f"{s['fp8_over_bf16']:.4f}", ha="center", va="bottom", fontsize=8
-        )
-    ax_sent.legend(fontsize=8)
+        ax_sent.text(i, s["bf16 fp8"] / 2**20, f"{s['fp8_over_bf16']:.4f}", ha="center", va="bottom")
+    ax_sent.legend()
     names = list(results["worlds"][str(WORLDS[0])]["time"])
     for j, name in enumerate(names):
         ax_time.bar([i + (j - 1) * 0.27 for i in xs],
                     [results["worlds"][str(w)]["time"][name]["ms"] for w in WORLDS], 0.27, label=name)  # fmt: skip
     ax_time.set_xticks(list(xs), [f"u={w}" for w in WORLDS])
-    ax_time.set(ylabel="DiT block forward, ms (median, max over ranks)")
-    ax_time.set_title("CPU time (gloo, 2 shared cores): overhead, not GPU gains", fontsize=10)
-    ax_time.legend(fontsize=8)
+    ax_time.set(ylabel="block forward (ms, median)")
+    ax_time.set_title("CPU time, DiT block (gloo, shared cores): overhead, not GPU gains")
+    ax_time.legend()
     errors = results["worlds"][str(WORLDS[0])]["fp8"]
     ax_err.barh(list(errors), [e["max_over_max_v"] for e in errors.values()], label="attention: max / max|v|")
     ax_err.barh(
@@ -286,13 +286,13 @@ def _plot(results: dict, path: Path) -> None:
     )
     ax_err.barh([f"tiny {f}" for f in results["models"]], [r["fp8_vs_exact"] for r in results["models"].values()],
                 label="tiny model output: max / max")  # fmt: skip
-    ax_err.set(xlabel="error vs the exact exchange (u=2)", xscale="log")
+    ax_err.set(xlabel="error vs the exact exchange (u=2)", xscale="log", xlim=(1e-3, 1e-1))
     ax_err.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: no overlapping labels
-    ax_err.legend(fontsize=7)
-    ax_err.tick_params(axis="y", labelsize=7)
-    ax_err.set_title("FP8 exchange error", fontsize=10)
+    ax_err.tick_params(axis="y", labelsize=9)
+    ax_err.legend(loc="lower right")
+    ax_err.set_title("FP8 exchange error")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path)
 
 
 def main() -> dict:
