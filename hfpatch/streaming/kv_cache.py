@@ -199,7 +199,9 @@ class StreamingKVCache:
 
     One cache serves one sequence of one guidance branch. Buffers are allocated on the first write (when
     batch size, tokens per frame, heads, dtype and device are known) and never grow. Keys and values are
-    stored detached: gradients of a training step flow through the frames of the current call only.
+    stored detached: gradients of a training step flow through the frames of the current call only. Under a
+    sequence-parallel split (:mod:`hfpatch.streaming.sequence_parallel`) each rank's cache holds its part of
+    every frame and its heads (``shard`` says which; ``nbytes`` is this rank's), with the same slots.
 
     Args:
         config: The :class:`StreamingConfig` the transformer was patched with.
@@ -241,7 +243,7 @@ class StreamingKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache: self-attention buffers plus cached text keys/values."""
+        """Bytes held by the cache (on this rank): self-attention buffers plus cached text keys/values."""
         total = sum(t.nbytes for t in (self.keys or []) + (self.values or []))
         for layer in self.cross:
             total += sum(t.nbytes for t in (layer.key, layer.value) if t is not None)

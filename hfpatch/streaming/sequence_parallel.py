@@ -13,8 +13,8 @@ ulysses_index`` holds piece ``p`` of every frame (:func:`frame_layout`). After t
 holds, for its heads, the ``u x l`` tokens of every frame that its Ring index owns: its *ring block* of the
 frame. That is what it caches, so the cache is sharded by head over Ulysses and by token over Ring and a rank
 holds ``1/N`` of every cached frame (exactly, when ``N`` divides ``tpf`` and ``ulysses`` divides the heads):
-sink and window slots, eviction and re-encodes are the one-process cache's (:class:`~hfpatch.streaming.
-StreamingKVCache`), per frame. Without a cache (a training chunk under the block-causal mask) the tokens are
+sink and window slots, eviction and re-encodes are the one-process cache's
+(:class:`~hfpatch.streaming.StreamingKVCache`), per frame. Without a cache (a training chunk under the block-causal mask) the tokens are
 cut into ``N`` contiguous shards (:func:`contiguous_layout`, the layout of :mod:`hfpatch.attention.layout`) and
 the mask is read tile by tile in global positions (:class:`BlockCausalMask`,
 :func:`~hfpatch.attention.masked.masked_usp_attention`).

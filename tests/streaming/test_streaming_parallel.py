@@ -198,6 +198,19 @@ def _rank_cases(world: str) -> dict:
     if world != "3":
         guided = _stream(stream, size, "latent", GUIDANCE)
         out["guided"] = {**guided, "uncond_cache_bytes": stream.uncond_cache.nbytes}
+    # A rank fed another prompt raises on every rank, at the stream and at a transformer call (nothing has run:
+    # the stream checks its arguments first, the transformer before its first collective).
+    prompt = wan_prompt_embeds(seed=1 if rank != 1 else 2)
+    for name, call in (
+        ("stream", lambda: next(stream.stream(prompt, 2, size, size, generator=_gen(), **KWARGS))),
+        ("transformer", lambda: stream.transformer(
+            torch.zeros(1, 4, 2, 4, 4), torch.tensor([500.0]), prompt, kv_cache=StreamingKVCache(CONFIG, 2))),
+    ):  # fmt: skip
+        try:
+            call()
+            out[f"mismatch_{name}"] = "no error"
+        except InputMismatchError as error:
+            out[f"mismatch_{name}"] = str(error)
     stream.remove()
     if cfg_plan is not None:
         stream = StreamingWanPipeline.from_pipe(tiny_wan_pipe(), CONFIG, parallel=cfg_plan)
@@ -219,20 +232,6 @@ def _rank_cases(world: str) -> dict:
         with hfpatch.apply(model, streaming=CONFIG, parallel=ParallelConfig(ulysses=3)):
             out["uneven"] = _cached_transformer(model, *_cached_inputs(), wan_prompt_embeds())
 
-    # Last: a rank fed another prompt raises on every rank, at the stream and at a transformer call.
-    stream = StreamingWanPipeline.from_pipe(tiny_wan_pipe(), CONFIG, parallel=plan)
-    prompt = wan_prompt_embeds(seed=1 if rank != 1 else 2)
-    for name, call in (
-        ("stream", lambda: next(stream.stream(prompt, 2, size, size, generator=_gen(), **KWARGS))),
-        ("transformer", lambda: stream.transformer(
-            torch.zeros(1, 4, 2, 4, 4), torch.tensor([500.0]), prompt, kv_cache=StreamingKVCache(CONFIG, 2))),
-    ):  # fmt: skip
-        try:
-            call()
-            out[f"mismatch_{name}"] = "no error"
-        except InputMismatchError as error:
-            out[f"mismatch_{name}"] = str(error)
-    stream.remove()
     return out
 
 
