@@ -42,7 +42,8 @@ grad get the full gradient on every rank.
 block (``r - 1`` hops of keys and values) and the text blocks; then one all-gather of the output and the
 same-input check.
 
->>> frame_layout(frames=2, tokens_per_frame=5, world=2, rank=1)   # 5 tokens per frame over 2 ranks: l = 3
+>>> index, real = frame_layout(frames=2, tokens_per_frame=5, world=2, rank=1)  # 5 tokens a frame, l = 3
+>>> index.tolist(), real.tolist()
 ([3, 4, 0, 8, 9, 5], [True, True, False, True, True, False])
 >>> ring_block_tokens(tokens_per_frame=5, ulysses=1, ring=2)      # real tokens per frame of each ring block
 [3, 2]
@@ -84,36 +85,32 @@ def _ceil(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- geometry
-def frame_layout(frames: int, tokens_per_frame: int, world: int, rank: int) -> tuple[list[int], list[bool]]:
+def frame_layout(frames: int, tokens_per_frame: int, world: int, rank: int) -> tuple[Tensor, Tensor]:
     """This rank's tokens when every frame is cut into ``world`` pieces: ``(call token index, real?)`` each.
 
     Piece ``rank`` of frame ``f`` is tokens ``[rank * l, (rank + 1) * l)`` of the frame, ``l = ceil(tpf /
     world)``; a position past the frame is padding and repeats the frame's first token (its output is dropped,
-    its key never attended). Frame-major: ``frames x l`` entries.
+    its key never attended). Frame-major: ``frames x l`` entries (CPU tensors, long and bool).
     """
     piece = _ceil(tokens_per_frame, world)
-    index, real = [], []
-    for f in range(frames):
-        for t in range(piece):
-            within = rank * piece + t
-            index.append(f * tokens_per_frame + (within if within < tokens_per_frame else 0))
-            real.append(within < tokens_per_frame)
-    return index, real
+    within = rank * piece + torch.arange(piece)
+    real = within < tokens_per_frame
+    index = torch.arange(frames)[:, None] * tokens_per_frame + torch.where(real, within, 0)
+    return index.flatten(), real.expand(frames, piece).flatten()
 
 
-def contiguous_layout(
-    frames: int, tokens_per_frame: int, world: int, rank: int
-) -> tuple[list[int], list[bool]]:
+def contiguous_layout(frames: int, tokens_per_frame: int, world: int, rank: int) -> tuple[Tensor, Tensor]:
     """This rank's tokens in the contiguous layout of :mod:`hfpatch.attention.layout` (the call's tokens padded
     at the end to a multiple of ``world``, shard ``rank`` of them); padding repeats token 0.
 
-    >>> contiguous_layout(frames=1, tokens_per_frame=5, world=2, rank=1)
-    ([3, 4, 0], [True, True, False])
+    >>> [t.tolist() for t in contiguous_layout(frames=1, tokens_per_frame=5, world=2, rank=1)]
+    [[3, 4, 0], [True, True, False]]
     """
     total = frames * tokens_per_frame
     length = _ceil(total, world)
-    positions = range(rank * length, (rank + 1) * length)
-    return [p if p < total else 0 for p in positions], [p < total for p in positions]
+    positions = torch.arange(rank * length, (rank + 1) * length)
+    real = positions < total
+    return torch.where(real, positions, 0), real
 
 
 def ring_block_tokens(tokens_per_frame: int, ulysses: int, ring: int) -> list[int]:
@@ -126,15 +123,15 @@ def ring_block_tokens(tokens_per_frame: int, ulysses: int, ring: int) -> list[in
     return [max(0, min(block, tokens_per_frame - i * block)) for i in range(ring)]
 
 
-def ring_read_index(slots: list[int], block: int, real: int) -> list[int]:
+def ring_read_index(slots: list[int], block: int, real: int) -> Tensor:
     """Buffer positions of the keys a ring block contributes: the ``real`` first positions of each of ``slots``
     (``block`` positions a slot), then padding (position 0) up to ``len(slots) x block``.
 
-    >>> ring_read_index([2, 0], block=3, real=2)
+    >>> ring_read_index([2, 0], block=3, real=2).tolist()
     [6, 7, 0, 1, 0, 0]
     """
-    index = [slot * block + w for slot in slots for w in range(real)]
-    return index + [0] * (len(slots) * block - len(index))
+    index = (torch.tensor(slots, dtype=torch.long)[:, None] * block + torch.arange(real)).flatten()
+    return torch.cat([index, index.new_zeros(len(slots) * block - index.numel())])
 
 
 def shard_text(x_bthd: Tensor, shard: StreamShard) -> Tensor:
@@ -224,13 +221,12 @@ class StreamShard:
         call = self._call(frame_layout, frames, tokens_per_frame, device)
         piece, block = _ceil(tokens_per_frame, self.world), self.slot_tokens(tokens_per_frame)
         # After the all-to-all: Ulysses rank j's tokens, frame-major: (j, frame, t) -> slot * block + j * l + t.
-        write = [
-            write_slots[f] * block + j * piece + t
-            for j in range(self.ulysses)
-            for f in range(frames)
-            for t in range(piece)
-        ]
-        call.write_index = to_device(torch.tensor(write), device)
+        write = (
+            torch.arange(self.ulysses)[:, None, None] * piece
+            + torch.tensor(write_slots)[None, :, None] * block
+            + torch.arange(piece)
+        )
+        call.write_index = to_device(write.flatten(), device)
         real = ring_block_tokens(tokens_per_frame, self.ulysses, self.ring)
         visible = sorted(set(visible_slots))
         if self.ring == 1:
@@ -239,8 +235,7 @@ class StreamShard:
                 mask[visible, : real[0]] = True
                 call.key_mask = to_device(mask.view(1, 1, 1, -1), device)
         else:
-            index = ring_read_index(visible, block, real[self.ring_index])
-            call.read_index = to_device(torch.tensor(index), device)
+            call.read_index = to_device(ring_read_index(visible, block, real[self.ring_index]), device)
             call.read_valid = len(visible) * sum(real)
         return call
 
@@ -255,18 +250,16 @@ class StreamShard:
         return call
 
     def _call(self, layout: Any, frames: int, tokens_per_frame: int, device: torch.device) -> ShardedCall:
-        index, real = layout(frames, tokens_per_frame, self.world, self.rank)
-        local = len(index)
+        layouts = [layout(frames, tokens_per_frame, self.world, p) for p in range(self.world)]
+        index = layouts[self.rank][0]
         # Where each call token sits in the all-gathered sequence (rank-major, each rank's tokens in order).
-        gathered = [0] * (frames * tokens_per_frame)
-        for p in range(self.world):
-            for at, (token, ok) in enumerate(zip(*layout(frames, tokens_per_frame, self.world, p))):
-                if ok:
-                    gathered[token] = p * local + at
+        tokens, real = torch.stack([i for i, _ in layouts]), torch.stack([r for _, r in layouts])
+        gathered = torch.empty(frames * tokens_per_frame, dtype=torch.long)
+        gathered[tokens[real]] = torch.arange(tokens.numel()).view_as(tokens)[real]
         return ShardedCall(
-            local_index=to_device(torch.tensor(index), device),
-            local_frames=to_device(torch.tensor(index) // tokens_per_frame, device),
-            gather_index=to_device(torch.tensor(gathered), device),
+            local_index=to_device(index, device),
+            local_frames=to_device(index // tokens_per_frame, device),
+            gather_index=to_device(gathered, device),
         )
 
     # ------------------------------------------------------------------------------------------- tensors

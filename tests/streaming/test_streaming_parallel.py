@@ -31,7 +31,12 @@ from hfpatch.streaming import (
     StreamingWanPipeline,
     recache,
 )
-from hfpatch.streaming.sequence_parallel import block_bytes
+from hfpatch.streaming.sequence_parallel import (
+    block_bytes,
+    contiguous_layout,
+    frame_layout,
+    ring_block_tokens,
+)
 from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
@@ -287,6 +292,24 @@ def _check_world(results: list[dict], world: int, size: int, sp: tuple[int, int]
         for key in ("chunk", "train"):
             for i, (g, gref, t) in enumerate(zip(grads[key], tref[key], ttol[key])):
                 _close(g, gref, t, f"rank {rank} {key} grad {i}")
+
+
+@pytest.mark.parametrize("layout", [frame_layout, contiguous_layout])
+@pytest.mark.parametrize(("tokens_per_frame", "world"), [(4, 2), (5, 2), (9, 3), (4, 3), (5, 4), (1, 4)])
+def test_layouts_hold_every_token_once_and_ring_blocks_pad_at_the_end(layout, tokens_per_frame, world):
+    """Pure geometry: the ranks' real tokens are every token of the call exactly once; the real tokens of the
+    ring blocks are full blocks, then one partial block, then empty ones (what ``valid_len`` masks)."""
+    frames = 3
+    real_tokens = torch.cat(
+        [i[r] for i, r in (layout(frames, tokens_per_frame, world, p) for p in range(world))]
+    )
+    assert sorted(real_tokens.tolist()) == list(range(frames * tokens_per_frame))
+    for ulysses in [u for u in range(1, world + 1) if world % u == 0]:
+        real = ring_block_tokens(tokens_per_frame, ulysses, world // ulysses)
+        block = ulysses * -(-tokens_per_frame // world)
+        assert sum(real) == tokens_per_frame
+        partial = [r for r in real if 0 < r < block]
+        assert len(partial) <= 1 and real == sorted(real, reverse=True), real
 
 
 def test_streaming_ulysses2_and_cfg2_equal_one_process(rank_pool):
