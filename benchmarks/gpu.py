@@ -25,8 +25,10 @@ skipped and says so):
 4. ``pixel_loss``: ``chunked_pixel_loss`` on the FLUX.1 VAE config at 1024x1024: step peak (forward +
    backward) one-shot at batch 1 and 2 vs hfpatch chunk 1 at batch 4.
 5. ``gradcache``: BERT-base (random weights), InfoNCE, batch 256 x 128 tokens, bf16 autocast: step time and
-   peak of GradCache at chunks 32 and 64 over the plain step, eager and ``GradCache(compile=True)``. Goal: at
-   most 1.3x a plain step at chunk 64, compiled.
+   peak of GradCache at chunks 32 and 64 over the plain step, eager and ``GradCache(compile=True)`` (at chunk
+   64 also with the loss in row blocks, ``InfoNCELoss``). Goal: at most 1.3x a plain step at chunk 64,
+   compiled. Then the loss stage alone at CLIP scale (32,768 pairs x 768, CLIP's loss, forward + backward):
+   time and peak of ``CLIPLoss`` in row blocks against the whole matrix.
 
 ``--device cpu --tiny`` runs every section on tiny configs in seconds (the test suite does, so the script
 cannot rot); CPU peaks are then live tensor bytes (``hfpatch.testing.memory``), CUDA peaks
@@ -486,7 +488,7 @@ def pixel_loss(args, device, dtype, result) -> None:
 def gradcache(args, device, dtype, result) -> None:
     from transformers import BertConfig, BertModel
 
-    from hfpatch.training import GradCache
+    from hfpatch.training import GradCache, InfoNCELoss
 
     if args.tiny:
         config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -526,6 +528,11 @@ def gradcache(args, device, dtype, result) -> None:
                              compile_backend=args.compile_backend,
                              autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
         steps[f"gradcache chunk {chunk}, compiled"] = lambda cache=compiled: cache.step(*inputs)
+    # The same InfoNCE computed in row blocks (hfpatch.training.InfoNCELoss) at the largest chunk, compiled.
+    blocked = GradCache(model, InfoNCELoss(20.0), chunk_size=chunks[-1], rep_fn=mean_pool, compile=True,
+                        compile_backend=args.compile_backend,
+                        autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
+    steps[f"gradcache chunk {chunks[-1]}, compiled, row-blocked loss"] = lambda: blocked.step(*inputs)
     result.update(batch=batch, seq=seq, dtype=str(dtype))
     for name, step in steps.items():
         try:
@@ -541,6 +548,37 @@ def gradcache(args, device, dtype, result) -> None:
         if plain_ms and "ms" in result[name]:
             result[name]["time_vs_plain"] = result[name]["ms"] / plain_ms
         print(f"gradcache {name:22s} {result[name]}", flush=True)
+    # The loss stage alone at CLIP scale: a global batch of 32,768 pairs, width 768, CLIP's loss (learned
+    # temperature) on given embeddings, forward + backward: row-blocked (default 256 MiB budget) vs the whole
+    # matrix through autograd.
+    from hfpatch.training import CLIPLoss
+
+    pairs, width = (512, 32) if args.tiny else (32768, 768)
+    reps = [torch.randn(pairs, width, generator=gen).to(device, dtype) for _ in range(2)]
+
+    def clip_stage(loss_fn):
+        leaves = [r.detach().requires_grad_() for r in reps]
+        loss_fn(*leaves).backward()
+
+    scale = torch.tensor(1 / 0.07, device=device)
+
+    def unchunked(i, t):
+        with autocast:
+            logits = scale * F.normalize(i, dim=-1) @ F.normalize(t, dim=-1).T
+            labels = torch.arange(len(i), device=device)
+            return (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels)) / 2
+
+    stages = {"clip loss stage, row-blocked": CLIPLoss().to(device), "clip loss stage, unchunked": unchunked}
+    result["loss_stage"] = {"pairs": pairs, "width": width}
+    for name, loss_fn in stages.items():
+        try:
+            result["loss_stage"][name] = {
+                "ms": timed(lambda f=loss_fn: clip_stage(f), device, 1, args.repeats),
+                "peak_gib": peak_bytes(lambda f=loss_fn: clip_stage(f), device) / GiB,
+            }
+        except Exception as error:  # noqa: BLE001 (the unchunked stage may not fit)
+            result["loss_stage"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(f"gradcache {name:30s} {result['loss_stage'][name]}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ plot + main
@@ -553,7 +591,8 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", flush=True)
         return
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+    fig, axes = plt.subplots(4, 1, figsize=(9, 17.2))
     rows = result.get("attention", {}).get("rows", {})
     for ax, key, title in (
         (axes[0], "fwd_ms", "attention forward"),
@@ -564,7 +603,7 @@ def plot(result: dict, path: Path) -> None:
             pts = [(int(s), row[name][key]) for s, row in rows.items() if key in row.get(name, {})]
             ax.plot(*zip(*pts), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title=title)
-        ax.legend(fontsize=7)
+        ax.legend()
     wan = {n: e["ms"] for n, e in result.get("wan_forward", {}).items() if isinstance(e, dict) and "ms" in e}
     axes[2].bar(list(wan), list(wan.values()))
     axes[2].set(ylabel="ms", title=f"Wan forward ({result.get('wan_forward', {}).get('tokens')} tokens)")

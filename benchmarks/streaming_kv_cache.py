@@ -223,8 +223,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     sp = result.get("sequence_parallel")
-    fig, axes = plt.subplots(1, 4 if sp else 2, figsize=(22 if sp else 11, 4))
+    panels = 4 if sp else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 4.3 * panels))
     ax1, ax2 = axes[0], axes[1]
     rows = result["rows"]
     blocks = [r["blocks"] for r in rows]
@@ -237,7 +240,8 @@ def plot(result: dict, path: Path) -> None:
     )
     frames_ax.set(ylabel="cached frames")
     frames_ax.set_ylim(bottom=0)
-    ax1.legend(loc="lower right")
+    handles = ax1.get_legend_handles_labels()[0] + frames_ax.get_legend_handles_labels()[0]
+    ax1.legend(handles, [h.get_label() for h in handles], loc="center right")
     ax2.plot(blocks, [1e3 * r["cached_s"] for r in rows], label="cached: one block")
     un = [r for r in rows if "uncached_s" in r]
     ax2.plot([r["blocks"] for r in un], [1e3 * r["uncached_s"] for r in un], "o-", label="uncached recompute")
@@ -253,13 +257,13 @@ def plot(result: dict, path: Path) -> None:
                 label="sent per rank by one cached forward (= analytic)")  # fmt: skip
         ax3.set(ylabel="KiB", title="Sequence parallel: memory and bytes per rank")
         ax3.set_xticks(list(at), labels)
-        ax3.tick_params(axis="x", labelrotation=20, labelsize=7)
-        ax3.legend(fontsize=8)
+        ax3.tick_params(axis="x", labelrotation=15)
+        ax3.legend()
         ax4.bar(labels, [r["cpu_ms_per_block_median"] for r in sp["rows"]])
         ax4.set(
             ylabel="CPU ms per denoising forward (largest rank)", title="Sequence parallel: CPU work per rank"
         )
-        ax4.tick_params(axis="x", labelrotation=20, labelsize=7)
+        ax4.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
