@@ -71,6 +71,24 @@ def _units(target: Any, registry: Registry) -> list[tuple[Any, list[PatchFamily]
     return units
 
 
+def _drop_superseded(
+    units: list[tuple[Any, list[PatchFamily]]], options: dict[str, Any]
+) -> tuple[list[tuple[Any, list[PatchFamily]]], dict[str, str]]:
+    """``units`` without the families that another family of the same object replaces given its options
+    (:meth:`~hfpatch.core.registry.PatchFamily.supersedes`), and ``{dropped family: the family replacing it}``."""
+    kept, dropped = [], {}
+    for obj, families in units:
+        replaced: dict[str, str] = {}
+        for family in families:
+            for name in family.supersedes({k: options[k] for k in family.options}):
+                replaced[name] = family.name
+        kept.append((obj, [f for f in families if f.name not in replaced]))
+        dropped.update(
+            {f"{f.name} ({type(obj).__name__})": replaced[f.name] for f in families if f.name in replaced}
+        )
+    return kept, dropped
+
+
 def _merge_facts(units: list[tuple[Any, list[PatchFamily]]], target: Any) -> ModelFacts:
     heads: list[int] = []
     blocks: list[int] = []
@@ -184,7 +202,20 @@ def _check(
             f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
             f"{type(target).__name__}; known: {', '.join(sorted(known)) or 'none'}"
         )
-    resolved_options = {**known, **options}
+    units, dropped = _drop_superseded(units, {**known, **options})
+    live: dict[str, Any] = {}
+    for _, families in units:
+        for family in families:
+            live.update(family.options)
+    stray = sorted(set(options) - set(live))
+    if stray:
+        replaced = "; ".join(f"{by} replaces {name}" for name, by in sorted(dropped.items()))
+        raise TypeError(
+            f"option{'s' if len(stray) > 1 else ''} {', '.join(map(repr, stray))} of {type(target).__name__} "
+            f"belong{'' if len(stray) > 1 else 's'} to a patch that the other options replace ({replaced}), so "
+            f"{'they' if len(stray) > 1 else 'it'} would do nothing; options that apply: {', '.join(sorted(live))}"
+        )
+    resolved_options = {**live, **options}
 
     facts = _merge_facts(units, target)
     requested = _requested_world(parallel)

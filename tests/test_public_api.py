@@ -122,6 +122,10 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.streaming.convert": "convert_diffusers_to_native convert_native_to_diffusers",
     "hfpatch.streaming.kv_cache": "CrossAttentionCache StreamingConfig StreamingKVCache visible_frames",
     "hfpatch.streaming.pipeline": "StreamingOutput StreamingWanPipeline recache warp_denoising_steps",
+    "hfpatch.streaming.sequence_parallel": (  # added by issue 37 (streaming on several GPUs)
+        "BlockCausalMask StreamShard block_bytes contiguous_layout frame_layout ring_block_tokens ring_read_index "
+        "shard_text"
+    ),
     "hfpatch.streaming.training": "ChunkInfo StreamingTrainingModel",
     "hfpatch.streaming.vae": "StreamingWanDecoder",
     "hfpatch.testing": (
