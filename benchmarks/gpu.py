@@ -477,7 +477,8 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", flush=True)
         return
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+    fig, axes = plt.subplots(4, 1, figsize=(9, 17.2))
     rows = result.get("attention", {}).get("rows", {})
     for ax, key, title in (
         (axes[0], "fwd_ms", "attention forward"),
@@ -488,7 +489,7 @@ def plot(result: dict, path: Path) -> None:
             pts = [(int(s), row[name][key]) for s, row in rows.items() if key in row.get(name, {})]
             ax.plot(*zip(*pts), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title=title)
-        ax.legend(fontsize=7)
+        ax.legend()
     wan = {n: e["ms"] for n, e in result.get("wan_forward", {}).items() if isinstance(e, dict) and "ms" in e}
     axes[2].bar(list(wan), list(wan.values()))
     axes[2].set(ylabel="ms", title=f"Wan forward ({result.get('wan_forward', {}).get('tokens')} tokens)")

@@ -125,9 +125,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     rows = result["rows"]
     blocks = [r["blocks"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8.6))
     ax1.plot(blocks, [r["cache_bytes"] / 1024 for r in rows], label="StreamingKVCache.nbytes")
     ax1.set(xlabel="generated blocks", ylabel="KiB", title="KV cache (window 12 frames, sink 3)")
     ax1.set_ylim(bottom=0)
@@ -137,7 +139,8 @@ def plot(result: dict, path: Path) -> None:
     )
     frames_ax.set(ylabel="cached frames")
     frames_ax.set_ylim(bottom=0)
-    fig.legend(loc="lower center", bbox_to_anchor=(0.27, 0.2))
+    handles = ax1.get_legend_handles_labels()[0] + frames_ax.get_legend_handles_labels()[0]
+    ax1.legend(handles, [h.get_label() for h in handles], loc="center right")
     ax2.plot(blocks, [1e3 * r["cached_s"] for r in rows], label="cached: one block")
     un = [r for r in rows if "uncached_s" in r]
     ax2.plot([r["blocks"] for r in un], [1e3 * r["uncached_s"] for r in un], "o-", label="uncached recompute")

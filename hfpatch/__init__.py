@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError, get_patch
     from .core.registry import PatchFamily
-    from .distributed.agreement import InputMismatchError
+    from .distributed.agreement import InputMismatchError, WeightMismatchError
     from .distributed.data import (
         StepRNG,
         data_parallel_loaders,
@@ -55,6 +55,7 @@ _LAZY = {
     "step_generator": ".distributed.data",
     "step_rng": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
+    "WeightMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".api",
     "from_pretrained": ".loading",
@@ -92,6 +93,7 @@ __all__ = [
     "PatchError",
     "PatchFamily",
     "StepRNG",
+    "WeightMismatchError",
     "__version__",
     "all_reduce_gradients",
     "apply",

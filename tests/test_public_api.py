@@ -18,11 +18,13 @@ import pytest
 #: regrouping.
 PUBLIC: dict[str, str | None] = {
     "hfpatch": (
-        "ApplyMismatchError CollectiveError InputMismatchError ModelFacts ParallelConfig Patch PatchError "
-        "PatchFamily StepRNG __version__ all_reduce_gradients apply data_parallel_loaders data_parallel_sampler "
-        "get_patch prepare_accelerator register_ddp_hook register_patch step_generator step_rng"
+        "ApplyMismatchError CollectiveError InputMismatchError LoadError ModelFacts ParallelConfig Patch "
+        "PatchError PatchFamily StepRNG WeightMismatchError __version__ all_reduce_gradients apply "
+        "data_parallel_loaders data_parallel_sampler from_pretrained get_patch prepare_accelerator "
+        "register_ddp_hook register_patch step_generator step_rng"
     ),
-    "hfpatch.api": "ApplyMismatchError apply get_patch",
+    "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch",
+    "hfpatch.loading": "LoadError from_pretrained",
     "hfpatch.generate": (
         "CACHES ModelInfo UsageError add_arguments check_arguments check_model inspect_model load_pipeline main "
         "mp4_unavailable parse_cache requested_ranks run_report write_outputs"
@@ -58,12 +60,14 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.core.wrappers": "unwrap_model unwrap_once",
     "hfpatch.demo": (
         "DEFAULT_ATOL DemoResult MAX_DEMO_NPROC MAX_SELFTEST_NPROC demo_limit_reason demo_rank "
-        "exactness_lines format_report format_selftest run_demo run_selftest selftest_rank"
+        "exactness_lines format_report format_selftest run_demo run_selftest selftest_rank "
+        "sequence_parallel_plan"
     ),
     "hfpatch.distributed": None,
     "hfpatch.distributed.agreement": (
-        "FIELDS InputMismatchError SLOTS bytes_per_check check_same_inputs content_digest describe_inputs "
-        "install_call_guard named_arguments"
+        "FIELDS InputMismatchError SLOTS WeightMismatchError WeightWatch bulk_digest bytes_per_check "
+        "check_same_inputs content_digest describe_inputs install_call_guard named_arguments weight_digests "
+        "weights_mismatch_message"
     ),
     "hfpatch.distributed.collectives": (
         "CommCounter all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange reduce_scatter "
@@ -77,12 +81,15 @@ PUBLIC: dict[str, str | None] = {
         "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group register_ddp_hook"
     ),
     "hfpatch.distributed.runtime": (
-        "AXES CollectiveError ParallelMesh collective_error default_timeout describe_group "
-        "ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank wait_timeout "
-        "world_size"
+        "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
+        "describe_group ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank "
+        "wait_timeout world_size"
     ),
     "hfpatch.patches": None,
     "hfpatch.patches.caches": "CACHE_HOOKS FirstBlockDecision agree_caches cache_names check_caches",
+    "hfpatch.patches.checkpoint": (
+        "CheckpointSource TensorEntry attach_source detach_source load_tensors shard_rows source_of"
+    ),
     "hfpatch.patches.decoder": (
         "DECODERS DecoderUSP ModelMask decoder_of frame_split sequence_sum shard_tokens vision_of"
     ),
@@ -92,7 +99,7 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.patches.fsdp": (
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
-        "shard_units"
+        "shard_units sharded_models"
     ),
     "hfpatch.patches.kl_vae": "KLVAEParallel",
     "hfpatch.patches.pipefusion": (

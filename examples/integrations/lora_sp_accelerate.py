@@ -17,10 +17,12 @@ draws, plus ``patch.disabled()`` for validation on the main process. Without the
 stock script, drawing from the global RNG; ``--unpatched`` keeps the draws of ``StepRNG`` but not the patch
 (the one-process reference the tests compare with, ``--replicas`` emulating data replicas).
 
-    # 2 CPU processes, one sequence-parallel group (on GPUs: torchrun / accelerate launch without the CPU flag)
+    # 2 CPU processes, one sequence-parallel group. On CPU, accelerate joins the processes only with
+    # ACCELERATE_USE_CPU=true (without it each one trains alone, and hfpatch.apply refuses); on GPUs drop it.
+    export ACCELERATE_USE_CPU=true
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --epochs 3 --checkpoint-at 3
     torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --epochs 3 --resume
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
+    accelerate launch --multi_gpu --num_processes 2 \\
         examples/integrations/lora_sp_accelerate.py --grad-accum 2 --train-text-encoder
     # 4 processes: 2 data replicas x Ulysses 2
     torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
@@ -37,6 +39,7 @@ rather than a list (accelerate's FSDP2 ``no_sync`` needs them). On CPU, accelera
 Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
 the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON); every process
 writes what each of its micro-steps loaded and drew to ``<output-dir>/<results-file>.rank<N>.json``.
+``--output-dir`` defaults to ``hfpatch-lora-sp-output`` in the system's temporary folder (checkpoints go there too).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import contextlib
 import json
 import math
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -111,7 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with data replicas)",
     )
     parser.add_argument("--validate-every", type=int, default=0, help="validation on the main process")
-    parser.add_argument("--output-dir", default="lora-sp-output")
+    parser.add_argument(
+        "--output-dir",
+        default=os.path.join(tempfile.gettempdir(), "hfpatch-lora-sp-output"),
+        help="results and checkpoints (default: hfpatch-lora-sp-output in the temporary folder)",
+    )
     parser.add_argument("--results-file", default="results.json")
     parser.add_argument("--checkpoint-at", type=int, default=0, help="accelerator.save_state after this step")
     parser.add_argument(

@@ -224,3 +224,24 @@ def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
     assert sorted(resumed["losses"], key=int) == ["3"] and resumed["losses"]["3"] == run["losses"]["3"]
     assert [t["draws"] for t in resumed["traces"][0]] == [t["draws"] for t in run["traces"][0]][-1:]
     print(_compare(run, ref32, ref64, trained=("transformer",)))
+
+
+def test_lora_sp_accelerate_under_torchrun_without_the_cpu_flag_refuses(tmp_path):
+    """Issue 33: on CPU without ``ACCELERATE_USE_CPU=true`` accelerate counts one process in each rank, so the
+    script trained twice on its own, silently. ``hfpatch.apply`` sees the launcher's ``WORLD_SIZE=2`` and
+    refuses on both ranks, naming the fix; nothing is written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HFPATCH_TIMEOUT_S": "120"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(var, None)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    out = tmp_path / "out"
+    command = [sys.executable, *launcher, str(SCRIPT), "--epochs", "1", "--output-dir", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout[-2000:]
+    for rank in (0, 1):
+        assert (
+            f"[rank{rank}]: RuntimeError: the launcher started WORLD_SIZE=2 processes, but accelerate sees 1"
+            in (done.stderr)
+        ), done.stderr[-4000:]
+    assert "set ACCELERATE_USE_CPU=true" in done.stderr
+    assert not (out / "results.json").exists()

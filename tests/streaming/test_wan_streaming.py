@@ -405,7 +405,7 @@ def test_remove_restores_every_submodule_by_identity():
     before = {name: dict(vars(m)) for name, m in model.named_modules()}
     x, timestep, prompt = _inputs(frames=4)
     patch = hfpatch.apply(model, streaming=CONFIGS["window_sink"])
-    assert "streaming" in repr(patch) and "processor" in repr(patch)
+    assert "streaming" in repr(patch) and "processor" in patch.describe()
     with torch.no_grad():
         _cached(model, CONFIGS["window_sink"], x, timestep, prompt)
     patch.remove()

@@ -197,57 +197,6 @@ def sharded_models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-# ----------------------------------------------------------------------------------------------- agreement
-def _check_same_weights(models: list[tuple[str, torch.nn.Module]], group: Any) -> None:
-    """Raise ``ValueError`` on every rank unless every rank holds bit-identical parameters.
-
-    FSDP2 keeps each rank's slice of ITS OWN copy of a weight: ranks with different weights (a model
-    initialised without a common seed, another checkpoint) would compute with a silent mixture. One
-    all-gather of two 64-bit content digests per parameter
-    (:func:`hfpatch.distributed.agreement.content_digest`) over every rank of the plan.
-    """
-    from ...distributed.agreement import content_digest
-
-    names, rows = [], []
-    for model_name, model in models:
-        seen: set[int] = set()
-        for name, param in model.named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            names.append(f"{model_name}.{name}")
-            rows.append(content_digest(param.detach()))
-    world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    local = torch.tensor([[len(rows), 0], *rows], dtype=torch.int64, device=device)
-    counts = [torch.empty(1, 2, dtype=torch.int64, device=device) for _ in range(world)]
-    try:
-        dist.all_gather(counts, local[:1], group=group)
-        if any(int(c[0, 0]) != len(rows) for c in counts):
-            raise ValueError(
-                f"shard_weights: the ranks hold different numbers of parameters ({[int(c[0, 0]) for c in counts]}); "
-                "build the same model on every rank"
-            )
-        tables = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(tables, local, group=group)
-    except RuntimeError as exc:
-        if not runtime.is_peer_failure(exc):
-            raise
-        raise runtime.collective_error("the shard_weights same-weights check", group, exc) from exc
-    table = torch.stack(tables).cpu()[:, 1:]  # (world, params, 2)
-    differs = (table != table[0]).any(dim=-1)  # (world, params)
-    if bool(differs.any()):
-        first = int(differs.any(dim=0).nonzero()[0])
-        ranks = [dist.get_global_rank(group, r) for r in differs[:, first].nonzero().flatten().tolist()]
-        count = int(differs.any(dim=0).sum())
-        raise ValueError(
-            f"shard_weights: the ranks hold different weights ({count} parameter(s) differ; the first is "
-            f"{names[first]}, which differs from rank {dist.get_global_rank(group, 0)} on ranks {ranks}). FSDP2 "
-            "keeps each rank's slice of its own copy, so the sharded model would be a mixture. Load the same "
-            "checkpoint on every rank (or seed the initialisation alike); check_inputs=False skips this check"
-        )
-
-
 # ----------------------------------------------------------------------------------------------- shard / restore
 @dataclass
 class _Sharded:
@@ -501,12 +450,13 @@ class WeightSharding(PatchFamily):
     Registered for ``DiffusionPipeline`` (before the CFG/data-parallel family, whose wrapper then calls the
     sharded forward only where the transformer computes) and for every DiT class hfpatch parallelises (a
     transformer applied on its own). Inside a pipeline, the pipeline's entry shards every denoiser and encoder
-    (one place, one same-weights check); the components' entries do nothing.
+    (one place); the components' entries do nothing. ``hfpatch.apply`` has compared every rank's weights
+    before (FSDP2 keeps each rank's slice of its own copy, so they must be equal).
 
     Options:
         shard_weights: ``False`` (default), ``True``, or the mesh axes to shard over (see :func:`shard_axes`).
         shard_weights_offload: Keep the shards in CPU memory (FSDP2 ``CPUOffloadPolicy``).
-        check_inputs: Also check, once at ``apply``, that every rank holds the same weights.
+        check_inputs: ``False`` also skips ``apply``'s same-weights check (shared with the other families).
     """
 
     name: ClassVar[str] = "shard_weights"
@@ -544,10 +494,8 @@ class WeightSharding(PatchFamily):
         if value is False or value is None or patch.part_of is not None:
             return  # off; or a pipeline's component: the pipeline's own entry shards it
         models = sharded_models(target)
-        if options[
-            "check_inputs"
-        ]:  # a model read from a checkpoint: the loader compared its files over the ranks
-            _check_same_weights([(n, m) for n, m in models if source_of(m) is None], mesh.group("world"))
+        # Every rank's weights were compared by hfpatch.apply before any family applied (FSDP2 keeps each
+        # rank's slice of ITS OWN copy: different weights would make the sharded model a silent mixture).
         for name, model in models:
             axes = shard_axes(value, mesh.config, name=name)
             device_mesh = _shard_mesh(mesh, axes)
