@@ -7,7 +7,7 @@ beside a T5 text encoder (d_model 128, 4 blocks, 3.03 MiB), a Wan VAE, a tokeniz
 ``FluxPipeline`` (CLIP and T5 encoders) is saved too. Every case runs on gloo ranks (one pooled call per world size)
 and compares with ``DiffusionPipeline.from_pretrained`` followed by ``hfpatch.apply`` with the same arguments:
 
-* ``shard_weights=True`` at world 2 and 4 (Wan, fp32; Flux at world 2): the pipeline's output is bit-identical,
+* ``shard_weights=True`` at world 2, 3 (uneven shards) and 4 (Wan, fp32; Flux at world 2): the pipeline's output is bit-identical,
   every local shard equals the load-then-shard one (values, dtype, and the padded storage FSDP2 all-gathers), and
   ``patch.remove()`` gives back the full weights bit for bit. Peak host bytes during the load, measured on every rank
   as the peak of live tensor bytes (``hfpatch.testing.memory``'s dispatch tracker: every tensor a torch op creates,
@@ -24,6 +24,7 @@ and compares with ``DiffusionPipeline.from_pretrained`` followed by ``hfpatch.ap
   into the node's cache in the hub's layout; it runs once per node, on local rank 0, and the node's other rank then
   resolves the snapshot with the real ``DiffusionPipeline.download(..., local_files_only=True)``, which only
   succeeds once the files are there.
+* World 1: the two calls, nothing on meta.
 * Errors raised alike on every rank before any collective, naming the problem: a shard file missing on one rank, a
   rank reading another revision (same shapes, other weights), too little memory on one rank, a config that does not
   match its weights, a quantized checkpoint, ``.bin`` weights, LoRA layers added before the weights are read, and
@@ -174,9 +175,10 @@ class _LargestRead:
         CheckpointSource.read_rows = self.original
 
 
-def _storage(param: Any) -> bytes:
-    """The local shard's whole storage (FSDP2's padding included: what the all-gather sends)."""
-    return bytes(param.to_local().untyped_storage())
+def _storage(param: Any) -> torch.Tensor:
+    """The local shard's whole storage as bytes (FSDP2's padding included: what the all-gather sends)."""
+    storage = param.to_local().untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
 
 
 def _shard_case(folder: str, call: Any, parallel: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -217,7 +219,7 @@ def _shard_case(folder: str, call: Any, parallel: Any, dtype: torch.dtype | None
                 other is None
                 or other.dtype != param.dtype
                 or not torch.equal(other.to_local(), param.to_local())
-                or _storage(other) != _storage(param)
+                or not torch.equal(_storage(other), _storage(param))
             ):
                 differ.append(f"{name}.{key}")
     result["shards_differ"] = differ
@@ -349,12 +351,34 @@ def _cases_four(paths: dict[str, str]) -> dict[str, Any]:
     return {"wan": _shard_case(paths["wan"], _wan_call, 4), "hub": hub}
 
 
+def _cases_three(paths: dict[str, str]) -> dict[str, Any]:
+    return {"wan": _shard_case(paths["wan"], _wan_call, 3)}  # uneven: 128 rows are 43, 43, 42
+
+
 @pytest.fixture(scope="module")
 def results(rank_pool, checkpoints) -> dict[int, list[dict[str, Any]]]:
-    return {2: rank_pool(2).run(_cases_two, checkpoints), 4: rank_pool(4).run(_cases_four, checkpoints)}
+    return {
+        2: rank_pool(2).run(_cases_two, checkpoints),
+        3: rank_pool(3).run(_cases_three, checkpoints),
+        4: rank_pool(4).run(_cases_four, checkpoints),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- tests
+def test_one_process_is_the_two_calls(checkpoints):
+    """World 1: nothing is split, so ``from_pretrained`` is ``DiffusionPipeline.from_pretrained`` then ``apply``
+    (no model on meta, the same output); ``shard_weights`` on one rank is refused as by ``apply``."""
+    from diffusers import DiffusionPipeline
+
+    reference = DiffusionPipeline.from_pretrained(checkpoints["wan"])
+    pipe, patch = hfpatch.from_pretrained(checkpoints["wan"])
+    assert patch.plan.world_size == 1
+    assert not any(p.is_meta for p in pipe.transformer.parameters())
+    assert torch.equal(_wan_call(pipe), _wan_call(reference))
+    with pytest.raises(ValueError, match="runs on one rank"):
+        hfpatch.from_pretrained(checkpoints["wan"], 1, shard_weights=True)
+
+
 def test_sharded_load_equals_load_then_shard_bit_for_bit(results):
     for world, ranks in results.items():
         for rank, cases in enumerate(ranks):
