@@ -687,12 +687,12 @@ def from_pretrained(
             ``HFPATCH_DOWNLOAD_TIMEOUT_S``).
 
     >>> import tempfile, torch, hfpatch
-    >>> from hfpatch.testing import tiny_wan_pipe
+    >>> from hfpatch.testing import tiny_flux_pipe_with_text_encoders
     >>> folder = tempfile.mkdtemp()
-    >>> tiny_wan_pipe().save_pretrained(folder)
+    >>> tiny_flux_pipe_with_text_encoders().save_pretrained(folder)
     >>> pipe, patch = hfpatch.from_pretrained(folder, parallel=1)   # one process: the two calls, nothing split
     >>> type(pipe).__name__, patch.plan.world_size
-    ('WanPipeline', 1)
+    ('FluxPipeline', 1)
     """
     if not isinstance(local_files_only, bool):
         raise TypeError(f"local_files_only must be True or False, got {local_files_only!r}")

@@ -89,7 +89,7 @@ class CheckpointSource:
     """The safetensors entries of one model (parameter or buffer name -> :class:`TensorEntry`) and the reads.
 
     Names are the model's ``state_dict`` keys, tied aliases included (each pointing to the one key the file
-    holds). Reads are counted: :attr:`bytes_read` (every slice read) and :attr:`largest_read` (the largest single
+    holds). Reads are counted: ``bytes_read`` (every slice read) and ``largest_read`` (the largest single
     slice, the transient a read adds above what the model keeps).
 
     Args:
@@ -105,8 +105,8 @@ class CheckpointSource:
     >>> source.read_rows("w", *shard_rows(6, 4, 1))                  # rank 1 of 4: rows 2 and 3, cast
     tensor([[4., 5.],
             [6., 7.]], dtype=torch.bfloat16)
-    >>> source.bytes_read
-    8
+    >>> source.bytes_read                                             # as stored: 4 float32 values
+    16
     """
 
     def __init__(self, name: str, entries: dict[str, TensorEntry], device: Any = "cpu") -> None:
