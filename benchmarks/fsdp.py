@@ -20,7 +20,17 @@ reports:
   ``(N - 1)`` times each rank's input) against the analytic ``(N - 1) * at rest`` (every unit gathered once);
 - whether the sharded output equals the unsharded one bit for bit.
 
-Writes ``benchmarks/results/fsdp.json`` and ``.png``; about a minute on two CPU cores.
+**Loading** (``load_rows``): the same transformer and text encoder saved in a ``WanPipeline`` folder
+(``save_pretrained(max_shard_size="1MB")``: the transformer in 9 safetensors shards with an index) and loaded with
+``hfpatch.from_pretrained(folder, N, shard_weights=True)`` at N = 2, 3, 4: every rank's peak host bytes during
+the load, measured as the peak of live tensor bytes (``hfpatch.testing.memory``'s tracker, DTensor local shards
+included) plus the largest slice safetensors returned (file-mapped, unseen by a dispatch mode, one alive at a
+time), against ``1.2 / N`` of the two models plus their largest tensor, and the shards each rank keeps. The
+N = 1 row is the whole of the two models: what every rank holds when it loads whole and then shards
+(``DiffusionPipeline.from_pretrained`` + ``hfpatch.apply``). The VAE, scheduler and tokenizer load whole on every
+rank either way and are in neither figure.
+
+Writes ``benchmarks/results/fsdp.json`` and ``.png``; a few minutes on two CPU cores.
 
     python benchmarks/fsdp.py
 """
@@ -28,6 +38,7 @@ Writes ``benchmarks/results/fsdp.json`` and ``.png``; about a minute on two CPU 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +201,86 @@ def measure() -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------------------------- loading
+class _LargestRead:
+    """The largest slice safetensors returned to a ``CheckpointSource`` while open (wraps ``read_rows``)."""
+
+    def __enter__(self) -> _LargestRead:
+        from hfpatch.patches.checkpoint import CheckpointSource
+
+        self.largest, self.original = 0, CheckpointSource.read_rows
+        original = self.original
+
+        def read_rows(source: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = original(source, *args, **kwargs)
+            self.largest = max(self.largest, source.largest_read)
+            return out
+
+        CheckpointSource.read_rows = read_rows
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from hfpatch.patches.checkpoint import CheckpointSource
+
+        CheckpointSource.read_rows = self.original
+
+
+def save_pipeline(folder: Path) -> None:
+    """The benchmark's transformer and text encoder in a ``WanPipeline`` folder, the transformer in 1 MB shards."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from hfpatch.testing import tiny_t5_tokenizer, tiny_wan_vae
+
+    transformer, encoder, _, _ = build()
+    pipe = WanPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=encoder,
+        vae=tiny_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, max_shard_size="1MB")
+
+
+def measure_load(folder: str) -> dict[str, Any]:
+    """One rank: the peak host bytes of ``hfpatch.from_pretrained(..., shard_weights=True)`` and what it keeps."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with _LargestRead() as reads, track_memory() as memory:
+        pipe, patch = hfpatch.from_pretrained(folder, plan(dist.get_world_size()), shard_weights=True)
+    kept = parameter_bytes(pipe.transformer) + parameter_bytes(pipe.text_encoder)
+    patch.remove()
+    return {
+        "peak": memory.peak_bytes + reads.largest,
+        "tracked": memory.peak_bytes,
+        "read": reads.largest,
+        "kept": kept,
+    }
+
+
+def load_rows(folder: Path) -> dict[str, Any]:
+    """The loading rows (see the module docstring): N = 1 (the whole) and N = 2, 3, 4 (sharded loading)."""
+    transformer, encoder, _, _ = build()
+    whole = parameter_bytes(transformer) + parameter_bytes(encoder)
+    largest = max(p.numel() * p.element_size() for m in (transformer, encoder) for p in m.parameters())
+    rows = [{"N": 1, "peak_max": whole, "kept_max": whole, "bound": whole + largest}]
+    for world in WORLDS:
+        with RankPool(world, timeout_s=600) as pool:
+            per_rank = pool.run(measure_load, str(folder))
+        row = {"N": world, "bound": int(1.2 * whole / world + largest)}
+        for key in ("peak", "tracked", "read", "kept"):
+            row[f"{key}_max"] = max(r[key] for r in per_rank)
+        row["peak_over_whole"] = row["peak_max"] / whole
+        rows.append(row)
+        print(
+            f"load N={world}: peak {row['peak_max'] / MB:.3f} MiB per rank ({row['peak_over_whole']:.3f} of the "
+            f"{whole / MB:.2f} MiB whole; bound 1.2/N + largest tensor = {row['bound'] / MB:.3f} MiB), keeps "
+            f"{row['kept_max'] / MB:.3f} MiB"
+        )
+    return {"whole": whole, "largest_tensor": largest, "rows": rows}
+
+
 # ----------------------------------------------------------------------------------------------- report
 def _plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -201,7 +292,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
     runs = results["runs"]
     ns = [1] + [r["N"] for r in runs]
-    fig, (ax_rest, ax_peak, ax_comm) = plt.subplots(3, 1, figsize=(9, 12.9))
+    fig, (ax_rest, ax_peak, ax_comm, ax_load) = plt.subplots(4, 1, figsize=(9, 17.2))
     for model, color in (("transformer", "C0"), ("text_encoder", "C1")):
         whole = results["unsharded"][model] / MB
         ax_rest.plot(ns, [whole / n for n in ns], ":", color=color, label=f"{model}: ideal 1/N")
@@ -263,6 +354,17 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_comm.set_xticks(x, [f"N={r['N']}" for r in runs])
     ax_comm.set(ylabel="all-gather bytes sent per rank, one forward (MiB)")
     ax_comm.legend()
+    load = results["load"]
+    ns = [r["N"] for r in load["rows"]]
+    ax_load.plot(ns, [r["peak_max"] / MB for r in load["rows"]], "o-", label="hfpatch.from_pretrained: peak")
+    ax_load.plot(ns, [r["kept_max"] / MB for r in load["rows"]], "x:", ms=9, label="  of which shards kept")
+    ax_load.plot(
+        ns, [r["bound"] / MB for r in load["rows"]], "--", color="gray", label="1.2/N + largest tensor"
+    )
+    ax_load.axhline(load["whole"] / MB, color="C3", alpha=0.5, label="load whole, then shard (every rank)")
+    ax_load.set(xlabel="ranks N", ylabel="per-rank peak host bytes while loading (MiB)", xticks=ns)
+    ax_load.set_title("loading the transformer + text encoder from 1 MB safetensors shards")
+    ax_load.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -315,6 +417,9 @@ def main() -> dict[str, Any]:
             f"{t['all_gather_sent_max'] / MB:.3f} MiB (analytic x{t['all_gather_over_analytic']:.3f}); text encoder "
             f"at rest {row['text_encoder']['at_rest_over_full']:.3f}; exact {row['exact']}"
         )
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pipeline(Path(tmp) / "wan")
+        results["load"] = load_rows(Path(tmp) / "wan")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "fsdp.json").write_text(json.dumps(results, indent=2))
     _plot(results, RESULTS / "fsdp.png")

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
+    from .loading import LoadError, from_pretrained
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,8 @@ _LAZY = {
     "WeightMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".api",
+    "from_pretrained": ".loading",
+    "LoadError": ".loading",
 }
 
 
@@ -83,6 +86,7 @@ __all__ = [
     "ApplyMismatchError",
     "CollectiveError",
     "InputMismatchError",
+    "LoadError",
     "ModelFacts",
     "ParallelConfig",
     "Patch",
@@ -95,6 +99,7 @@ __all__ = [
     "apply",
     "data_parallel_loaders",
     "data_parallel_sampler",
+    "from_pretrained",
     "get_patch",
     "prepare_accelerator",
     "register_ddp_hook",

@@ -169,6 +169,18 @@ def _model_digest(target: Any) -> str:
     return hashlib.blake2b("|".join(parts).encode(), digest_size=6).hexdigest()
 
 
+def _plan(
+    target: Any, parallel: Any, options: dict[str, Any], registry: Registry | None = None
+) -> ParallelConfig:
+    """The plan ``apply(target, parallel, **options)`` resolves, without the families' checks and without
+    patching anything (``hfpatch.from_pretrained`` reads it to know which weights each rank keeps)."""
+    units = _units(target, registry or default_registry())
+    world = runtime.launched_world_size()
+    return resolve_parallel(
+        parallel, world, _merge_facts(units, target), pipefusion=options.get("pipefusion", False)
+    )
+
+
 def _differences(existing: Patch, config: ParallelConfig, options: dict[str, Any]) -> list[str]:
     """``"key: live -> asked"`` for the plan and each option that differ between a live patch and a new call."""
     missing = object()

@@ -18,12 +18,13 @@ import pytest
 #: regrouping.
 PUBLIC: dict[str, str | None] = {
     "hfpatch": (
-        "ApplyMismatchError CollectiveError InputMismatchError ModelFacts ParallelConfig Patch PatchError "
-        "PatchFamily StepRNG WeightMismatchError __version__ all_reduce_gradients apply data_parallel_loaders "
-        "data_parallel_sampler get_patch prepare_accelerator register_ddp_hook register_patch step_generator "
-        "step_rng"
+        "ApplyMismatchError CollectiveError InputMismatchError LoadError ModelFacts ParallelConfig Patch "
+        "PatchError PatchFamily StepRNG WeightMismatchError __version__ all_reduce_gradients apply "
+        "data_parallel_loaders data_parallel_sampler from_pretrained get_patch prepare_accelerator "
+        "register_ddp_hook register_patch step_generator step_rng"
     ),
     "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch",
+    "hfpatch.loading": "LoadError from_pretrained",
     "hfpatch.generate": (
         "CACHES ModelInfo UsageError add_arguments check_arguments check_model inspect_model load_pipeline main "
         "mp4_unavailable parse_cache requested_ranks run_report write_outputs"
@@ -89,6 +90,9 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.patches": None,
     "hfpatch.patches.caches": "CACHE_HOOKS FirstBlockDecision agree_caches cache_names check_caches",
+    "hfpatch.patches.checkpoint": (
+        "CheckpointSource TensorEntry attach_source detach_source load_tensors shard_rows source_of"
+    ),
     "hfpatch.patches.decoder": (
         "DECODERS DecoderUSP ModelMask decoder_of frame_split sequence_sum shard_tokens vision_of"
     ),
@@ -98,7 +102,7 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.patches.fsdp": (
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
-        "shard_units"
+        "shard_units sharded_models"
     ),
     "hfpatch.patches.kl_vae": "KLVAEParallel",
     "hfpatch.patches.pipefusion": (

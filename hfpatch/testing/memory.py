@@ -27,10 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["CopyCounter", "MemoryTracker", "count_copies", "measure_peak", "track_memory"]
+
+
+def _plain_tensors(values: list[Any]) -> Iterator[torch.Tensor]:
+    """The dense tensors among ``values``, a wrapper subclass (DTensor) replaced by its inner tensors."""
+    for value in values:
+        if not isinstance(value, torch.Tensor) or value.is_sparse:
+            continue
+        if is_traceable_wrapper_subclass(value):
+            yield from _plain_tensors([getattr(value, n) for n in value.__tensor_flatten__()[0]])
+        else:
+            yield value
 
 
 @dataclass
@@ -50,6 +61,10 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
 
     def _track(self, tensor: torch.Tensor, input_ptrs: set[int]) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor (FSDP2's parameters): its local tensors
+            for inner in _plain_tensors([getattr(tensor, n) for n in tensor.__tensor_flatten__()[0]]):
+                self._track(inner, input_ptrs)
+            return
         storage = tensor.untyped_storage()
         # A view or in-place result of an untracked (pre-existing) tensor shares its storage: no new memory.
         if storage in self._seen or storage.device.type == "meta" or storage.data_ptr() in input_ptrs:
@@ -65,11 +80,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        input_ptrs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and not t.is_sparse
-        }
+        input_ptrs = {t.untyped_storage().data_ptr() for t in _plain_tensors(tree_flatten((args, kwargs))[0])}
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and not leaf.is_sparse:
                 self._track(leaf, input_ptrs)

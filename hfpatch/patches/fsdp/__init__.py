@@ -6,7 +6,7 @@ and the byte counters are pure (:mod:`.units`). Exports the family (:class:`Weig
 unit choice and the byte counters the tests and benchmarks use.
 """
 
-from .sharding import SHARD_OPTIONS, WeightSharding
+from .sharding import SHARD_OPTIONS, WeightSharding, sharded_models
 from .units import GatheredPeak, gathered_parameter_bytes, parameter_bytes, shard_axes, shard_units
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "parameter_bytes",
     "shard_axes",
     "shard_units",
+    "sharded_models",
 ]

@@ -55,6 +55,7 @@ from ...core.config import ParallelConfig
 from ...core.patch import Patch
 from ...core.registry import PatchFamily, class_key
 from ...distributed import runtime
+from ..checkpoint import CheckpointSource, shard_rows, source_of
 from .units import _AXES, shard_axes, shard_units
 
 __all__ = ["SHARD_OPTIONS", "WeightSharding"]
@@ -153,10 +154,12 @@ def _check_model(model: torch.nn.Module, name: str, backend_device: str) -> None
             "CPU memory and copies one block at a time to the GPU"
         )
     devices = {t.device.type for t in [*params, *model.buffers()]}
+    if source_of(model) is not None:
+        devices.discard("meta")  # hfpatch.from_pretrained: each rank reads its shards from the checkpoint
     if "meta" in devices:
         raise ValueError(
             f"shard_weights: {name} has parameters or buffers on the meta device; load its weights before "
-            "hfpatch.apply"
+            "hfpatch.apply (or load it with hfpatch.from_pretrained, which reads only this rank's shards)"
         )
     unexpected = devices - {"cpu", backend_device}
     if unexpected:
@@ -172,9 +175,14 @@ def _check_model(model: torch.nn.Module, name: str, backend_device: str) -> None
         )
 
 
-def _models(target: Any) -> list[tuple[str, torch.nn.Module]]:
+def sharded_models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of what ``shard_weights`` shards in ``target``: a pipeline's denoisers and its
-    transformers-library encoders (text, image), or the model itself."""
+    transformers-library encoders (text, image), by component name, or ``[(class name, target)]`` for a model.
+
+    >>> from hfpatch.testing import tiny_flux_pipe_with_text_encoders
+    >>> [name for name, _ in sharded_models(tiny_flux_pipe_with_text_encoders())]
+    ['text_encoder', 'text_encoder_2', 'transformer']
+    """
     if not _is_class(target, "diffusers.DiffusionPipeline"):
         return [(type(target).__name__, target)]
     from ..denoisers import _transformers
@@ -216,13 +224,24 @@ class _Sharded:
             current = module._parameters.get(name)
             if isinstance(current, DTensor) and id(current) not in full:
                 full[id(current)] = _full_tensor(current, self.mesh).to(device)
+        loaded: dict[int, torch.nn.Parameter] = {}  # a model read from a checkpoint: meta original -> new one
         for module, name, original, _ in self.slots:
             current = module._parameters.get(name)
-            if id(current) in full:
-                with torch.no_grad():
-                    original.data = full[id(current)]
-                original.requires_grad_(current.requires_grad)
-                module._parameters[name] = original
+            if id(current) not in full:
+                continue
+            if (
+                original.is_meta
+            ):  # never held data (hfpatch.from_pretrained): a new parameter, tied ones shared
+                if id(original) not in loaded:
+                    loaded[id(original)] = torch.nn.Parameter(
+                        full[id(current)], requires_grad=current.requires_grad
+                    )
+                module._parameters[name] = loaded[id(original)]
+                continue
+            with torch.no_grad():
+                original.data = full[id(current)]
+            original.requires_grad_(current.requires_grad)
+            module._parameters[name] = original
         for tensor, device in self.buffers:
             if tensor.device != device:
                 tensor.data = tensor.data.to(device)
@@ -270,13 +289,15 @@ def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Shard
 
     modules = list(model.modules())
     before = _snapshot(modules)
-    slots = [
-        (module, name, param, param.device)
+    source = source_of(model)
+    device = _shard_device(mesh, offload)
+    slots = [  # a parameter read from a checkpoint is on meta until now: remove() puts it on the shards' device
+        (module, name, param, device if param.is_meta else param.device)
         for module in modules
         for name, param in module._parameters.items()
         if param is not None
     ]
-    buffers = list({id(b): (b, b.device) for b in model.buffers()}.values())
+    buffers = list({id(b): (b, b.device) for b in model.buffers() if not b.is_meta}.values())
     sharded = _Sharded(model, mesh, [], [], slots, buffers)
     record.append(sharded)
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
@@ -286,7 +307,12 @@ def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Shard
             fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
             sharded.units.append(unit)
             sharded.classes.append(cls)
-            _release(slots)  # unit by unit: a model on the CPU never has more than one unit whole on the GPU
+            if source is None:
+                _release(
+                    slots
+                )  # unit by unit: a model on the CPU never has more than one unit whole on the GPU
+        if source is not None:
+            _fill_shards(model, source, mesh, device)
         # The root's forward hooks become a wrapper of its forward (WeightSharding._shard_one): hfpatch's
         # pre-hooks (same-input checks) then run before the first all-gather, and a pipeline's CFG wrapper
         # calls it only where the transformer computes.
@@ -300,6 +326,49 @@ def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Shard
                     sharded.added_attrs.append((module, name, value))
                 elif name in dicts:
                     sharded.added_items += [(value, k, v) for k, v in value.items() if k not in dicts[name]]
+
+
+def _shard_device(mesh: Any, offload: bool) -> torch.device:
+    """Where FSDP2 keeps the shards: the mesh's device (the current CUDA device under NCCL), the CPU with
+    ``shard_weights_offload``."""
+    if offload or mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.cuda.current_device())
+
+
+def _fill_shards(model: torch.nn.Module, source: CheckpointSource, mesh: Any, device: torch.device) -> None:
+    """Give a model sharded on ``meta`` (built by ``hfpatch.from_pretrained``) its local shards, read from the
+    checkpoint: FSDP2 allocates them (``to_empty``: each padded to ``ceil(rows / N)`` rows as FSDP2 pads, the
+    padding zeros), then each is filled with the rows :func:`~hfpatch.patches.checkpoint.shard_rows` gives this
+    rank, read from the file alone. The shards are then the very ones sharding the whole model would give (the
+    same rows, the same padding), and no rank holds more than its shards plus one slice being read. Buffers
+    keep their values (computed at construction), those the checkpoint holds are read whole."""
+    kept = [
+        (m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta
+    ]
+    model.to_empty(device=device)  # FSDPModule._apply re-pads each local shard (reset_sharded_param)
+    for module, name, buffer in kept:
+        module._buffers[name] = buffer
+    rank, world = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            shape = source.entries[name].shape
+            start, stop = shard_rows(shape[0], world, rank) if shape else (0, 1)
+            if tuple(local.shape) != ((stop - start, *shape[1:]) if shape else ()):
+                raise RuntimeError(
+                    f"hfpatch: FSDP2 gave rank {rank} of {world} a shard of shape {tuple(local.shape)} of "
+                    f"{source.name}.{name} {tuple(shape)}, not rows [{start}, {stop}) of dim 0: this torch's FSDP2 "
+                    "shards differently from what hfpatch.from_pretrained reads. Load the model whole "
+                    "(DiffusionPipeline.from_pretrained) and pass it to hfpatch.apply"
+                )
+            if local.numel():
+                local.copy_(source.read_rows(name, start, stop) if shape else source.read_rows(name))
+        for module_name, module in model.named_modules():
+            for name, buffer in list(module._buffers.items()):
+                full = f"{module_name}.{name}" if module_name else name
+                if buffer is not None and full in source.entries:
+                    module._buffers[name] = source.read_rows(full).to(device)
 
 
 def _release(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.device]]) -> None:
@@ -409,7 +478,7 @@ class WeightSharding(PatchFamily):
                 f"shard_weights shards weights over ranks, but the plan {config} runs on one rank; launch several "
                 "ranks (torchrun --nproc-per-node N) and pass parallel=N"
             )
-        models = _models(target)
+        models = sharded_models(target)
         if not models:
             raise ValueError(
                 f"shard_weights: {type(target).__name__} has no denoiser or transformers encoder to shard (it "
@@ -424,7 +493,7 @@ class WeightSharding(PatchFamily):
         value = options["shard_weights"]
         if value is False or value is None or patch.part_of is not None:
             return  # off; or a pipeline's component: the pipeline's own entry shards it
-        models = _models(target)
+        models = sharded_models(target)
         # Every rank's weights were compared by hfpatch.apply before any family applied (FSDP2 keeps each
         # rank's slice of ITS OWN copy: different weights would make the sharded model a silent mixture).
         for name, model in models:
@@ -434,6 +503,7 @@ class WeightSharding(PatchFamily):
         if _is_class(target, "diffusers.DiffusionPipeline"):
             offload = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
             _refuse_weight_moves(target, patch, offload)
+            _refuse_lora(target, patch, ("load_lora_weights",))
 
     @staticmethod
     def _shard_one(model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool) -> None:
@@ -447,6 +517,7 @@ class WeightSharding(PatchFamily):
         wrapper = _root_forward(model, fully_shard.state(model), group, patch, name)
         patch.set_attr(model, "forward", wrapper(model.forward), keep_when_disabled=True)
         _refuse_weight_moves(model, patch, ("enable_group_offload", "enable_layerwise_casting"))
+        _refuse_lora(model, patch, ("load_lora_adapter",))
 
 
 def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:
@@ -461,6 +532,29 @@ def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> No
                     "recast sharded weights, which FSDP2 does not support. For CPU offload use "
                     "shard_weights_offload=True (the shards stay in CPU memory, one block at a time is copied to "
                     "the GPU); otherwise call it before hfpatch.apply, or patch.remove() first"
+                )
+
+            return refused
+
+        return wrapper
+
+    for method in methods:
+        if callable(getattr(obj, method, None)):
+            patch.wrap_method(obj, method, refuse(method))
+
+
+def _refuse_lora(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:
+    """``obj.<method>()`` after ``apply`` raises: diffusers' LoRA loading reads the shapes of FSDP2's local shards
+    for the new adapter layers and fails half-way (a size mismatch on every ``lora_B``)."""
+
+    def refuse(method: str) -> Any:
+        def wrapper(original: Any) -> Any:
+            def refused(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError(
+                    f"{type(obj).__name__}.{method}() after hfpatch.apply(..., shard_weights=True) is not supported: "
+                    "the weights are FSDP2 shards, and diffusers' LoRA loading sizes the adapter layers from them. "
+                    "Load the LoRA before hfpatch.apply (pipe.load_lora_weights, or fuse it: pipe.fuse_lora(), "
+                    "then save_pretrained and load the fused checkpoint with hfpatch.from_pretrained)"
                 )
 
             return refused

@@ -68,6 +68,7 @@ from ...core.config import ParallelConfig
 from ...core.patch import Patch
 from ...distributed.agreement import named_arguments
 from ...distributed.collectives import all_gather
+from ..checkpoint import load_tensors, source_of
 from .layout import check_stage_counts
 from .state import HANDOFF, OUTPUT, PipeFusionState, _Call
 
@@ -283,8 +284,16 @@ def check_pipefusion_options(
         raise ValueError(
             f"PipeFusion is inference only, but {name} is in training mode; call .eval() before hfpatch.apply"
         )
-    if any(p.device.type == "meta" for p in target.parameters()):
-        raise ValueError(f"{name} has parameters on the meta device (already released?); load it fully first")
+    if source_of(target) is None and any(p.device.type == "meta" for p in target.parameters()):
+        raise ValueError(
+            f"{name} has parameters on the meta device (already released?); load it fully first (or with "
+            "hfpatch.from_pretrained, which reads only this stage's blocks)"
+        )
+    if source_of(target) is not None and not release:
+        raise ValueError(
+            f"{name} was built on the meta device by hfpatch.from_pretrained to read only this stage's blocks, "
+            "but pipefusion_release_weights=False keeps every block: load it whole instead"
+        )
     return True
 
 
@@ -374,7 +383,10 @@ def release_other_blocks(
     stage's blocks, with the children of ``target`` other than ``containers``, and ``target``'s own
     parameters), and warn at ``remove()`` that they do not come back. ``describe(indices)`` names them."""
     others = [b for i, b in enumerate(blocks) if i not in own]
+    source = source_of(target)
     if not others:
+        if source is not None:
+            load_tensors(target, source)
         return
     keep = {id(t) for i in own for t in (*blocks[i].parameters(), *blocks[i].buffers())}
     keep |= {
@@ -384,7 +396,11 @@ def release_other_blocks(
         for t in (*m.parameters(), *m.buffers())
     }
     keep |= {id(t) for t in target._parameters.values() if t is not None}
-    state.released_bytes = _release(others, keep)
+    if source is None:
+        state.released_bytes = _release(others, keep)
+    else:  # hfpatch.from_pretrained: read this stage's blocks and the unsplit rest, leave the others on meta
+        skip = {id(t) for b in others for t in (*b.parameters(), *b.buffers())} - keep
+        state.released_bytes = load_tensors(target, source, skip)
     released = describe([i for i in range(len(blocks)) if i not in own])
 
     def warn_released() -> None:

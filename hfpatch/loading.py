@@ -1,0 +1,775 @@
+"""``hfpatch.from_pretrained``: load a pipeline so that each rank reads only the weights it keeps.
+
+``hfpatch.apply(pipe, parallel=N, shard_weights=True)`` shards a pipeline that every rank has loaded whole: it
+caps hfpatch at models one device (and one host's memory, N times over) can hold. ``hfpatch.from_pretrained``
+joins the two steps, so the weights a rank does not keep are never read:
+
+.. code-block:: python
+
+    pipe, patch = hfpatch.from_pretrained("Wan-AI/Wan2.2-T2V-A14B-Diffusers", parallel=8, shard_weights=True,
+                                          torch_dtype=torch.bfloat16)   # torchrun --nproc-per-node 8
+
+It reads as the two calls it replaces, ``DiffusionPipeline.from_pretrained(path, torch_dtype=...)`` then
+``hfpatch.apply(pipe, parallel=..., **options)``, takes their arguments, and returns both results, the pipeline
+and the :class:`~hfpatch.Patch` (one call cannot load a sharded model and leave the sharding for later: the
+unsharded model would have to exist first). What happens, on every rank:
+
+1. **Files.** A local folder is read in place. A hub id is downloaded once per node: the node's local rank 0
+   calls ``DiffusionPipeline.download`` (diffusers' own choice of files), the node's other ranks wait for it
+   (``HFPATCH_DOWNLOAD_TIMEOUT_S``, default 4 h) and then resolve the same snapshot from the cache without the
+   network (``local_files_only=True``).
+2. **Plan.** The pipeline is assembled with its models on the ``meta`` device (nothing read); the plan ``apply``
+   will use is resolved, and it says which models are read in part: with ``shard_weights``, the models FSDP2
+   shards (the denoisers and the transformers encoders, :func:`hfpatch.patches.fsdp.sharded_models`); under
+   PipeFusion (with ``pipefusion_release_weights``, its default), the transformer, of which each stage keeps its
+   blocks. Everything else (VAE, schedulers, tokenizers, encoders under PipeFusion) is loaded the usual way.
+3. **Checks, before any collective.** For each model read in part: its safetensors files (an index and its
+   shards, or one file) exist and hold every tensor the index names; every parameter of the model is in them
+   with its shape, floating point (a quantized checkpoint is refused by name); the bytes this rank will hold
+   (its FSDP2 shards, padding included, or its stage) plus the replicated components and the largest tensor fit
+   the memory available (the node's ``MemAvailable`` over its ranks; the GPU's free memory for shards on a GPU).
+   A digest of what each rank reads (``model_index.json``, every config, each safetensors header and file size,
+   and three 4 KiB samples of each file's data) is compared over the ranks: a rank that reads another revision
+   (another snapshot, a stale copy on a node) is caught even when its shapes agree. All of it goes through one
+   handshake over the default group's store, so a problem on one rank raises the same :class:`LoadError`, listing
+   every rank's problem, on every rank; nothing has been read then, and no process group of hfpatch's exists.
+4. **Reading.** The models read in part get a :class:`~hfpatch.patches.checkpoint.CheckpointSource` and
+   ``hfpatch.apply`` runs: ``shard_weights`` shards each one on ``meta`` with FSDP2 and fills this rank's shards
+   with the rows FSDP2 gives it, read from the files alone (``safe_open(...).get_slice(key)[start:stop]``); PipeFusion
+   reads its stage's blocks and the unsplit rest whole. The result is bit-identical to loading whole and then
+   sharding: the same dtypes (each library's rules: diffusers' ``_keep_in_fp32_modules``, transformers' dtype
+   plan), the same rows, FSDP2's padding zeros.
+
+The models are built as their library builds them in ``from_pretrained`` (diffusers: ``from_config`` under the
+dtype as default, ``no_init_weights`` and accelerate's ``init_empty_weights``, which leaves buffers real;
+transformers: the model class on its config, its weights tied), so their non-persistent buffers are the
+library's. ``patch.remove()`` gathers the full weights back (a collective), as after ``apply``.
+
+LoRA and quantized checkpoints are refused by name. ``pipe.load_lora_weights`` after ``from_pretrained`` raises,
+as after ``apply(..., shard_weights=True)``: diffusers sizes the adapter layers from the FSDP2 shards. LoRA layers
+added by ``prepare=`` (a callable run on the assembled pipeline before ``apply``) are refused too: the base
+weights of the models read in part are not loaded then. To serve a LoRA, fuse it into the base weights
+(``pipe.load_lora_weights``, ``pipe.fuse_lora()``, ``pipe.unload_lora_weights()``, ``save_pretrained``) and load
+that folder. A checkpoint with a ``quantization_config`` or integer weights is refused (FSDP2 shards
+floating-point parameters only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import socket
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .core.config import ParallelConfig
+from .core.patch import Patch
+from .distributed import runtime
+from .patches.checkpoint import CheckpointSource, TensorEntry, attach_source, detach_source
+
+__all__ = ["LoadError", "from_pretrained"]
+
+#: safetensors dtype names -> torch dtypes.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+#: The weight file names of each library: (index, single file).
+_WEIGHTS = {
+    "diffusers": ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
+    "transformers": ("model.safetensors.index.json", "model.safetensors"),
+}
+_SAMPLE = 4096  # bytes of each of the three samples of a file's data in the revision digest
+
+
+class LoadError(ValueError):
+    """``hfpatch.from_pretrained`` cannot load the checkpoint as asked (raised alike on every rank, before any
+    collective and before any weight is read)."""
+
+
+# ----------------------------------------------------------------------------------------------- files
+def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None, local_files_only: bool) -> str:
+    """The local folder of ``repo_id`` (downloaded unless ``local_files_only``): diffusers' own choice of files."""
+    from diffusers import DiffusionPipeline
+
+    return str(
+        DiffusionPipeline.download(
+            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
+        )
+    )
+
+
+def _node() -> tuple[str, int]:
+    """(this node's id, this rank's local rank): torchrun's ``GROUP_RANK`` (else the host name) and ``LOCAL_RANK``."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _download_timeout() -> timedelta:
+    text = os.environ.get("HFPATCH_DOWNLOAD_TIMEOUT_S", str(4 * 3600))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"HFPATCH_DOWNLOAD_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return timedelta(seconds=seconds)
+
+
+def _resolve_folder(
+    name: str, revision: str | None, cache_dir: str | None, local_files_only: bool, distributed: bool
+) -> str:
+    """A local folder as it is; a hub id downloaded once per node (see the module docstring)."""
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    if not distributed:
+        return _snapshot(name, revision, cache_dir, local_files_only)
+    import torch.distributed as dist
+
+    store = runtime._default_store()
+    node, local_rank = _node()
+    count = store.add(f"hfpatch/download/calls/{dist.get_rank()}", 1)
+    key = f"hfpatch/download/{count}/{node}"
+    if local_rank == 0:
+        try:
+            folder = _snapshot(name, revision, cache_dir, local_files_only)
+        except Exception as exc:
+            store.set(key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            raise
+        store.set(key, json.dumps({"folder": folder}))
+        return folder
+    timeout = _download_timeout()
+    try:
+        store.wait([key], timeout)
+    except RuntimeError as exc:
+        raise runtime.CollectiveError(
+            f"hfpatch.from_pretrained: local rank 0 of node {node} did not finish downloading {name} within "
+            f"HFPATCH_DOWNLOAD_TIMEOUT_S={timeout.total_seconds():g}s (it may have failed or exited); this rank "
+            f"saw: {exc}",
+            op="from_pretrained download",
+            group=f"node {node}",
+            timeout=timeout,
+        ) from exc
+    posted = json.loads(store.get(key))
+    if "error" in posted:
+        raise LoadError(f"local rank 0 of this node could not download {name}: {posted['error']}")
+    return _snapshot(name, revision, cache_dir, local_files_only=True)  # what local rank 0 put in the cache
+
+
+# ----------------------------------------------------------------------------------------------- models
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _component_dtype(torch_dtype: Any, name: str) -> torch.dtype:
+    """The dtype diffusers' pipeline loader gives component ``name`` (float32 when none is given)."""
+    if isinstance(torch_dtype, dict):
+        return torch_dtype.get(name, torch_dtype.get("default", torch.float32))
+    return torch.float32 if torch_dtype is None else torch_dtype
+
+
+def _library_of(cls: type) -> str | None:
+    """``"diffusers"`` for a ``ModelMixin``, ``"transformers"`` for a ``PreTrainedModel``, else ``None``."""
+    for base in cls.__mro__:
+        key = f"{base.__module__.split('.')[0]}.{base.__name__}"
+        if key == "diffusers.ModelMixin":
+            return "diffusers"
+        if key == "transformers.PreTrainedModel":
+            return "transformers"
+    return None
+
+
+def _meta_model(cls: type, library: str, folder: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``cls`` built from the config in ``folder`` as its library's ``from_pretrained`` builds it, on ``meta``
+    (buffers real, computed at construction)."""
+    import accelerate
+
+    if library == "diffusers":
+        from diffusers.models.modeling_utils import no_init_weights
+
+        config = cls.load_config(folder)
+        with _default_dtype(dtype), no_init_weights(), accelerate.init_empty_weights():
+            model = cls.from_config(config)
+        model.register_to_config(_name_or_path=folder)
+    else:
+        config = cls.config_class.from_pretrained(folder)
+        with _default_dtype(dtype), accelerate.init_empty_weights():
+            model = cls(config)
+        model.tie_weights()
+    model.eval()
+    return model
+
+
+def _headers(
+    folder: str, library: str
+) -> tuple[dict[str, tuple[str, tuple[int, ...], torch.dtype]], list[str]]:
+    """Key -> (file, shape, dtype) of a model folder's safetensors weights, and the files, checked: the index's
+    files exist and hold the keys it names.
+
+    Raises:
+        LoadError: No safetensors weights, a missing file, a key the index names that its file lacks, an
+            unknown dtype, or a file safetensors cannot read.
+    """
+    from safetensors import safe_open
+
+    index_name, single = _WEIGHTS[library]
+    index, whole = os.path.join(folder, index_name), os.path.join(folder, single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted({os.path.join(folder, v) for v in weight_map.values()})
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            raise LoadError(
+                f"{folder}: {index_name} names {len(missing)} file(s) that are missing: {', '.join(missing[:4])}"
+                " (an interrupted download or copy?)"
+            )
+    elif os.path.isfile(whole):
+        weight_map, files = {}, [whole]
+    else:
+        found = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".ckpt", ".gguf")))
+        raise LoadError(
+            f"{folder} has no safetensors weights ({index_name} or {single})"
+            + (f"; found {', '.join(found[:3])}" if found else "")
+            + ". hfpatch.from_pretrained reads slices of safetensors files only: convert the checkpoint, or load "
+            "it with DiffusionPipeline.from_pretrained and pass it to hfpatch.apply"
+        )
+    keys: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    if view.get_dtype() not in _DTYPES:
+                        raise LoadError(
+                            f"{path}: tensor {key} has dtype {view.get_dtype()}, unknown to hfpatch"
+                        )
+                    keys[key] = (path, tuple(view.get_shape()), _DTYPES[view.get_dtype()])
+        except LoadError:
+            raise
+        except Exception as exc:
+            raise LoadError(f"{path} cannot be read as safetensors: {type(exc).__name__}: {exc}") from exc
+    wrong = [k for k, v in weight_map.items() if keys.get(k, ("",))[0] != os.path.join(folder, v)]
+    if wrong:
+        raise LoadError(
+            f"{folder}: {index_name} places {len(wrong)} tensor(s) in files that do not hold them, e.g. {wrong[0]} "
+            f"in {weight_map[wrong[0]]} (the index and the shards come from different saves?)"
+        )
+    return keys, files
+
+
+def _target_dtypes(
+    model: torch.nn.Module, cls: type, library: str, dtype: torch.dtype
+) -> Callable[[str, Any], Any]:
+    """``target(name, meta_tensor)``: the dtype the library's ``from_pretrained`` gives a floating tensor of the
+    checkpoint: diffusers casts to ``dtype`` except the modules of ``_keep_in_fp32_modules`` (float32);
+    transformers keeps the dtype the model was built in, except its dtype plan's modules (float32 in fp16/bf16)."""
+    if library == "diffusers":
+        keep = cls._keep_in_fp32_modules or []
+        keep = [keep] if isinstance(keep, str) else list(keep)
+        return lambda name, _: torch.float32 if any(m in name.split(".") for m in keep) else dtype
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return lambda _, tensor: tensor.dtype
+    patterns = list(plan)
+    alternation = re.compile("|".join(f"(?P<g{i}>{p.replace('*', '.*')})" for i, p in enumerate(patterns)))
+
+    def target(name: str, tensor: Any) -> torch.dtype:
+        found = alternation.search(name)
+        return plan[patterns[int(found.lastgroup[1:])]] if found else tensor.dtype
+
+    return target
+
+
+def _source(
+    name: str, model: torch.nn.Module, cls: type, library: str, folder: str, dtype: torch.dtype
+) -> tuple[CheckpointSource, list[str]]:
+    """The :class:`CheckpointSource` of ``model`` (its meta parameters recast to the dtypes the library would
+    give them), and the safetensors files it reads.
+
+    Raises:
+        LoadError: A quantized checkpoint, a parameter the checkpoint lacks or holds in another shape.
+    """
+    config = os.path.join(folder, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            quantization = json.load(f).get("quantization_config")
+        if quantization:
+            method = (
+                quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "unknown"
+            )
+            raise LoadError(
+                f"{name} is a quantized checkpoint (quantization_config: {method}): hfpatch.from_pretrained reads "
+                "floating-point weights only, and FSDP2 shards floating-point parameters only. Load it with "
+                "DiffusionPipeline.from_pretrained (without shard_weights), or use a floating-point checkpoint"
+            )
+    keys, files = _headers(folder, library)
+    target_of = _target_dtypes(model, cls, library, dtype)
+    state = model.state_dict(keep_vars=True)
+    params = {id(p) for p in model.parameters()}
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for key, tensor in state.items():
+        aliases.setdefault(id(tensor), []).append(key)
+        tensors[id(tensor)] = tensor
+    entries: dict[str, TensorEntry] = {}
+    missing, mismatched, quantized = [], [], []
+    recast: dict[int, torch.dtype] = {}
+    for ident, names in aliases.items():
+        tensor = tensors[ident]
+        stored = next((n for n in names if n in keys), None)
+        if stored is None:
+            if ident in params:
+                missing.append(names[0])
+            continue  # a persistent buffer the checkpoint lacks keeps the value it was built with
+        path, shape, file_dtype = keys[stored]
+        if shape != tuple(tensor.shape):
+            mismatched.append(f"{stored} {list(shape)} (the model has {list(tensor.shape)})")
+            continue
+        if file_dtype.is_floating_point:
+            target = target_of(stored, tensor)
+        elif file_dtype == tensor.dtype and ident not in params:
+            target = file_dtype  # an integer buffer (position ids)
+        else:
+            quantized.append(f"{stored} ({str(file_dtype).replace('torch.', '')})")
+            continue
+        if ident in params and tensor.dtype != target:
+            recast[ident] = target
+        for alias in names:
+            entries[alias] = TensorEntry(path, stored, shape, file_dtype, target)
+    if quantized:
+        raise LoadError(
+            f"{name}: {len(quantized)} parameter(s) are stored as integers, e.g. {quantized[0]}: a quantized "
+            "checkpoint, which hfpatch.from_pretrained cannot shard; load it with DiffusionPipeline.from_pretrained"
+        )
+    if missing or mismatched:
+        problems = [f"missing {k}" for k in missing[:3]] + [f"mismatched {k}" for k in mismatched[:3]]
+        raise LoadError(
+            f"{name} ({cls.__name__}) does not match its checkpoint in {folder}: {len(missing)} parameter(s) "
+            f"missing and {len(mismatched)} of another shape ({'; '.join(problems)}). The config and the weights "
+            "come from different models or saves"
+        )
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():  # meta parameters in the dtype they will be read in (ties kept)
+        for pname, param in list(module._parameters.items()):
+            if param is not None and id(param) in recast:
+                if id(param) not in replaced:
+                    empty = torch.empty(param.shape, dtype=recast[id(param)], device="meta")
+                    replaced[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+                module._parameters[pname] = replaced[id(param)]
+    return CheckpointSource(name, entries), files
+
+
+def _digest(folder: str, parts: list[str]) -> str:
+    """A digest of what this rank reads: ``model_index.json``, every component's config, and for each
+    safetensors file of ``parts``, its size, header and three 4 KiB samples of its data (first, middle, last)."""
+    hasher = hashlib.sha256()
+    configs = [os.path.join(folder, "model_index.json")] + sorted(
+        os.path.join(root, f)
+        for root, _, names in os.walk(folder)
+        for f in names
+        if f.endswith(".json") and root != folder
+    )
+    for path in configs + sorted(parts):
+        hasher.update(os.path.relpath(path, folder).encode())
+        with open(path, "rb") as f:
+            if not path.endswith(".safetensors"):
+                hasher.update(f.read())
+                continue
+            size = os.fstat(f.fileno()).st_size
+            header = int.from_bytes(f.read(8), "little")
+            hasher.update(size.to_bytes(8, "little") + f.read(header))
+            start = 8 + header
+            for offset in (start, start + max(size - start - _SAMPLE, 0) // 2, max(size - _SAMPLE, start)):
+                f.seek(offset)
+                hasher.update(f.read(_SAMPLE))
+    return hasher.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def _available_memory(device: torch.device) -> int | None:
+    """Bytes free for this process on ``device``: the GPU's free memory, or for the CPU the node's
+    ``MemAvailable`` shared by its ranks (``LOCAL_WORLD_SIZE``); ``None`` when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    return available // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+@dataclass
+class _Part:
+    """A model read in part: its component name, how (``"shard"``: FSDP2 shards; ``"stage"``: PipeFusion),
+    the meta model, its source and files."""
+
+    name: str
+    mode: str
+    model: torch.nn.Module
+    source: CheckpointSource
+    files: list[str]
+
+
+@dataclass
+class _Load:
+    """What this rank found before the handshake."""
+
+    folder: str = ""
+    pipeline: Any = None
+    parts: list[_Part] = field(default_factory=list)
+    config: ParallelConfig | None = None
+    digest: str = ""
+    needs: dict[str, int] = field(default_factory=dict)  # device type -> bytes this rank will hold there
+
+
+def _pipeline_class(folder: str, pipeline_class: Any) -> type:
+    import diffusers
+
+    if pipeline_class not in (None, "auto"):
+        if isinstance(pipeline_class, str):
+            found = getattr(diffusers, pipeline_class, None)
+            if found is None:
+                raise LoadError(f"pipeline_class={pipeline_class!r} is not a diffusers class")
+            return found
+        return pipeline_class
+    name = diffusers.DiffusionPipeline.load_config(folder).get("_class_name")
+    found = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if found is None:
+        raise LoadError(
+            f"{folder}/model_index.json names pipeline class {name!r}, which diffusers does not have; pass "
+            "pipeline_class="
+        )
+    return found
+
+
+def _model_components(folder: str) -> dict[str, tuple[type, str]]:
+    """Component name -> (class, library) of the diffusers and transformers models in ``model_index.json``."""
+    import diffusers
+
+    index = diffusers.DiffusionPipeline.load_config(folder)
+    found: dict[str, tuple[type, str]] = {}
+    for name, value in index.items():
+        if (
+            name.startswith("_")
+            or not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or value[0] is None
+        ):
+            continue
+        library, class_name = value
+        if library not in ("diffusers", "transformers") or not os.path.isdir(os.path.join(folder, name)):
+            continue
+        cls = getattr(importlib.import_module(library), class_name, None)
+        kind = None if cls is None else _library_of(cls)
+        if kind is not None:
+            found[name] = (cls, kind)
+    return found
+
+
+def _shard_count(value: Any, config: ParallelConfig) -> int:
+    from .patches.fsdp import shard_axes
+
+    axes = shard_axes(value, config)
+    count = 1
+    for axis in axes or ():
+        count *= getattr(config, axis)
+    return count if axes else config.world_size
+
+
+def _prepare(
+    folder: str,
+    pipeline_class: Any,
+    torch_dtype: Any,
+    parallel: Any,
+    options: dict[str, Any],
+    device: torch.device,
+) -> _Load:
+    """Everything before the handshake (see the module docstring): the plan, the parts, their checks, the
+    memory this rank will need and the digest. Reads no weight."""
+    from . import api
+    from .patches import default_registry
+    from .patches.fsdp import shard_units, sharded_models
+
+    load = _Load(folder=folder)
+    cls = _pipeline_class(folder, pipeline_class)
+    components = _model_components(folder)
+    dtypes = {name: _component_dtype(torch_dtype, name) for name in components}
+    metas = {
+        name: _meta_model(c, library, os.path.join(folder, name), dtypes[name])
+        for name, (c, library) in components.items()
+    }
+    skeleton = cls.from_pretrained(folder, **metas)  # the rest (scheduler, tokenizers) is small
+    load.config = config = api._plan(skeleton, parallel, options)
+    chosen: dict[str, str] = {}
+    shard = options.get("shard_weights", False)
+    if config.pipefusion > 1:
+        if options.get("pipefusion_release_weights", True):
+            registry = default_registry()
+            for name, model in metas.items():
+                families = registry.families_for(model)
+                if any("pipefusion_release_weights" in family.options for family in families):
+                    chosen[name] = "stage"
+    elif shard not in (False, None) and config.world_size > 1:
+        chosen = {name: "shard" for name, _ in sharded_models(skeleton) if name in metas}
+    shards = _shard_count(shard, config) if "shard" in chosen.values() else 1
+    kept = largest = 0
+    for name, mode in chosen.items():
+        c, library = components[name]
+        source, files = _source(name, metas[name], c, library, os.path.join(folder, name), dtypes[name])
+        source.device = device
+        load.parts.append(_Part(name, mode, metas[name], source, files))
+        sizes = {e.key: e for e in source.entries.values()}.values()
+        largest = max([largest, *(e.nbytes for e in sizes)])
+        if mode == "shard":
+            kept += sum(-(-e.shape[0] // shards) * e.row_bytes if e.shape else e.nbytes for e in sizes)
+        else:  # a stage: the unsplit rest, its share of the blocks and at most one block more (uneven stages)
+            blocks = [
+                sum(p.numel() * p.element_size() for p in u.parameters()) for _, u in shard_units(metas[name])
+            ]
+            total = sum(e.nbytes for e in sizes)
+            kept += total - sum(blocks) + sum(blocks) // config.pipefusion + max(blocks, default=0)
+    whole = 0
+    for name in components:
+        if name not in chosen:
+            for root, _, names in os.walk(os.path.join(folder, name)):
+                whole += sum(
+                    os.path.getsize(os.path.join(root, f)) for f in names if f.endswith(".safetensors")
+                )
+    on_gpu = device.type == "cuda" or (
+        "shard" in chosen.values()
+        and not options.get("shard_weights_offload", False)
+        and runtime.launched_world_size() > 1
+        and torch.cuda.is_available()
+    )
+    if on_gpu:
+        load.needs = {"cuda": kept, "cpu": whole + largest}
+    else:
+        load.needs = {"cpu": kept + whole + largest}
+    load.digest = _digest(folder, [f for part in load.parts for f in part.files])
+    return load
+
+
+def _memory_problem(needs: dict[str, int]) -> str | None:
+    for kind, needed in needs.items():
+        device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+        available = _available_memory(device)
+        if available is not None and needed > available:
+            where = (
+                "GPU memory free"
+                if kind == "cuda"
+                else "host memory available to this rank (MemAvailable / LOCAL_WORLD_SIZE)"
+            )
+            return (
+                f"this rank needs about {_gib(needed)} of {kind} memory for its part of the weights (its shards or "
+                f"stage, the components loaded whole and the largest tensor being read), but only {_gib(available)} "
+                f"of {where} is there. Use more ranks, shard_weights_offload=True, a smaller torch_dtype, or free "
+                "memory"
+            )
+    return None
+
+
+def _agree(mine: dict[str, Any], error: Exception | None) -> None:
+    """The handshake: every rank's findings; the same :class:`LoadError` on every rank if any rank has a
+    problem or the ranks read different files."""
+    every = runtime.exchange(
+        "from_pretrained",
+        mine,
+        what="hfpatch.from_pretrained",
+        hint="; every rank loads its part of the weights",
+    )
+    failed: dict[str, list[int]] = {}
+    for rank, p in enumerate(every):
+        if p["error"]:
+            failed.setdefault(p["error"], []).append(rank)
+    if failed:
+        listing = "\n".join(
+            f"  rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in failed.items()
+        )
+        raise LoadError(
+            f"hfpatch.from_pretrained: {sum(map(len, failed.values()))} of {len(every)} ranks cannot load the "
+            f"checkpoint; nothing was loaded on any rank:\n{listing}"
+        ) from error
+    digests: dict[tuple[str, str], list[int]] = {}
+    for rank, p in enumerate(every):
+        digests.setdefault((p["digest"], p["folder"]), []).append(rank)
+    if len({d for d, _ in digests}) > 1:
+        listing = "\n".join(
+            f"  rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {folder} (digest {d})"
+            for (d, folder), r in digests.items()
+        )
+        raise LoadError(
+            "hfpatch.from_pretrained: the ranks read different checkpoints (their files differ: another "
+            "revision, or a copy that differs on some node); nothing was loaded on any rank:\n"
+            f"{listing}\nPoint every rank at the same revision (pass revision=, or sync the copies)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def from_pretrained(
+    pretrained_model_name_or_path: str | os.PathLike,
+    parallel: int | ParallelConfig | None = None,
+    *,
+    pipeline_class: type | str | None = None,
+    torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    device: str | torch.device | None = None,
+    prepare: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> tuple[Any, Patch]:
+    """Load a diffusers pipeline and patch it, each rank reading only the weights it keeps.
+
+    What ``DiffusionPipeline.from_pretrained(path, torch_dtype=...)`` followed by ``hfpatch.apply(pipe,
+    parallel, **options)`` gives, bit for bit, without any rank holding the weights it does not keep: with
+    ``shard_weights``, each rank reads only its FSDP2 shards of the denoisers and transformers encoders; under
+    PipeFusion, only its stage's blocks (see :mod:`hfpatch.loading`). Without either, it is exactly those two
+    calls. Every rank must call it with the same arguments.
+
+    Args:
+        pretrained_model_name_or_path: A local diffusers folder (``model_index.json`` and one folder per
+            component, the models' weights in safetensors: one file or an index and its shards) or a hub id
+            (downloaded once per node).
+        parallel: As in :func:`hfpatch.apply`.
+        pipeline_class: The pipeline class, or its diffusers name; ``None``/``"auto"``: ``model_index.json``'s.
+        torch_dtype: As in diffusers (a dtype, or a dict of component name -> dtype with ``"default"``).
+        revision: The hub revision.
+        cache_dir: The hub cache.
+        local_files_only: Use the cache only (no network).
+        device: Where weights read whole go (PipeFusion's stage); default the CPU. Shards go where FSDP2 keeps
+            them (the process group's device, or the CPU with ``shard_weights_offload``); the components
+            loaded the usual way stay on the CPU, as with diffusers.
+        prepare: Called with the pipeline after it is assembled and before ``hfpatch.apply`` (to enable a
+            cache or an attention backend); the models read in part are still on ``meta`` then.
+        **options: :func:`hfpatch.apply`'s options (``shard_weights=True``, ``shard_weights_offload``, ...).
+
+    Returns:
+        ``(pipe, patch)``: the pipeline, patched, and the :class:`~hfpatch.Patch` that undoes it
+        (``patch.remove()`` gathers the full weights back on every rank).
+
+    Raises:
+        LoadError: (a ``ValueError``) The checkpoint cannot be loaded as asked: a missing or inconsistent
+            file, a model that does not match its weights, a quantized checkpoint, too little memory for this
+            rank's part, or ranks that read different files. Raised alike on every rank before any collective.
+        TypeError, ValueError: As :func:`hfpatch.apply` (an unknown option, degrees that do not fit).
+        CollectiveError: A rank did not take part within ``HFPATCH_TIMEOUT_S`` (the download wait:
+            ``HFPATCH_DOWNLOAD_TIMEOUT_S``).
+
+    >>> import tempfile, torch, hfpatch
+    >>> from hfpatch.testing import tiny_flux_pipe_with_text_encoders
+    >>> folder = tempfile.mkdtemp()
+    >>> tiny_flux_pipe_with_text_encoders().save_pretrained(folder)
+    >>> pipe, patch = hfpatch.from_pretrained(folder, parallel=1)   # one process: the two calls, nothing split
+    >>> type(pipe).__name__, patch.plan.world_size
+    ('FluxPipeline', 1)
+    """
+    if not isinstance(local_files_only, bool):
+        raise TypeError(f"local_files_only must be True or False, got {local_files_only!r}")
+    dtypes = list(torch_dtype.values()) if isinstance(torch_dtype, dict) else [torch_dtype]
+    if not all(d is None or (isinstance(d, torch.dtype) and d.is_floating_point) for d in dtypes):
+        raise TypeError(
+            f"torch_dtype must be a floating-point torch.dtype or a dict of them, got {torch_dtype!r}"
+        )
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"prepare must be a callable taking the pipeline, got {prepare!r}")
+    target_device = torch.device("cpu" if device is None else device)
+    world = runtime.launched_world_size()
+    distributed = world > 1 and parallel != 1
+    if distributed:
+        runtime.ensure_process_group(world)
+    load: _Load | None = None
+    error: Exception | None = None
+    folder = str(pretrained_model_name_or_path)
+    try:
+        folder = _resolve_folder(
+            folder, revision, None if cache_dir is None else str(cache_dir), local_files_only, distributed
+        )
+        load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device)
+        problem = _memory_problem(load.needs)
+        if problem is not None:
+            raise LoadError(problem)
+    except runtime.CollectiveError:
+        raise
+    except Exception as exc:  # told to the other ranks first, then raised alike everywhere
+        error = exc
+    if distributed:
+        mine = {
+            "folder": folder,
+            "digest": load.digest if load is not None else "",
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+        }
+        _agree(mine, error)
+    elif error is not None:
+        raise error
+    assert load is not None
+    return _load(load, pipeline_class, torch_dtype, parallel, prepare, options)
+
+
+def _load(
+    load: _Load,
+    pipeline_class: Any,
+    torch_dtype: Any,
+    parallel: Any,
+    prepare: Callable[[Any], None] | None,
+    options: dict[str, Any],
+) -> tuple[Any, Patch]:
+    """Assemble the pipeline (the parts on meta with their sources, the rest loaded the usual way) and apply."""
+    from .api import apply
+
+    cls = _pipeline_class(load.folder, pipeline_class)
+    kwargs = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    pipe = cls.from_pretrained(load.folder, **kwargs, **{part.name: part.model for part in load.parts})
+    for part in load.parts:
+        attach_source(part.model, part.source)
+    try:
+        if prepare is not None:
+            prepare(pipe)
+            lora = [p.name for p in load.parts if any("lora_" in n for n, _ in p.model.named_parameters())]
+            if lora:
+                raise LoadError(
+                    f"prepare() added LoRA layers to {', '.join(lora)}, whose weights hfpatch.from_pretrained has not "
+                    "read yet (they are read while hfpatch.apply splits them): call pipe.load_lora_weights after "
+                    "hfpatch.from_pretrained returns instead"
+                )
+        patch = apply(pipe, parallel, **options)
+    finally:
+        for part in load.parts:
+            detach_source(part.model)
+    for part in load.parts:
+        if part.mode == "shard":
+            left = [n for n, t in [*part.model.named_parameters(), *part.model.named_buffers()] if t.is_meta]
+            if left:
+                patch.remove()
+                raise RuntimeError(f"hfpatch: {part.name}.{left[0]} was not read from the checkpoint")
+    return pipe, patch
