@@ -88,7 +88,7 @@ PUBLIC: dict[str, str | None] = {
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
         "shard_units"
     ),
-    "hfpatch.patches.kl_vae": "KLVAEParallel",
+    "hfpatch.patches.kl_vae": "Flux2VAEParallel KLVAEParallel",
     "hfpatch.patches.pipefusion": (
         "PIPEFUSION_OPTIONS PipeFusionAttnProcessor PipeFusionState PipeFusionWanAttnProcessor "
         "WanPipeFusion check_pipefusion_options parameter_bytes"

@@ -99,6 +99,15 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Patch-parallel VAEs.
     ("diffusers.AutoencoderKLWan", "hfpatch.patches.vae.wan:WanVAEParallel"),
     ("diffusers.AutoencoderKL", "hfpatch.patches.vae.kl:KLVAEParallel"),
+    ("diffusers.AutoencoderKLFlux2", "hfpatch.patches.vae.kl:Flux2VAEParallel"),
+    ("diffusers.AutoencoderKLQwenImage", "hfpatch.patches.vae.qwenimage:QwenImageVAEParallel"),
+    ("diffusers.AutoencoderKLQwenImage21", "hfpatch.patches.vae.qwenimage:QwenImage21VAEParallel"),
+    ("diffusers.AutoencoderKLHunyuanImage", "hfpatch.patches.vae.hunyuanimage:HunyuanImageVAEParallel"),
+    (
+        "diffusers.AutoencoderKLHunyuanImageRefiner",
+        "hfpatch.patches.vae.hunyuanimage:HunyuanImageRefinerVAEParallel",
+    ),
+    ("diffusers.AutoencoderDC", "hfpatch.patches.vae.dc:DCAEParallel"),
     # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
     # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
     ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp.sharding:WeightSharding"),
