@@ -169,6 +169,15 @@ def info_lines() -> list[str]:
     else:
         lines.append("sequence parallel by diffusers transformer class:")
         lines += [f"  {name}: {how}" for name, how in rows]
+    try:
+        from .patches.vae.support import support_table as vae_support_table
+
+        rows = vae_support_table()
+    except ImportError as exc:
+        lines.append(f"VAE split by diffusers autoencoder class: unavailable ({exc})")
+    else:
+        lines.append("VAE split by diffusers autoencoder class:")
+        lines += [f"  {name}: {how}" for name, how in rows]
     return lines
 
 

@@ -105,6 +105,8 @@ class Patch:
         part_of: For a component's patch, the name of the pipeline patch that owns it.
         reduce_group: Process group the patched module splits its work over (``None``: not split). Gradients
             of a split module are averaged over it (DDP does; :func:`hfpatch.all_reduce_gradients` without DDP).
+        notes: What the patch did or left alone, one line each, shown by ``repr`` (a pipeline patch says
+            whether its VAE is split and, if not, why).
     """
 
     name: str
@@ -113,6 +115,7 @@ class Patch:
     children: list[Patch] = field(default_factory=list)
     part_of: str | None = None
     reduce_group: Any = None
+    notes: list[str] = field(default_factory=list)
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
     # Depth of ``disabled()`` blocks, and what they swapped out: per patch, so patches never share a flag.
@@ -321,6 +324,7 @@ class Patch:
     def __repr__(self) -> str:
         state = "active" if self.is_active else "removed"
         head = f"Patch({self.name!r}, {state}, plan={self.plan!r}, options={self.options!r}"
+        head += "".join(f",\n  note: {note}" for note in self.notes)
         lines = self.entries()
         if not lines:
             return head + ")"
