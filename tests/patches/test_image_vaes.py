@@ -193,7 +193,9 @@ def _contract() -> dict[str, object]:
         leaf = _latents("autoencoder_dc").to(dtype).requires_grad_(True)
         patch = hfpatch.apply(vae) if patched else None
         out = vae.decode(leaf).sample
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)  # one draw for both
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(
+            dtype
+        )  # one draw for both
         (out * weights).sum().backward()
         if patch is not None:
             hfpatch.all_reduce_gradients(vae)

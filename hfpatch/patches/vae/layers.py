@@ -35,7 +35,9 @@ def conv2d_forward(conv: torch.nn.Conv2d, state: VAEShardState, pad_top: int, pa
     ``ZeroPad2d``). The shard is convolved as it is (zero rows at its edges, no padded copy of the input, as the
     stock conv pads inside its kernel), then the few output rows whose windows reach a neighbour's rows are
     recomputed from thin slabs (the halo and the shard's edge rows) and written over them
-    (:func:`_edge_rows`); a shard shorter than a window is assembled whole instead.
+    (:func:`_edge_rows`); a shard shorter than a window is assembled whole instead. A differentiable call
+    assembles the padded shard too: the conv saves it for backward in place of the shard (which it frees), where
+    the overwritten rows would cost a full-size copy of the output gradient in backward.
     """
     original = conv.forward
     before, after = state.halos[id(conv)]
@@ -52,7 +54,8 @@ def conv2d_forward(conv: torch.nn.Conv2d, state: VAEShardState, pad_top: int, pa
         top, bottom = exchange_rows(x, before, after, state)
         # Decided on the shortest shard, so that every rank runs the same ops (the same autograd graph).
         edges = _edge_rows(min(state.sizes(x.shape[-2])), kernel, stride, before)
-        if edges is None:
+        differentiable = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
+        if edges is None or differentiable:
             zeros_top = pad_top if state.rank == 0 else 0
             zeros_bottom = pad_bottom if state.rank == state.world - 1 else 0
             return conv2d(_assemble(x, top, bottom, zeros_top, zeros_bottom, [0, 0]), 0)

@@ -106,7 +106,8 @@ class WanVAEParallel(VAEParallelFamily):
             "Encoder3d Decoder3d MidBlock ResidualBlock ResidualDownBlock ResidualUpBlock UpBlock Resample "
             "Upsample AttentionBlock RMS_norm CausalConv3d AvgDown3D DupUp3D"
         ).split()
-        found = {name: getattr(source, self.prefix + name, None) for name in names}
+        # Wan's AvgDown3D/DupUp3D carry no prefix (QwenImage 2.1's do).
+        found = {name: getattr(source, self.prefix + name, getattr(source, name, None)) for name in names}
         return SimpleNamespace(**found, CACHE_T=getattr(source, "CACHE_T", None))
 
     def audited_types(self) -> tuple[type, ...]:
