@@ -45,9 +45,12 @@ def test_support_table_covers_every_autoencoder_class_with_a_family_or_a_reason(
         assert rows[name] == f"not split ({reason})", name
         assert key not in dict(BUILTIN_FAMILIES), f"{key} is both split and refused"
     assert "no image height" in rows["AutoencoderOobleck"] and "ViT" in rows["AutoencoderKLMiniMaxH3"]
-    lines = info_lines()
+    lines = info_lines(classes=True)
     start = lines.index("VAE split by diffusers autoencoder class:")
     assert lines[start + 1 : start + 1 + len(rows)] == [f"  {n}: {how}" for n, how in sorted(rows.items())]
+    summary = " ".join(info_lines())  # plain info: the VAE families as one entry, the classes counted
+    assert f"VAE height split (vae), {len(SPLIT)} classes: " in summary, summary
+    assert f"VAE split by height: {len(SPLIT)} of the {len(rows)} diffusers autoencoder classes" in summary
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
@@ -68,7 +71,8 @@ def test_a_pipeline_patch_says_whether_its_vae_is_split_and_why_not():
         assert patch.notes == [
             "vae: AutoencoderKLQwenImage not split: one VAE rank (ParallelConfig(vae=1) or a world of one)"
         ]
-        assert "note: vae: AutoencoderKLQwenImage not split: one VAE rank" in repr(patch)
+        assert "; vae: AutoencoderKLQwenImage not split: one VAE rank" in repr(patch)
+        assert "note: vae: AutoencoderKLQwenImage not split: one VAE rank" in patch.describe()
     # A registry that refuses the class (the pipeline's family still applies): the reason is the note.
     registry = Registry()
     for key, family in BUILTIN_FAMILIES:
