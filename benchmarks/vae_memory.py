@@ -188,8 +188,9 @@ def _plot_classes(result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
     heights = result["input"]["latent_heights"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, world, bound in zip(axes, (2, 4), (0.6, 0.35)):
         for name, entry in result["classes"].items():
             ax.plot(heights, entry[f"N{world}"]["peak_ratio_max_rank"], "o-", label=name)
