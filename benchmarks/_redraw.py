@@ -26,11 +26,14 @@ def _redraw(name: str) -> bool:
         return False
     data = json.loads(data_path.read_text())
     script = "gradcache_memory" if name.startswith("gradcache_memory") else name
+    script = "vae_memory" if name == "vae_classes" else script  # the per-class part of vae_memory.py
     module = importlib.import_module(script)
     png = RESULTS / f"{name}.png"
     if script == "gradcache_memory":
         chunk = data["summary"]["chunk"]
         module.plot(data["rows"], data["chunk_sweep"], chunk, png)
+    elif name == "vae_classes":
+        module._plot_classes(data)
     elif script == "vae_memory":
         module._plot(data)
     else:

@@ -1,8 +1,13 @@
-"""Per-rank activation memory, halo traffic and approx error of the height-split Wan VAE decode.
+"""Per-rank activation memory, halo traffic and approx error of the height-split VAE decode, for every split class.
 
 Runs the tiny stock ``AutoencoderKLWan`` (Wan 2.1 form) on CPU gloo ranks; memory is the deterministic peak of
 live tensors created during ``vae.decode`` (parameters and inputs excluded, ``vae_output="shard"`` so the
-gathered output is not counted). Writes ``benchmarks/results/vae_memory.json`` and ``.png``.
+gathered output is not counted). Writes ``benchmarks/results/vae_memory.json`` and ``.png``. Then every other
+split class (``CLASSES``: AutoencoderKL, Flux.2, QwenImage, QwenImage 2.1, HunyuanImage and its refiner, DC-AE) in
+its released proportions (``hfpatch.testing.models.VAE_MEMORY_CONFIGS``): decode peak per rank vs unpatched at
+N = 2 and 4 over latent heights, and the bytes each rank sends (halo rows; all-gathers of statistics,
+attention keys/values and DC-AE's linear-attention sums) against the analytic volumes
+(``benchmarks/results/vae_classes.json``, ``.png``).
 
 Reported:
 - peak bytes vs ranks N (1, 2, 4) and vs latent height, unpatched vs diffusers tiling vs hfpatch;
@@ -12,7 +17,7 @@ Reported:
 - halo bytes sent per rank, measured vs the analytic count;
 - the error of ``vae_mode="approx"`` against the exact result.
 
-Usage: ``python benchmarks/vae_memory.py`` (2-3 minutes on 2 CPU cores).
+Usage: ``python benchmarks/vae_memory.py`` (4-6 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches.vae.family import analytic_halo_bytes
+from hfpatch.patches.vae.family import analytic_gather_bytes, analytic_halo_bytes
 from hfpatch.testing import tiny_wan_vae
 from hfpatch.testing.memory import track_memory
+from hfpatch.testing.models import VAE_MEMORY_CONFIGS, tiny_model
 from hfpatch.testing.runner import RankPool
 
 HEIGHTS = [8, 16, 32]  # latent rows (x8 pixels)
@@ -65,7 +71,7 @@ def _split_run(heights: list[int]) -> list[dict]:
         z = _latents(height)
         with torch.no_grad():
             exact = vae.decode(z).sample
-            analytic = analytic_halo_bytes(vae, lambda z=z: vae.decode(z), rank, world)
+            analytic = analytic_halo_bytes(vae, lambda z=z, vae=vae: vae.decode(z), rank, world)
             with hfpatch.apply(vae, vae_output="shard"):
                 with count_comm() as comm:
                     peak = _peak(vae, z)
@@ -87,6 +93,114 @@ def _split_run(heights: list[int]) -> list[dict]:
             }
         )
     return rows
+
+
+#: Class -> (tiny model row, frames or None for images, config overrides: the released proportions).
+CLASSES: dict[str, tuple[str, int | None, dict]] = {
+    "AutoencoderKL": ("autoencoder_kl", None, VAE_MEMORY_CONFIGS["flux2_vae"]),  # the same encoder/decoder
+    "AutoencoderKLFlux2": ("flux2_vae", None, VAE_MEMORY_CONFIGS["flux2_vae"]),
+    "AutoencoderKLQwenImage": ("qwenimage_vae", 1, VAE_MEMORY_CONFIGS["qwenimage_vae"]),
+    "AutoencoderKLQwenImage21": ("qwenimage21_vae", 1, VAE_MEMORY_CONFIGS["qwenimage21_vae"]),
+    "AutoencoderKLHunyuanImage": ("hunyuanimage_vae", None, VAE_MEMORY_CONFIGS["hunyuanimage_vae"]),
+    "AutoencoderKLHunyuanImageRefiner": (
+        "hunyuanimage_refiner_vae",
+        2,
+        VAE_MEMORY_CONFIGS["hunyuanimage_refiner_vae"],
+    ),  # fmt: skip
+    "AutoencoderDC": ("autoencoder_dc", None, VAE_MEMORY_CONFIGS["autoencoder_dc"]),
+}
+CLASS_HEIGHTS = [8, 16, 24]  # latent rows (x8 pixels), CLASS_WIDTH latent columns
+CLASS_WIDTH = 8
+
+
+def _class_latents(frames: int | None, height: int) -> torch.Tensor:
+    time = () if frames is None else (frames,)
+    return torch.randn(1, 4, *time, height, CLASS_WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+def _class_run(heights: list[int]) -> dict[str, list[dict]]:
+    """On every rank, every class of CLASSES: decode peak (shard output), bytes sent measured and analytic."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, list[dict]] = {}
+    for name, (row, frames, overrides) in CLASSES.items():
+        vae = tiny_model(row, **overrides)
+        rows = []
+        for height in heights:
+            z = _class_latents(frames, height)
+            with torch.no_grad():
+                halo = analytic_halo_bytes(vae, lambda z=z, vae=vae: vae.decode(z), rank, world)
+                gather = analytic_gather_bytes(vae, lambda z=z, vae=vae: vae.decode(z), height, rank, world)
+                with hfpatch.apply(vae, vae_output="shard"), count_comm() as comm:
+                    peak = _peak(vae, z)
+            rows.append(
+                {
+                    "height": height,
+                    "peak_bytes": peak,
+                    "halo_bytes": comm.by_op.get("halo", 0),
+                    "analytic_halo_bytes": halo,
+                    "all_gather_bytes": comm.by_op.get("all_gather", 0),
+                    "analytic_all_gather_bytes": gather,
+                }
+            )
+        out[name] = rows
+    return out
+
+
+def classes_main() -> dict:
+    """Every split class: peak per rank vs unpatched at N = 2 and 4, bytes per rank vs analytic."""
+    unpatched = {}
+    for name, (row, frames, overrides) in CLASSES.items():
+        vae = tiny_model(row, **overrides)
+        unpatched[name] = [_peak(vae, _class_latents(frames, h)) for h in CLASS_HEIGHTS]
+    split = {}
+    for world in (2, 4):
+        with RankPool(world, timeout_s=900) as pool:
+            split[world] = pool.run(_class_run, CLASS_HEIGHTS)
+    result: dict = {
+        "models": "hfpatch.testing tiny rows with VAE_MEMORY_CONFIGS (spatial factor 8), fp32, CPU",
+        "input": {"latent_width": CLASS_WIDTH, "latent_heights": CLASS_HEIGHTS},
+        "classes": {},
+    }
+    for name in CLASSES:
+        entry: dict = {"unpatched_peak_bytes": unpatched[name]}
+        for world, ranks in split.items():
+            per_rank = [[r[name][i] for r in ranks] for i in range(len(CLASS_HEIGHTS))]
+            entry[f"N{world}"] = {
+                "peak_ratio_max_rank": [
+                    max(r["peak_bytes"] for r in rows) / u for rows, u in zip(per_rank, unpatched[name])
+                ],
+                "bytes_per_rank": [
+                    {k: r[k] for k in r if k != "peak_bytes"} | {"rank": rank}
+                    for rows in per_rank
+                    for rank, r in enumerate(rows)
+                ],
+            }
+        result["classes"][name] = entry
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "vae_classes.json").write_text(json.dumps(result, indent=2))
+    _plot_classes(result)
+    return result
+
+
+def _plot_classes(result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+    heights = result["input"]["latent_heights"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, world, bound in zip(axes, (2, 4), (0.6, 0.35)):
+        for name, entry in result["classes"].items():
+            ax.plot(heights, entry[f"N{world}"]["peak_ratio_max_rank"], "o-", label=name)
+        ax.axhline(bound, color="gray", ls=":", label=f"acceptance {bound}")
+        ax.axhline(1 / world, color="k", ls="--", lw=0.8, label="ideal 1/N")
+        ax.set(xlabel="latent height (rows)", title=f"decode peak per rank / unpatched, N = {world}")
+    axes[0].set_ylabel("ratio")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vae_classes.png", dpi=120)
 
 
 def _fit_largest(heights: list[int], peaks: list[int], budget: float) -> float:
@@ -211,6 +325,16 @@ def _plot(result: dict) -> None:
 
 
 if __name__ == "__main__":
+    classes = classes_main()
+    json.dump(
+        {
+            name: {w: e[w]["peak_ratio_max_rank"] for w in ("N2", "N4")}
+            for name, e in classes["classes"].items()
+        },
+        sys.stdout,
+        indent=2,
+    )
+    print()
     out = main()
     json.dump(
         {

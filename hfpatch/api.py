@@ -71,6 +71,29 @@ def _units(target: Any, registry: Registry) -> list[tuple[Any, list[PatchFamily]
     return units
 
 
+def _vae_notes(target: Any, registry: Registry, config: ParallelConfig) -> list[str]:
+    """For a pipeline: one line per VAE component (a component named ``*vae*``, or one whose class is refused)
+    saying whether it is split over the ranks and, if not, why."""
+    if not _is_pipeline(target):
+        return []
+    notes = []
+    for name, component in target.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        what = f"{name}: {type(component).__name__}"
+        family = next((f for f in registry.families_for(component) if f.role == "vae"), None)
+        refusal = registry.refusal(component)
+        if family is not None and config.vae > 1:
+            notes.append(f"{what} split by height over {config.vae} ranks ({family.name})")
+        elif family is not None:
+            notes.append(f"{what} not split: one VAE rank (ParallelConfig(vae=1) or a world of one)")
+        elif refusal is not None:
+            notes.append(f"{what} not split: {refusal}")
+        elif "vae" in name.lower():
+            notes.append(f"{what} not split: hfpatch has no split for this class yet")
+    return notes
+
+
 def _drop_superseded(
     units: list[tuple[Any, list[PatchFamily]]], options: dict[str, Any]
 ) -> tuple[list[tuple[Any, list[PatchFamily]]], dict[str, str]]:
@@ -201,6 +224,9 @@ def _check(
     """Every local check of ``apply``: (units, plan, resolved options, the live identical patch or None)."""
     units = _units(target, registry)
     if not any(families for _, families in units):
+        refusal = registry.refusal(target)
+        if refusal is not None:
+            raise TypeError(f"hfpatch does not patch {type(target).__name__}: {refusal}")
         supported = ", ".join(k.split(".", 1)[1] for k in registry.supported()) or "none registered"
         raise TypeError(f"hfpatch has no patch for {type(target).__name__}; supported classes: {supported}")
 
@@ -412,6 +438,7 @@ def apply(
     mesh = runtime.get_mesh(config)  # the first collective: every check above passed on every rank
 
     top = Patch(name=type(target).__name__, plan=config, options=resolved_options, requested=dict(options))
+    top.notes.extend(_vae_notes(target, registry, config))
     try:
         patches: list[tuple[Any, Patch]] = []
         for obj, families in units:

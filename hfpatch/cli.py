@@ -202,11 +202,20 @@ def info_lines(classes: bool = False) -> list[str]:
             lines += [f"  {key}: {name} ({role}) [{options}]" for key in keys]
     else:
         lines.append(f"patch families ({len(families)}; `hfpatch info --classes` lists every class):")
+        # The VAE families (one per VAE architecture, the same options) make one entry.
+        grouped: dict[tuple[str, str, str], tuple[list[str], list[str]]] = {}
         for (name, role, options), keys in families.items():
+            label = "VAE height split" if role == "vae" else name
+            names, all_keys = grouped.setdefault((label, role, options), ([], []))
+            names.append(name)
+            all_keys += keys
+        for (label, role, options), (names, keys) in grouped.items():
             short = [key.split(".", 1)[1] for key in keys]
             count = f"{len(keys)} classes" if len(keys) > 1 else "1 class"
             shown = short if len(short) <= 6 else [*short[:5], f"... ({len(short) - 5} more)"]
-            lines += _wrapped(f"  {name} ({role}), {count}: ", shown)
+            lines += _wrapped(f"  {label} ({role}), {count}: ", shown)
+            if len(names) > 1:
+                lines += _wrapped("      families: ", names)
             lines += _wrapped("      options: ", [options])
     lines += missing
     try:
@@ -224,6 +233,23 @@ def info_lines(classes: bool = False) -> list[str]:
             lines += _wrapped(
                 f"sequence parallel: {len(supported)} of the {len(rows)} diffusers transformer classes ",
                 ["`hfpatch info --classes` gives each one's plan, or why it is not split"],
+                indent=2,
+            )
+    try:
+        from .patches.vae.support import support_table as vae_support_table
+
+        rows = vae_support_table()
+    except ImportError as exc:
+        lines.append(f"VAE split by diffusers autoencoder class: unavailable ({exc})")
+    else:
+        split = [name for name, how in rows if how.startswith("split")]
+        if classes:
+            lines.append("VAE split by diffusers autoencoder class:")
+            lines += [f"  {name}: {how}" for name, how in rows]
+        else:
+            lines += _wrapped(
+                f"VAE split by height: {len(split)} of the {len(rows)} diffusers autoencoder classes ",
+                ["`hfpatch info --classes` gives why each other one is not split"],
                 indent=2,
             )
     return lines

@@ -104,7 +104,7 @@ PUBLIC: dict[str, str | None] = {
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
         "shard_units sharded_models"
     ),
-    "hfpatch.patches.kl_vae": "KLVAEParallel",
+    "hfpatch.patches.kl_vae": "Flux2VAEParallel KLVAEParallel",
     "hfpatch.patches.pipefusion": (
         "PIPEFUSION_OPTIONS PipeFusionAttnProcessor PipeFusionState PipeFusionWanAttnProcessor "
         "WanPipeFusion check_pipefusion_options parameter_bytes"
@@ -118,6 +118,11 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.patches.wan_streaming": "StreamingConfig WanStreamingPatch",
     "hfpatch.patches.wan_vae": "WanVAEParallel",
+    # Added by issue 36 (the image VAEs).
+    "hfpatch.patches.vae.dc": "DCAEParallel",
+    "hfpatch.patches.vae.hunyuanimage": "HunyuanImageRefinerVAEParallel HunyuanImageVAEParallel",
+    "hfpatch.patches.vae.qwenimage": "QwenImage21VAEParallel QwenImageVAEParallel",
+    "hfpatch.patches.vae.support": "REFUSED support_table",
     "hfpatch.streaming": (
         "ChunkInfo CrossAttentionCache StreamingConfig StreamingKVCache StreamingOutput "
         "StreamingTrainingModel StreamingWanDecoder StreamingWanPipeline convert_diffusers_to_native "
@@ -156,11 +161,11 @@ PUBLIC: dict[str, str | None] = {
         "tiny_flux_pipe tiny_flux_pipe_with_text_encoders tiny_flux_transformer tiny_hunyuandit_pipe "
         "tiny_hunyuandit_transformer tiny_hunyuanvideo15_transformer tiny_hunyuanvideo_pipe "
         "tiny_hunyuanvideo_transformer tiny_llama_causal_lm tiny_ltx2_transformer tiny_ltx_pipe "
-        "tiny_ltx_transformer tiny_minimax_h3_transformer tiny_model tiny_pixart_pipe "
-        "tiny_pixart_transformer tiny_qwen2_5_vl tiny_qwen2_vl tiny_qwen3_causal_lm tiny_qwen3_vl "
-        "tiny_qwenimage_pipe tiny_qwenimage_transformer tiny_sd3_pipe tiny_sd3_transformer tiny_sdxl_pipe "
-        "tiny_t5_encoder tiny_t5_tokenizer tiny_wan_pipe tiny_wan_transformer tiny_wan_vace_transformer "
-        "tiny_wan_vae wan_prompt_embeds"
+        "tiny_ltx_transformer tiny_minimax_h3_transformer tiny_model tiny_pixart_pipe tiny_pixart_transformer "
+        "tiny_qwen2_5_vl tiny_qwen2_vl tiny_qwen3_causal_lm tiny_qwen3_vl tiny_qwenimage_pipe "
+        "tiny_qwenimage_transformer tiny_sd3_pipe tiny_sd3_transformer tiny_sdxl_pipe tiny_t5_encoder "
+        "tiny_t5_tokenizer tiny_wan_pipe tiny_wan_transformer tiny_wan_vace_transformer tiny_wan_vae "
+        "wan_prompt_embeds"
     ),
     "hfpatch.testing.runner": "RankError RankPool run_ranks",
     "hfpatch.testing.tolerance": (

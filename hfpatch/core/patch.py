@@ -107,6 +107,8 @@ class Patch:
             of a split module are averaged over it (DDP does; :func:`hfpatch.all_reduce_gradients` without DDP).
         families: The patch families that changed this object, name -> role (``{"dit_usp": "transformer"}``).
         requested: The options the caller passed (``options`` adds every default).
+        notes: What the patch left alone and why, one line each, shown by ``repr`` and :meth:`describe` (a
+            pipeline patch says whether its VAE is split and, if not, why).
 
     ``repr(patch)`` is a one-line summary (what was patched, by which families, the degrees that matter);
     :meth:`describe` lists every change.
@@ -120,6 +122,7 @@ class Patch:
     reduce_group: Any = None
     families: dict[str, str] = field(default_factory=dict)
     requested: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
     # Depth of ``disabled()`` blocks, and what they swapped out: per patch, so patches never share a flag.
@@ -353,6 +356,7 @@ class Patch:
             parts.append(by)
         if self.requested:
             parts.append("options " + ", ".join(f"{k}={v!r}" for k, v in self.requested.items()))
+        parts += self.notes
         parts.append(f"{count} change{'s' if count != 1 else ''}, see patch.describe()>")
         return "; ".join(parts)
 
@@ -374,6 +378,7 @@ class Patch:
         lines = [f"Patch {self.name!r} ({state})", f"plan: {self.plan!r}", f"options: {self.options!r}"]
         if self.part_of:
             lines.insert(1, f"part of: {self.part_of}")
+        lines += [f"note: {note}" for note in self.notes]
         lines += [f"  {line}" for line in self.entries()]
         return "\n".join(lines)
 

@@ -2,13 +2,14 @@
 
 Keys look like ``"diffusers.WanTransformer3DModel"``: the top-level package plus the class name, so a
 subclass of a supported class matches and no HF module is imported to build the registry. Families are
-given as ``"module:Class"`` strings and imported on first lookup.
+given as ``"module:Class"`` strings and imported on first lookup. A registry also keeps the classes no family
+patches, with the reason (:meth:`Registry.register_refusals`), which ``hfpatch.apply`` states.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -70,6 +71,8 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[str, list[type[PatchFamily] | str]] = {}
+        self._refusals: dict[str, str] = {}
+        self._refusal_sources: list[Mapping[str, str] | str] = []
 
     def register(self, key: str, family: type[PatchFamily] | str) -> None:
         """Register ``family`` (a class or ``"module:Class"``) for the class named ``key``."""
@@ -94,11 +97,31 @@ class Registry:
         finally:
             self.unregister(key, family)
 
+    def register_refusals(self, source: Mapping[str, str] | str) -> None:
+        """Classes no family patches, with the reason: a mapping of class keys to reasons, or ``"module:NAME"``
+        naming one (imported on the first :meth:`refusal` lookup). ``hfpatch.apply`` states the reason."""
+        self._refusal_sources.append(source)
+
+    def refusal(self, obj: Any) -> str | None:
+        """Why no family patches ``obj`` (its class or a base class was registered as refused), else ``None``."""
+        return self.refusal_for_class(type(obj))
+
+    def refusal_for_class(self, cls: type) -> str | None:
+        """:meth:`refusal` for a class."""
+        while self._refusal_sources:
+            source = self._refusal_sources.pop(0)
+            self._refusals.update(_load(source) if isinstance(source, str) else source)
+        return next((self._refusals[k] for k in map(class_key, cls.__mro__) if k in self._refusals), None)
+
     def families_for(self, obj: Any) -> list[PatchFamily]:
         """Instantiated families for ``obj``, most specific class first; empty when unsupported."""
+        return self.families_for_class(type(obj))
+
+    def families_for_class(self, klass: type) -> list[PatchFamily]:
+        """:meth:`families_for` for a class."""
         found: list[PatchFamily] = []
         seen: set[type] = set()
-        for cls in type(obj).__mro__:
+        for cls in klass.__mro__:
             for entry in self._entries.get(class_key(cls), []):
                 family_cls = _load(entry)
                 if family_cls not in seen:
@@ -111,7 +134,7 @@ class Registry:
         return {key: [_load(e).name for e in entries] for key, entries in sorted(self._entries.items())}
 
 
-def _load(entry: type[PatchFamily] | str) -> type[PatchFamily]:
+def _load(entry: Any) -> Any:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)

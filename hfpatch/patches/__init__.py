@@ -13,8 +13,9 @@ A family imports the core, distributed and attention layers and the shared modul
 self-attention arithmetic). The block-causal streaming patch lives with the rest of streaming
 (:mod:`hfpatch.streaming.transformer`).
 
-Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``; :func:`default_registry` (the registry
-``hfpatch.apply`` uses) reads this table, so ``import hfpatch`` imports no diffusers or transformers module.
+Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``, each of :data:`BUILTIN_REFUSALS` a
+``"module:NAME"`` of the classes refused with their reason; :func:`default_registry` (the registry
+``hfpatch.apply`` uses) reads these tables, so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Patch-parallel VAEs.
     ("diffusers.AutoencoderKLWan", "hfpatch.patches.vae.wan:WanVAEParallel"),
     ("diffusers.AutoencoderKL", "hfpatch.patches.vae.kl:KLVAEParallel"),
+    ("diffusers.AutoencoderKLFlux2", "hfpatch.patches.vae.kl:Flux2VAEParallel"),
+    ("diffusers.AutoencoderKLQwenImage", "hfpatch.patches.vae.qwenimage:QwenImageVAEParallel"),
+    ("diffusers.AutoencoderKLQwenImage21", "hfpatch.patches.vae.qwenimage:QwenImage21VAEParallel"),
+    ("diffusers.AutoencoderKLHunyuanImage", "hfpatch.patches.vae.hunyuanimage:HunyuanImageVAEParallel"),
+    (
+        "diffusers.AutoencoderKLHunyuanImageRefiner",
+        "hfpatch.patches.vae.hunyuanimage:HunyuanImageRefinerVAEParallel",
+    ),
+    ("diffusers.AutoencoderDC", "hfpatch.patches.vae.dc:DCAEParallel"),
     # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
     # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
     ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp.sharding:WeightSharding"),
@@ -114,6 +124,10 @@ BUILTIN_FAMILIES += [
 ]
 
 
+#: Classes hfpatch does not patch, with the reason: ``"module:NAME"`` of a mapping ``class key -> reason``, read on
+#: the first lookup (``hfpatch.apply``'s error, a pipeline patch's notes, ``hfpatch info``).
+BUILTIN_REFUSALS: list[str] = ["hfpatch.patches.vae.support:REFUSED"]
+
 _default: Registry | None = None
 
 
@@ -124,5 +138,7 @@ def default_registry() -> Registry:
         registry = Registry()
         for key, family in BUILTIN_FAMILIES:
             registry.register(key, family)
+        for source in BUILTIN_REFUSALS:
+            registry.register_refusals(source)
         _default = registry
     return _default

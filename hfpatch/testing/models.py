@@ -370,6 +370,48 @@ TINY_MODELS: dict[str, TinyModel] = {
             latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
         ),
     ),
+    "qwenimage21_vae": TinyModel(  # Wan 2.2's residual form on single images, patchify 2: 8x spatial
+        "diffusers.AutoencoderKLQwenImage21",
+        dict(
+            base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+            temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+            is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=8,
+        ),
+    ),
+    "flux2_vae": TinyModel(  # AutoencoderKL's encoder/decoder plus the latents' BatchNorm: 2x spatial
+        "diffusers.AutoencoderKLFlux2",
+        dict(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+            latent_channels=4, norm_num_groups=4, sample_size=32,
+        ),
+    ),
+    "hunyuanimage_vae": TinyModel(  # GroupNorm(32 groups), pixel-shuffle resampling, mid attention: 2x spatial
+        "diffusers.AutoencoderKLHunyuanImage",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+            spatial_compression_ratio=2, sample_size=32,
+        ),
+    ),
+    "hunyuanimage_refiner_vae": TinyModel(  # causal 3D convs with replicate padding, DCAE resampling: 4x spatial
+        "diffusers.AutoencoderKLHunyuanImageRefiner",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16), layers_per_block=1,
+            spatial_compression_ratio=4, temporal_compression_ratio=2,
+        ),
+    ),
+    "autoencoder_dc": TinyModel(  # Sana's layout: stride-2 conv down, nearest up, ReLU linear attention: 2x spatial
+        "diffusers.AutoencoderDC",
+        dict(
+            in_channels=3, latent_channels=4, attention_head_dim=4,
+            encoder_block_types=("ResBlock", "EfficientViTBlock"),
+            decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 16),
+            decoder_block_out_channels=(8, 16), encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+            encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+            downsample_block_type="Conv", upsample_block_type="interpolate",
+            decoder_norm_types=("batch_norm", "rms_norm"), decoder_act_fns=("relu", "silu"),
+        ),
+    ),
     "ltx_vae": TinyModel(  # 32x spatial, 8x temporal, 8 latent channels
         "diffusers.AutoencoderKLLTXVideo",
         dict(
@@ -424,6 +466,30 @@ TINY_MODELS: dict[str, TinyModel] = {
             relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
         ),
         config_cls="transformers.T5Config",
+    ),
+}
+
+#: Config overrides giving the tiny image VAE rows their released models' proportions: a spatial factor of 8 and
+#: channels growing 4x from the pixel level to the latent level (QwenImage 2.1's row has them already). Memory
+#: measurements use them: in a factor-2 row the latent-level tensors (the mid-block attention's keys/values and
+#: scores, the statistics) weigh as much as the pixel-level maps, which in no released VAE they do.
+VAE_MEMORY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwenimage_vae": dict(dim_mult=[1, 2, 4, 4], temperal_downsample=[False, True, True]),
+    "qwenimage21_vae": {},
+    "flux2_vae": dict(
+        block_out_channels=(8, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+    ),
+    "hunyuanimage_vae": dict(block_out_channels=(32, 32, 64, 64), spatial_compression_ratio=8),
+    "hunyuanimage_refiner_vae": dict(block_out_channels=(8, 16, 32, 32), spatial_compression_ratio=8),
+    "autoencoder_dc": dict(
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 16, 32, 32), decoder_block_out_channels=(8, 16, 32, 32),
+        encoder_layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,), (5,)), decoder_qkv_multiscales=((), (), (5,), (5,)),
+        decoder_norm_types=("batch_norm", "batch_norm", "rms_norm", "rms_norm"),
+        decoder_act_fns=("relu", "relu", "silu", "silu"),
     ),
 }
 # fmt: on

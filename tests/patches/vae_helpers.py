@@ -20,7 +20,11 @@ _FP64_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def run(vae, kind: str, x: torch.Tensor) -> torch.Tensor:
-    return vae.decode(x).sample if kind == "decode" else vae.encode(x).latent_dist.mean
+    """The decoded sample, or the encoded latent mean (``AutoencoderDC``: its deterministic latent)."""
+    if kind == "decode":
+        return vae.decode(x).sample
+    encoded = vae.encode(x)
+    return encoded.latent_dist.mean if hasattr(encoded, "latent_dist") else encoded.latent
 
 
 def from_rank0(fn, *args, **kwargs):

@@ -1,9 +1,11 @@
 """VAEs (diffusers): encode/decode split by height over ranks (patch parallel), one module per VAE family.
 
-Patches ``AutoencoderKLWan`` (:mod:`.wan`) and ``AutoencoderKL`` (:mod:`.kl`) on the machinery they share: the
+Patches ``AutoencoderKLWan`` (:mod:`.wan`), ``AutoencoderKL`` and ``AutoencoderKLFlux2`` (:mod:`.kl`),
+``AutoencoderKLQwenImage`` and ``AutoencoderKLQwenImage21`` (:mod:`.qwenimage`), ``AutoencoderKLHunyuanImage``
+and its refiner (:mod:`.hunyuanimage`) and ``AutoencoderDC`` (:mod:`.dc`) on the machinery they share: the
 family base and the mechanics (:mod:`.family`), the per-layer forwards (:mod:`.layers`), the shard state and its
-row collectives (:mod:`.state`), the row geometry, pure (:mod:`.halo`). Exports the two families and the shared
-family base and state.
+row collectives (:mod:`.state`), the row geometry, pure (:mod:`.halo`). Which classes are split and why the
+others are not: :mod:`.support`. Exports the two first families and the shared family base and state.
 """
 
 from .family import VAEParallelFamily

@@ -32,11 +32,12 @@ import torch.distributed as dist
 from ...core.config import ParallelConfig
 from ...core.registry import PatchFamily
 from .halo import conv_halo, halo_bytes, row_offsets, split_rows
-from .layers import conv2d_forward
+from .layers import coder_forward, conv2d_forward, session_forward, tiled_forward
 from .state import MODES, OUTPUTS, STATE_ATTR, VAEShardState
 
 __all__ = [
     "VAEParallelFamily",
+    "analytic_gather_bytes",
     "analytic_halo_bytes",
     "local_rows",
     "trace_conv_inputs",
@@ -126,6 +127,40 @@ class VAEParallelFamily(PatchFamily):
         state.halos[id(conv)] = conv_halo(kernel, stride, top)
         patch.set_attr(conv, "forward", conv2d_forward(conv, state, top, bottom))
 
+    @staticmethod
+    def wrap_entries(
+        patch: Any,
+        target: Any,
+        state: VAEShardState,
+        encoder_factor: int,
+        tiled: tuple[str, ...] = ("tiled_encode", "tiled_decode"),
+    ) -> None:
+        """The session and entry wrappers of a VAE whose ``_encode``/``_decode`` call ``encoder``/``decoder`` once
+        per image (tiles: once per tile): rows split at the coders' entry (``encoder_factor`` input rows per
+        latent row), outputs gathered at ``_encode``/``_decode``, the ``tiled`` methods spread over the ranks."""
+        patch.wrap_method(target.encoder, "forward", lambda f: coder_forward(f, state, encoder_factor))
+        patch.wrap_method(target.decoder, "forward", lambda f: coder_forward(f, state, 1))
+        patch.wrap_method(target, "_encode", lambda f: session_forward(f, state, "encode"))
+        patch.wrap_method(target, "_decode", lambda f: session_forward(f, state, "decode"))
+        for method in tiled:
+            patch.wrap_method(target, method, lambda f: tiled_forward(f, state, per_call=True))
+
+    @staticmethod
+    def refuse_gradient_checkpointing(target: Any, state: VAEShardState) -> None:
+        """Refuse a differentiable call while a block of ``target`` has gradient checkpointing on: the recompute
+        would run in backward, outside the split session."""
+
+        def check() -> None:
+            if torch.is_grad_enabled() and any(
+                getattr(m, "gradient_checkpointing", False) is True for m in target.modules()
+            ):
+                raise ValueError(
+                    f"{type(target).__name__}: gradient checkpointing re-runs blocks outside the split; call "
+                    "vae.disable_gradient_checkpointing() (the split already divides activation memory by N)"
+                )
+
+        state.checks.append(check)
+
 
 def check_conv2d(path: str, conv: torch.nn.Conv2d) -> None:
     """The split handles zero-padded, undilated convs with integer padding."""
@@ -166,6 +201,15 @@ def local_rows(vae: Any, height: int, factor: int) -> tuple[int, int]:
     return offsets[state.rank], offsets[state.rank + 1]
 
 
+def _is_row_conv(m: torch.nn.Module) -> bool:
+    """A conv the split may halo-wrap: ``Conv2d`` and the ``Conv3d`` subclasses (Wan's causal conv), and the
+    causal convs that pad explicitly around a plain ``Conv3d`` (``time_causal_padding``: HunyuanImage's refiner).
+    A plain ``Conv3d`` is either inside such a conv (it sees padded rows) or 1x1 (no halo): left out."""
+    if hasattr(m, "time_causal_padding"):
+        return True
+    return isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)) and type(m) is not torch.nn.Conv3d
+
+
 def trace_conv_inputs(
     module: torch.nn.Module, fn: Callable[[], Any]
 ) -> list[tuple[torch.nn.Module, torch.Size]]:
@@ -176,7 +220,7 @@ def trace_conv_inputs(
     handles = [
         m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].shape)))
         for m in module.modules()
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))
+        if _is_row_conv(m)
     ]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -189,7 +233,10 @@ def trace_conv_inputs(
 
 def conv_row_halo(conv: torch.nn.Module) -> tuple[int, int]:
     """``(before, after)`` halo rows of a stock conv from its attributes alone (test and benchmark reference)."""
-    pad_top = conv._padding[2] if hasattr(conv, "_padding") else conv.padding[0]
+    if hasattr(conv, "time_causal_padding"):  # pads itself, then a plain Conv3d
+        pad_top, conv = conv.time_causal_padding[2], conv.conv
+    else:
+        pad_top = conv._padding[2] if hasattr(conv, "_padding") else conv.padding[-2]
     kernel, stride = conv.kernel_size[-2], conv.stride[-2]
     if kernel == 1 and stride == 1:
         return 0, 0
@@ -206,5 +253,62 @@ def analytic_halo_bytes(module: torch.nn.Module, fn: Callable[[], Any], rank: in
     for conv, shape in trace_conv_inputs(module, fn):
         before, after = conv_row_halo(conv)
         row_numel = shape.numel() // shape[-2]
-        total += halo_bytes(rank, world, before, after, row_numel, conv.weight.element_size())
+        itemsize = (conv.conv if hasattr(conv, "time_causal_padding") else conv).weight.element_size()
+        total += halo_bytes(rank, world, before, after, row_numel, itemsize)
     return total
+
+
+def analytic_gather_bytes(
+    vae: torch.nn.Module, fn: Callable[[], Any], latent_height: int, rank: int, world: int
+) -> int:
+    """Bytes ``rank`` sends in all-gathers while ``fn()`` runs ``vae`` split over ``world`` ranks: GroupNorm
+    (and training BatchNorm) statistics, gathered attention keys/values and DC-AE's linear-attention sums.
+
+    Computed from the layers' input shapes in an *unsplit* FakeTensor run: each gather sends ``(world - 1)``
+    copies of this rank's part, whose rows are the layer's rows scaled to this rank's share of the
+    ``latent_height`` latent rows (fp32 statistics, keys/values in the activations' dtype).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    share = split_rows(latent_height, world)[rank]
+    sent: list[int] = []
+
+    def local(rows: int) -> int:  # this rank's rows of a layer of ``rows`` rows
+        return rows // latent_height * share
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        x = args[0]
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.GroupNorm):
+            sent.append(2 * x.shape[0] * module.num_groups * 4)
+        elif isinstance(module, torch.nn.BatchNorm2d) and module.training:
+            sent.append(2 * x.shape[1] * 4)
+        elif (
+            kind == "Attention"
+        ):  # diffusers' (AutoencoderKL, Flux.2): to_k and to_v outputs, one gather each
+            tokens = local(x.shape[-2]) * x.shape[-1]
+            sent.append(2 * x.shape[0] * tokens * module.to_k.out_features * x.element_size())
+        elif hasattr(module, "to_qkv"):  # Wan/QwenImage: per frame, keys and values in one gather
+            frames = x.shape[2] if x.dim() == 5 else 1
+            sent.append(
+                x.shape[0] * frames * local(x.shape[-2]) * x.shape[-1] * 2 * x.shape[1] * x.element_size()
+            )
+        elif kind in ("HunyuanImageAttentionBlock", "HunyuanImageRefinerAttnBlock"):
+            positions = x[0, 0].numel() // x.shape[-2] * local(x.shape[-2])
+            sent.append(x.shape[0] * positions * 2 * x.shape[1] * x.element_size())
+        elif kind == "SanaMultiscaleLinearAttention":
+            d = module.attention_head_dim
+            heads = (1 + len(module.to_qkv_multiscale)) * module.to_q.out_features // d
+            if x.shape[-2] * x.shape[-1] > d:  # linear: the (d + 1) x d sums, fp32
+                sent.append(x.shape[0] * heads * (d + 1) * d * 4)
+            else:  # quadratic: the keys and values of this rank's positions
+                sent.append(x.shape[0] * heads * 2 * d * local(x.shape[-2]) * x.shape[-1] * x.element_size())
+
+    handles = [m.register_forward_pre_hook(hook) for m in vae.modules()]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (world - 1) * sum(sent)

@@ -1,4 +1,5 @@
-"""Height-split encode/decode for diffusers ``AutoencoderKL`` (SD, SDXL, SD3, Flux VAEs).
+"""Height-split encode/decode for diffusers ``AutoencoderKL`` (SD, SDXL, SD3, Flux VAEs) and
+``AutoencoderKLFlux2`` (Flux.2, Ernie-Image, Bria Fibo 2, Ideogram 4: the same encoder and decoder).
 
 Applied by :func:`hfpatch.apply` to an ``AutoencoderKL`` (or a pipeline holding one) when more than one rank
 is used; see :mod:`hfpatch.patches.vae.family` for the mechanics. Row-coupling layers:
@@ -30,7 +31,7 @@ from .family import VAEParallelFamily, check_conv2d
 from .layers import coder_forward, gather_tokens_forward, group_norm_forward, session_forward, tiled_forward
 from .state import VAEShardState
 
-__all__ = ["KLVAEParallel"]
+__all__ = ["Flux2VAEParallel", "KLVAEParallel"]
 
 
 def _downsample_forward(module: Any, state: VAEShardState) -> Callable:
@@ -157,3 +158,24 @@ def _check_attention(path: str, attention: Any) -> None:
         )
     if attention.spatial_norm is not None or attention.norm_cross:
         raise TypeError(f"{path}: spatial-norm or cross attention is not supported by the VAE split")
+
+
+class Flux2VAEParallel(KLVAEParallel):
+    """Patch family for ``diffusers.AutoencoderKLFlux2`` (Flux.2, Ernie-Image, Bria Fibo 2, Ideogram 4).
+
+    The same encoder and decoder as ``AutoencoderKL`` (GroupNorm, mid-block attention), split the same way. Its
+    ``bn`` (a ``BatchNorm2d`` over the patchified latents) is not called by encode or decode: the pipelines
+    normalise the latents with its running statistics outside the VAE, so it is left as it is.
+    """
+
+    name = "flux2_vae"
+
+    def audited_types(self) -> tuple[type, ...]:
+        return super().audited_types() + (torch.nn.BatchNorm2d,)
+
+    def check_module(self, path: str, module: torch.nn.Module) -> None:
+        if type(module) is torch.nn.BatchNorm2d and path != "bn":
+            raise TypeError(
+                f"{path}: a BatchNorm2d inside the encoder or decoder is not supported by the split"
+            )
+        super().check_module(path, module)

@@ -32,26 +32,79 @@ def conv2d_forward(conv: torch.nn.Conv2d, state: VAEShardState, pad_top: int, pa
     """Forward for an ``nn.Conv2d`` on height shards: halo rows inside, zero rows only at the border.
 
     ``pad_top``/``pad_bottom`` are the zero rows the unsplit layer sees (its padding, or a preceding
-    ``ZeroPad2d``).
+    ``ZeroPad2d``). The shard is convolved as it is (zero rows at its edges, no padded copy of the input, as the
+    stock conv pads inside its kernel), then the few output rows whose windows reach a neighbour's rows are
+    recomputed from thin slabs (the halo and the shard's edge rows) and written over them
+    (:func:`_edge_rows`); a shard shorter than a window is assembled whole instead. A differentiable call
+    assembles the padded shard too: the conv saves it for backward in place of the shard (which it frees), where
+    the overwritten rows would cost a full-size copy of the output gradient in backward.
     """
     original = conv.forward
     before, after = state.halos[id(conv)]
+    kernel, stride = conv.kernel_size[0], conv.stride[0]
+
+    def conv2d(x: torch.Tensor, pad_h: int) -> torch.Tensor:
+        return F.conv2d(
+            x, conv.weight, conv.bias, conv.stride, (pad_h, conv.padding[1]), conv.dilation, conv.groups
+        )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not state.sharding or state.approx:
             return original(x)
         top, bottom = exchange_rows(x, before, after, state)
-        x = _assemble(
-            x,
-            top,
-            bottom,
-            pad_top if state.rank == 0 else 0,
-            pad_bottom if state.rank == state.world - 1 else 0,
-            [conv.padding[1], conv.padding[1]],
-        )
-        return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+        # Decided on the shortest shard, so that every rank runs the same ops (the same autograd graph).
+        edges = _edge_rows(min(state.sizes(x.shape[-2])), kernel, stride, before)
+        differentiable = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
+        if edges is None or differentiable:
+            zeros_top = pad_top if state.rank == 0 else 0
+            zeros_bottom = pad_bottom if state.rank == state.world - 1 else 0
+            return conv2d(_assemble(x, top, bottom, zeros_top, zeros_bottom, [0, 0]), 0)
+        n_top, n_bottom = edges
+        h = x.shape[-2]
+        n, empty = h // stride, x.narrow(-2, 0, 0)
+        out = conv2d(x, before)  # right away from the shard's edges
+        n_main = out.shape[-2]
+        if n_bottom:
+            first = n - n_bottom  # the first output row whose window reaches below the shard
+            start = first * stride - before
+            slab = _assemble(
+                x.narrow(-2, start, h - start), empty, bottom, 0, after - bottom.shape[-2], [0, 0]
+            )
+            fixed = conv2d(slab, 0)
+            if n_main < n:  # a one-sided pad (ZeroPad2d((0, 1, 0, 1)) + stride 2): rows the shard lacks
+                out = torch.cat([out, fixed.narrow(-2, n_main - first, n - n_main)], -2)
+            if n_main > first:
+                out.narrow(-2, first, n_main - first).copy_(fixed.narrow(-2, 0, n_main - first))
+        if n_top:
+            rows = (n_top - 1) * stride - before + kernel
+            slab = _assemble(x.narrow(-2, 0, rows), top, empty, before - top.shape[-2], 0, [0, 0])
+            out.narrow(-2, 0, n_top).copy_(conv2d(slab, 0))
+        return out
 
     return forward
+
+
+def _edge_rows(rows: int, kernel: int, stride: int, before: int) -> tuple[int, int] | None:
+    """``(top, bottom)``: output rows of a shard of ``rows`` input rows whose conv windows reach above (the
+    previous rank's rows, ``before`` of them) or below it; ``None`` when one output row needs both (a shard
+    shorter than a window), which the edge recompute cannot serve.
+
+    >>> _edge_rows(rows=4, kernel=3, stride=1, before=1)   # 3x3, padding 1: the first and last rows
+    (1, 1)
+    >>> _edge_rows(rows=4, kernel=3, stride=2, before=0)   # ZeroPad2d((0, 1, 0, 1)) + stride 2: the last row
+    (0, 1)
+    >>> _edge_rows(rows=1, kernel=3, stride=1, before=1) is None
+    True
+    >>> _edge_rows(rows=2, kernel=3, stride=2, before=0) is None   # no window lies inside the shard
+    True
+    """
+    n_top = -(-before // stride)
+    n_bottom = (kernel - 1 - before) // stride
+    if (
+        n_top + n_bottom > rows // stride or rows + 2 * before < kernel
+    ):  # overlap, or no row of the shard's own
+        return None
+    return n_top, n_bottom
 
 
 def causal_conv3d_forward(conv: Any, state: VAEShardState, cache_frames: int) -> Callable:
@@ -257,13 +310,13 @@ def session_forward(
         if state.output == "shard":
             # The local rows; the gradient is then that of the SUM of the ranks' losses on their rows.
             def finish(t: torch.Tensor) -> torch.Tensor:
-                return grad_scaled_by_group(t, state.group)
+                return _refuse_approx_backward(grad_scaled_by_group(t, state.group), state, kind)
         else:
 
             def finish(t: torch.Tensor) -> torch.Tensor:
-                return gather_rows(t, state)
+                return _refuse_approx_backward(gather_rows(t, state), state, kind)
 
-        if kind == "encode":
+        if kind == "encode" or isinstance(out, torch.Tensor):  # AutoencoderDC's and the refiner's _decode
             return finish(out)
         if isinstance(out, tuple):
             return (finish(out[0]), *out[1:])
@@ -310,3 +363,141 @@ def tile_boundary(original: Callable, state: VAEShardState) -> Callable:
         return original(*args, **kwargs)
 
     return clear_cache
+
+
+# ----------------------------------------------------------------------------------------------- image VAEs (issue 36)
+def _refuse_approx_backward(out: torch.Tensor, state: VAEShardState, kind: str) -> torch.Tensor:
+    """Under ``vae_mode="approx"`` a backward through the split call raises instead of returning approximate
+    gradients (the shards skip the convolution halos; the mode is inference only). Precise mode: unchanged."""
+    if not state.approx or not out.requires_grad:
+        return out
+
+    def refuse(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            f"{state.name}.{kind} ran with vae_mode='approx', which is inference only: its shards skip the "
+            "convolution halos, so gradients through it would be approximate. Train with vae_mode='precise' "
+            "(the default; exact gradients), or run approx inference under torch.no_grad()"
+        )
+
+    out.register_hook(refuse)
+    return out
+
+
+def halo_pad(
+    x: torch.Tensor, state: VAEShardState, before: int, after: int, pad: list[int], mode: str = "constant"
+) -> torch.Tensor:
+    """This rank's rows of ``F.pad(full, pad, mode)``, plus the halo a conv needs, for a height shard ``x``.
+
+    ``full`` is the unsplit tensor (height at dim -2, width at dim -1, time at dim 2 of a 5D map); ``pad`` is
+    ``F.pad``'s list (``[left, right, top, bottom]`` or ``[left, right, top, bottom, front, back]``). The
+    neighbours' last ``before`` / first ``after`` rows are exchanged into the shard and the height padding
+    (``pad[2]``, ``pad[3]``) applies at the global border only: zero rows (``mode="constant"``, assembled in
+    one allocation) or copies of the image's first/last row (``"replicate"``: HunyuanImage's refiner and
+    HunyuanVideo's causal convs). Width and time are padded as the stock layer pads them.
+    """
+    top, bottom = exchange_rows(x, before, after, state)
+    pad = list(pad)
+    pad[2] = pad[2] if state.rank == 0 else 0
+    pad[3] = pad[3] if state.rank == state.world - 1 else 0
+    if mode == "constant":
+        return _assemble(x, top, bottom, pad[2], pad[3], pad)
+    # Every rank runs the same ops (a pad of zero rows included): the same autograd graph everywhere.
+    return F.pad(torch.cat([top, x, bottom], -2), pad, mode=mode)
+
+
+def causal_pad_conv3d_forward(module: Any, state: VAEShardState) -> Callable:
+    """Forward for a causal conv that pads explicitly, ``module.conv(F.pad(x, module.time_causal_padding,
+    mode=module.pad_mode))`` (HunyuanImage's refiner, HunyuanVideo): halo rows inside, the height padding at the
+    global border only, width and time padded as the stock layer pads them."""
+    original = module.forward
+    conv = module.conv
+    before, after = state.halos[id(module)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.sharding or state.approx:
+            return original(x)
+        return conv(halo_pad(x, state, before, after, list(module.time_causal_padding), module.pad_mode))
+
+    return forward
+
+
+def gathered_kv_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: VAEShardState
+) -> torch.Tensor:
+    """Single-head softmax attention of this rank's query positions over every rank's keys/values.
+
+    ``query``, ``key`` and ``value`` are feature maps ``(B, C, *spatial)`` whose height is dim -2 (a 2D map or
+    a video ``(B, C, T, H, W)``); every position attends to every position, as in the stock blocks
+    (HunyuanImage's mid-block over ``H x W``, the refiner's over ``T x H x W``). Keys and values are gathered
+    along height in one all-gather (``(W - 1) x`` the local K/V bytes sent per rank; memory: the full K/V of
+    this layer, replicated), queries stay local. Returns the attention output as a local ``(B, C, *spatial)`` map.
+    """
+    tokens = [rows * (key[0, 0].numel() // key.shape[-2]) for rows in state.sizes(key.shape[-2])]
+    kv = torch.cat([key.flatten(2), value.flatten(2)], 1).transpose(1, 2)  # (B, L_local, 2C)
+    kv = all_gather(kv.contiguous(), 1, state.group, tokens, backward="reduce_scatter")
+    k, v = kv.unsqueeze(1).chunk(2, dim=-1)
+    q = query.flatten(2).transpose(1, 2).unsqueeze(1)  # (B, 1, L_local, C)
+    out = F.scaled_dot_product_attention(q, k, v)
+    return out.squeeze(1).transpose(1, 2).reshape(query.shape)
+
+
+def sum_over_ranks(x: torch.Tensor, state: VAEShardState) -> torch.Tensor:
+    """``sum_r x_r``, identical on every rank (the ranks' terms added in rank order); differentiable.
+
+    For small per-rank sums (DC-AE's linear-attention ``V K^T``): one all-gather of ``x``, then a local sum.
+    Backward: each rank's gradient summed over the ranks (every rank's output used the sum).
+    """
+    return all_reduce_stats(x, state).sum(0)
+
+
+def _merged_moments(
+    mean: torch.Tensor, var: torch.Tensor, count: int, state: VAEShardState
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(mean, biased variance, total count) over every rank from each rank's (mean, var, count), merged exactly
+    (Chan et al.), in fp64; differentiable."""
+    counts = torch.tensor(state.sizes(count), dtype=torch.float64, device=mean.device)
+    stats = all_reduce_stats(torch.stack([mean, var]), state).double()  # (world, 2, ...)
+    weights = (counts / counts.sum()).view(-1, *([1] * mean.dim()))
+    merged_mean = (weights * stats[:, 0]).sum(0)
+    merged_var = (weights * (stats[:, 1] + (stats[:, 0] - merged_mean) ** 2)).sum(0)
+    return merged_mean, merged_var, counts.sum().item()
+
+
+def batch_norm_forward(norm: torch.nn.BatchNorm2d, state: VAEShardState) -> Callable:
+    """Forward for ``nn.BatchNorm2d`` on height shards (DC-AE's decoder).
+
+    In eval mode (running statistics) it is per position and runs as it is. With batch statistics (training
+    mode) the per-channel mean and variance over ``(N, H, W)`` are merged over the ranks (one small all-gather)
+    and the running statistics are updated as the stock layer updates them (unbiased variance, momentum or
+    cumulative average), identically on every rank.
+    """
+    original = norm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        batch_stats = norm.training or (norm.running_mean is None and norm.running_var is None)
+        if not state.sharding or not batch_stats:
+            return original(x)
+        factor = 0.0
+        if norm.training and norm.track_running_stats and norm.num_batches_tracked is not None:
+            norm.num_batches_tracked.add_(1)
+            factor = 1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum
+        compute = _compute_dtype(x.dtype)
+        per_channel = x.transpose(0, 1).reshape(x.shape[1], -1).to(compute)  # (C, N x H_local x W)
+        var_local, mean_local = torch.var_mean(per_channel, dim=-1, correction=0)
+        mean, var, count = _merged_moments(mean_local, var_local, per_channel.shape[-1], state)
+        if norm.training and norm.track_running_stats and norm.running_mean is not None:
+            with torch.no_grad():
+                norm.running_mean.mul_(1 - factor).add_(factor * mean.to(norm.running_mean.dtype))
+                unbiased = var * count / max(count - 1, 1)
+                norm.running_var.mul_(1 - factor).add_(factor * unbiased.to(norm.running_var.dtype))
+        scale = torch.rsqrt(var + norm.eps).to(compute)
+        shift = -mean.to(compute) * scale
+        if norm.affine:
+            scale, shift = (
+                scale * norm.weight.to(compute),
+                shift * norm.weight.to(compute) + norm.bias.to(compute),
+            )
+        view = (1, -1) + (1,) * (x.dim() - 2)
+        return torch.addcmul(shift.view(view), x.to(compute), scale.view(view)).to(x.dtype)
+
+    return forward

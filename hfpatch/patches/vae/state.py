@@ -200,6 +200,9 @@ class _TileRun:
         if owner == self.state.rank:
             out = original(x, *args, **kwargs)
             self.mine.append(out)
+            # The stock blend writes into the tiles it is given (blend_v/blend_h): this pass's blend is thrown
+            # away, so it gets a copy and the exchange sends the tile as decoded.
+            out = out.clone()
         else:
             # Private but stable since torch 2.0: runs the stock code for shapes only, no compute, no memory.
             from torch._subclasses.fake_tensor import FakeTensorMode

@@ -86,28 +86,33 @@ class WanVAEParallel(VAEParallelFamily):
             exchange: each shard pads itself; attention stays global). Inference only.
         vae_output: ``"full"`` (default; every rank gets the whole output) or ``"shard"`` (this rank's rows,
             see :func:`hfpatch.patches.vae.family.local_rows`).
+
+    The QwenImage VAEs copy this architecture class by class (``QwenImage...`` for ``Wan...``):
+    :mod:`hfpatch.patches.vae.qwenimage` reuses the family with their module and prefix.
     """
 
     name = "wan_vae"
+    #: The diffusers module defining the architecture and the prefix of its class names.
+    module = "diffusers.models.autoencoders.autoencoder_kl_wan"
+    prefix = "Wan"
+
+    def classes(self) -> Any:
+        """The architecture's classes by their Wan suffix (``classes().CausalConv3d``); absent ones are ``None``."""
+        import importlib
+        from types import SimpleNamespace
+
+        source = importlib.import_module(self.module)
+        names = (
+            "Encoder3d Decoder3d MidBlock ResidualBlock ResidualDownBlock ResidualUpBlock UpBlock Resample "
+            "Upsample AttentionBlock RMS_norm CausalConv3d AvgDown3D DupUp3D"
+        ).split()
+        # Wan's AvgDown3D/DupUp3D carry no prefix (QwenImage 2.1's do).
+        found = {name: getattr(source, self.prefix + name, getattr(source, name, None)) for name in names}
+        return SimpleNamespace(**found, CACHE_T=getattr(source, "CACHE_T", None))
 
     def audited_types(self) -> tuple[type, ...]:
-        from diffusers.models.autoencoders import autoencoder_kl_wan as wan
-
-        return (
-            wan.WanEncoder3d,
-            wan.WanDecoder3d,
-            wan.WanMidBlock,
-            wan.WanResidualBlock,
-            wan.WanResidualDownBlock,
-            wan.WanResidualUpBlock,
-            wan.WanUpBlock,
-            wan.WanResample,
-            wan.WanUpsample,
-            wan.WanAttentionBlock,
-            wan.WanRMS_norm,
-            wan.WanCausalConv3d,
-            wan.AvgDown3D,
-            wan.DupUp3D,
+        found = tuple(c for c in vars(self.classes()).values() if isinstance(c, type))
+        return found + (
             torch.nn.Conv2d,
             torch.nn.ZeroPad2d,
             torch.nn.Sequential,
@@ -118,26 +123,34 @@ class WanVAEParallel(VAEParallelFamily):
         )
 
     def check_module(self, path: str, module: torch.nn.Module) -> None:
-        from diffusers.models.autoencoders import autoencoder_kl_wan as wan
-
+        wan = self.classes()
         if type(module) is torch.nn.Conv2d:
             check_conv2d(path, module)
-        elif type(module) is wan.WanCausalConv3d:
-            if module._padding[2] != module._padding[3] or module.dilation[1] != 1:
-                raise TypeError(
-                    f"{path}: WanCausalConv3d with asymmetric height padding or dilation is not supported"
-                )
-        elif type(module) is wan.WanUpsample:
+        elif type(module) is wan.CausalConv3d:
+            self.check_causal_conv(path, module)
+        elif type(module) is wan.Upsample:
             if tuple(module.scale_factor) != (2.0, 2.0) or module.mode not in ("nearest", "nearest-exact"):
                 raise TypeError(f"{path}: only 2x nearest upsampling is row-local; got {module}")
 
-    def install(self, target: Any, patch: Any, state: VAEShardState) -> None:
-        from diffusers.models.autoencoders import autoencoder_kl_wan as wan
+    def check_causal_conv(self, path: str, conv: torch.nn.Module) -> None:
+        if conv._padding[2] != conv._padding[3] or conv.dilation[1] != 1:
+            raise TypeError(
+                f"{path}: {type(conv).__name__} with asymmetric height padding or dilation is not supported"
+            )
 
+    def install_causal_conv(self, patch: Any, conv: torch.nn.Module, state: VAEShardState) -> None:
+        """Halo-wrap one causal conv that couples rows (Wan's: a ``Conv3d`` with the frame cache)."""
+        kernel, stride = conv.kernel_size[1], conv.stride[1]
+        if kernel > 1 or stride > 1:
+            state.halos[id(conv)] = conv_halo(kernel, stride, conv._padding[2])
+            patch.set_attr(conv, "forward", causal_conv3d_forward(conv, state, self.classes().CACHE_T))
+
+    def install(self, target: Any, patch: Any, state: VAEShardState) -> None:
+        wan = self.classes()
         handled: set[int] = set()
         downsamples = 0
         for module in target.modules():
-            if isinstance(module, wan.WanResample) and module.mode.startswith("downsample"):
+            if isinstance(module, wan.Resample) and module.mode.startswith("downsample"):
                 pad, conv = module.resample[0], module.resample[1]
                 _, _, pad_top, pad_bottom = pad.padding
                 patch.set_attr(pad, "forward", _zero_pad_forward(pad, state))
@@ -145,12 +158,10 @@ class WanVAEParallel(VAEParallelFamily):
                 handled.add(id(conv))
                 if any(module is m for m in target.encoder.modules()):
                     downsamples += 1
-            elif type(module) is wan.WanCausalConv3d:
-                kernel, stride = module.kernel_size[1], module.stride[1]
-                if kernel > 1 or stride > 1:
-                    state.halos[id(module)] = conv_halo(kernel, stride, module._padding[2])
-                    patch.set_attr(module, "forward", causal_conv3d_forward(module, state, wan.CACHE_T))
-            elif type(module) is wan.WanAttentionBlock:
+            elif type(module) is wan.CausalConv3d:
+                self.install_causal_conv(patch, module, state)
+                handled.add(id(module))
+            elif type(module) is wan.AttentionBlock:
                 patch.set_attr(module, "forward", _attention_forward(module, state))
         for module in target.modules():
             if type(module) is torch.nn.Conv2d and id(module) not in handled:
