@@ -62,7 +62,14 @@ CASES = {
     # The video VAEs split by height (issue 36), rows of TINY_MODELS without a factory of their own.
     **{
         f"tiny_model({row!r})": (lambda r: lambda: T.models.tiny_model(r))(row)
-        for row in ("hunyuanvideo15_vae", "ltx2_vae", "cogvideox_vae", "mochi_vae", "allegro_vae", "cosmos_vae")
+        for row in (
+            "hunyuanvideo15_vae",
+            "ltx2_vae",
+            "cogvideox_vae",
+            "mochi_vae",
+            "allegro_vae",
+            "cosmos_vae",
+        )
     },
     **{f"tiny_dit({name!r})": (lambda n: lambda: dits.tiny_dit(n))(name) for name in dits.TINY_DITS},
     **{
