@@ -292,9 +292,13 @@ def _plot(result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     heights = result["input"]["latent_heights"]
     peaks = result["peak_bytes"]
-    fig, (ax_n, ax_h, ax_t, ax_c) = plt.subplots(1, 4, figsize=(21, 4))
+    classes = "classes" in result  # a JSON written before the video VAEs has no class panel
+    fig, axes = plt.subplots(4 if classes else 3, 1, figsize=(9, 17.2 if classes else 12.9))
+    ax_n, ax_h, ax_t = axes[:3]
     ranks = [1, 2, 4]
     at = heights.index(max(heights))
     measured = [peaks["unpatched"][at], peaks["hfpatch_N2"][at], peaks["hfpatch_N4"][at]]
@@ -311,12 +315,19 @@ def _plot(result: dict) -> None:
         ax_h.plot(heights, [v / 2**20 for v in values], "o-", label=name)
     ax_h.axhline(result["budget_bytes"] / 2**20, color="gray", ls=":", label="budget")
     ax_h.set(xlabel="latent height (rows)", ylabel="peak activation MiB per rank", title="peak vs resolution")
-    ax_h.legend(fontsize=8)
+    ax_h.legend()
     for name, values in result["train_peak_bytes"].items():
         ax_t.plot(heights, [v / 2**20 for v in values], "o-", label=name)
     ax_t.set(xlabel="latent height (rows)", ylabel="peak MiB per rank", title="training step (fwd + bwd)")
-    ax_t.legend(fontsize=8)
-    ratios = result["classes"]["peak_ratio_vs_unpatched"]
+    ax_t.legend()
+    if classes:
+        _plot_classes(axes[3], result["classes"]["peak_ratio_vs_unpatched"])
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vae_memory.png", dpi=120)
+
+
+def _plot_classes(ax_c, ratios: dict) -> None:
+    """Per split class: the decode peak per rank vs unpatched at the largest height, N = 2 and 4."""
     names = list(ratios)
     for offset, world in ((-0.2, 2), (0.2, 4)):
         ax_c.bar([i + offset for i in range(len(names))], [ratios[n][f"N{world}"][-1] for n in names], 0.4,
@@ -324,13 +335,11 @@ def _plot(result: dict) -> None:
     for bound in (0.6, 0.35):
         ax_c.axhline(bound, color="gray", ls=":")
     ax_c.set_xticks(range(len(names)))
-    ax_c.set_xticklabels([n.replace("AutoencoderKL", "") for n in names], rotation=60, fontsize=7, ha="right")
+    ax_c.set_xticklabels([n.replace("AutoencoderKL", "") for n in names], rotation=45, ha="right")
     ax_c.set(
         ylabel="decode peak per rank / unpatched", title=f"video VAEs, latent height {CLASS_HEIGHTS[-1]}"
     )
-    ax_c.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "vae_memory.png", dpi=120)
+    ax_c.legend()
 
 
 if __name__ == "__main__":
