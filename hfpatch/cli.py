@@ -168,8 +168,9 @@ def _wrapped(label: str, items: Sequence[str], indent: int = 6, width: int = 110
 def info_lines(classes: bool = False) -> list[str]:
     """The lines ``hfpatch info`` prints (``classes``: every class, as ``hfpatch info --classes``).
 
-    By default each patch family is one entry: what it patches, the classes it is registered for (counted,
-    the first few named) and its options, once; ``classes=True`` lists every class with its families.
+    By default each patch family is one entry (the VAE families, one per VAE kind, together): what it patches,
+    the classes it is registered for (counted, the first few named) and its options, once; ``classes=True``
+    lists every class with its families.
     """
     import torch
 
@@ -202,7 +203,12 @@ def info_lines(classes: bool = False) -> list[str]:
             lines += [f"  {key}: {name} ({role}) [{options}]" for key in keys]
     else:
         lines.append(f"patch families ({len(families)}; `hfpatch info --classes` lists every class):")
+        # The VAE families (one per VAE kind) as one entry.
+        summary: dict[tuple[str, str, str], list[str]] = {}
         for (name, role, options), keys in families.items():
+            label = "patch-parallel VAEs" if role == "vae" else name
+            summary.setdefault((label, role, options), []).extend(keys)
+        for (name, role, options), keys in summary.items():
             short = [key.split(".", 1)[1] for key in keys]
             count = f"{len(keys)} classes" if len(keys) > 1 else "1 class"
             shown = short if len(short) <= 6 else [*short[:5], f"... ({len(short) - 5} more)"]
