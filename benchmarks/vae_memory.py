@@ -1,12 +1,14 @@
-"""Per-rank activation memory, halo traffic and approx error of the height-split VAE decode, for every split class.
+"""Per-rank activation memory, halo traffic and approx error of the height-split VAE decodes, for every split class.
 
 Runs the tiny stock ``AutoencoderKLWan`` (Wan 2.1 form) on CPU gloo ranks; memory is the deterministic peak of
 live tensors created during ``vae.decode`` (parameters and inputs excluded, ``vae_output="shard"`` so the
-gathered output is not counted). Writes ``benchmarks/results/vae_memory.json`` and ``.png``. Then every other
-split class (``CLASSES``: AutoencoderKL, Flux.2, QwenImage, QwenImage 2.1, HunyuanImage and its refiner, DC-AE) in
-its released proportions (``hfpatch.testing.models.VAE_MEMORY_CONFIGS``): decode peak per rank vs unpatched at
-N = 2 and 4 over latent heights, and the bytes each rank sends (halo rows; all-gathers of statistics,
-attention keys/values and DC-AE's linear-attention sums) against the analytic volumes
+gathered output is not counted). Writes ``benchmarks/results/vae_memory.json`` and ``.png``; the video VAEs
+(:data:`VIDEO_CLASSES`) get the same decode peak per rank at N = 2 and 4 and two latent heights, and their bytes
+sent by kind (halo rows, GroupNorm statistics, ring attention) against the analytic count, in the same JSON. Then
+every image class (``CLASSES``: AutoencoderKL, Flux.2, QwenImage, QwenImage 2.1, HunyuanImage and its refiner,
+DC-AE) in its released proportions (``hfpatch.testing.models.VAE_MEMORY_CONFIGS``): decode peak per rank vs
+unpatched at N = 2 and 4 over latent heights, and the bytes each rank sends (halo rows; all-gathers of
+statistics, attention keys/values and DC-AE's linear-attention sums) against the analytic volumes
 (``benchmarks/results/vae_classes.json``, ``.png``).
 
 Reported:
@@ -15,9 +17,12 @@ Reported:
   height, so the largest height is read off a least-squares line through the measured points);
 - peak bytes of a training step through the decoder (forward + backward), where tiling does not help;
 - halo bytes sent per rank, measured vs the analytic count;
-- the error of ``vae_mode="approx"`` against the exact result.
+- the error of ``vae_mode="approx"`` against the exact result;
+- per split class: the decode peak per rank vs unpatched at N = 2 and 4 (latent heights 16 and 32), bytes sent
+  vs analytic; Allegro (which decodes only through fixed tiles, and blends whole tiles on every rank) also at
+  wider channels, where the decoder's activations outweigh the tile buffers every rank holds whole.
 
-Usage: ``python benchmarks/vae_memory.py`` (4-6 minutes on 2 CPU cores).
+Usage: ``python benchmarks/vae_memory.py`` (10-14 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch.distributed.collectives import count_comm
-from hfpatch.patches.vae.family import analytic_gather_bytes, analytic_halo_bytes
+from hfpatch.patches.vae.family import analytic_gather_bytes, analytic_halo_bytes, analytic_split_bytes
 from hfpatch.testing import tiny_wan_vae
 from hfpatch.testing.memory import track_memory
 from hfpatch.testing.models import VAE_MEMORY_CONFIGS, tiny_model
@@ -41,6 +46,76 @@ HEIGHTS = [8, 16, 32]  # latent rows (x8 pixels)
 WIDTH, FRAMES = 8, 2  # latent columns; latent frames (-> 5 video frames)
 TILE = 64  # diffusers tiling: 64-pixel tiles (8 latent rows), 48-pixel stride
 RESULTS = Path(__file__).parent / "results"
+
+
+#: class -> (hfpatch.testing tiny model row, config overrides, latent [channels, frames, width]); Allegro's tiles
+#: (``kernel``/``stride`` attributes) cover the whole latent: one tile per decode.
+VIDEO_CLASSES: dict[str, tuple[str, dict, tuple[int, int, int]]] = {
+    "AutoencoderKLHunyuanVideo": ("hunyuanvideo_vae", {}, (4, 2, 4)),
+    "AutoencoderKLHunyuanVideo15": ("hunyuanvideo15_vae", {}, (4, 2, 4)),
+    "AutoencoderKLLTXVideo": ("ltx_vae", {"decoder_inject_noise": (True, True, False, True, False)}, (8, 2, 2)),
+    "AutoencoderKLLTX2Video": ("ltx2_vae", {}, (8, 2, 2)),
+    "AutoencoderKLCogVideoX": ("cogvideox_vae", {}, (4, 3, 4)),
+    "AutoencoderKLMochi": ("mochi_vae", {}, (4, 2, 4)),
+    "AutoencoderKLCosmos": ("cosmos_vae", {}, (4, 2, 4)),
+    "AutoencoderKLAllegro": ("allegro_vae", {}, (4, 2, 16)),
+    "AutoencoderKLAllegro (32 channels)": ("allegro_vae", {"block_out_channels": (32, 32), "norm_num_groups": 8},
+                                           (4, 2, 16)),
+}  # fmt: skip
+VIDEO_HEIGHTS = [16, 32]
+
+
+def _video_vae(name: str, height: int) -> torch.nn.Module:
+    row, overrides, (_, _, width) = VIDEO_CLASSES[name]
+    vae = tiny_model(row, **overrides)
+    if row == "allegro_vae":  # one tile covering the latent (Allegro decodes only through its tiles)
+        factor = vae.spatial_compression_ratio
+        vae.kernel = (4, height * factor, width * factor)
+        vae.stride = (2, height * factor - 4, width * factor - 4)
+    return vae
+
+
+def _video_latents(name: str, height: int) -> torch.Tensor:
+    channels, frames, width = VIDEO_CLASSES[name][2]
+    return torch.randn(1, channels, frames, height, width, generator=torch.Generator().manual_seed(0))
+
+
+def _video_decode(vae: torch.nn.Module, z: torch.Tensor) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the LTX decoder draws noise from the global RNG: the same on every rank
+        vae.decode(z)
+
+
+def _video_peaks() -> dict[str, list[int]]:
+    """Unpatched decode peaks of every class, per height (one process)."""
+    peaks = {}
+    for name in VIDEO_CLASSES:
+        peaks[name] = []
+        for height in VIDEO_HEIGHTS:
+            vae, z = _video_vae(name, height), _video_latents(name, height)
+            with torch.no_grad(), track_memory() as mem:
+                _video_decode(vae, z)
+            peaks[name].append(mem.peak_bytes)
+    return peaks
+
+
+def _video_run() -> dict[str, list[dict]]:
+    """On every rank: split decode peak and bytes sent (measured, analytic) per class and height."""
+    rows: dict[str, list[dict]] = {}
+    for name, (row, _, _) in VIDEO_CLASSES.items():
+        rows[name] = []
+        output = "full" if row == "allegro_vae" else "shard"
+        for height in VIDEO_HEIGHTS:
+            vae, z = _video_vae(name, height), _video_latents(name, height)
+            with torch.no_grad(), hfpatch.apply(vae, vae_output=output):
+                analytic = analytic_split_bytes(vae, lambda v=vae, z=z: _video_decode(v, z), height)
+                with track_memory() as mem, count_comm() as comm:
+                    _video_decode(vae, z)
+            sent = {k: v for k, v in comm.by_op.items() if k != "guard"}
+            rows[name].append(
+                {"height": height, "peak_bytes": mem.peak_bytes, "sent": sent, "analytic": analytic}
+            )
+    return rows
 
 
 def _latents(height: int) -> torch.Tensor:
@@ -221,10 +296,13 @@ def main() -> dict:
     vae.disable_tiling()
     unpatched_train = [_train_peak(vae, _latents(h)) for h in HEIGHTS]
 
+    class_peaks = _video_peaks()
     split: dict[int, list[list[dict]]] = {}
+    classes: dict[int, list[dict]] = {}
     for world in (2, 4):
-        with RankPool(world, timeout_s=600) as pool:
+        with RankPool(world, timeout_s=1200) as pool:
             split[world] = pool.run(_split_run, HEIGHTS)
+            classes[world] = pool.run(_video_run)
 
     budget = unpatched[HEIGHTS.index(16)]  # what one rank holds decoding 16 latent rows unpatched
     per_rank_peak = {
@@ -282,6 +360,41 @@ def main() -> dict:
             for w in split
         },
     }
+    result["classes"] = {
+        "input": {
+            name: {"latent_heights": VIDEO_HEIGHTS, "latent": VIDEO_CLASSES[name][2]}
+            for name in VIDEO_CLASSES
+        },
+        "unpatched_peak_bytes": class_peaks,
+        "peak_ratio_vs_unpatched": {
+            name: {
+                f"N{w}": [
+                    max(r[name][i]["peak_bytes"] for r in classes[w]) / class_peaks[name][i]
+                    for i in range(len(VIDEO_HEIGHTS))
+                ]
+                for w in classes
+            }
+            for name in VIDEO_CLASSES
+        },
+        "bytes_per_rank": {
+            name: {
+                f"N{w}": [
+                    {"rank": rank, **{k: v for k, v in row.items() if k != "peak_bytes"}}
+                    for rank, rows in enumerate(classes[w])
+                    for row in rows[name]
+                ]
+                for w in classes
+            }
+            for name in VIDEO_CLASSES
+        },
+        "bytes_equal_analytic": all(
+            row["sent"] == {k: v for k, v in row["analytic"].items() if v}
+            for w in classes
+            for rows in classes[w]
+            for name in VIDEO_CLASSES
+            for row in rows[name]
+        ),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vae_memory.json").write_text(json.dumps(result, indent=2))
     _plot(result)
@@ -298,7 +411,9 @@ def _plot(result: dict) -> None:
 
     heights = result["input"]["latent_heights"]
     peaks = result["peak_bytes"]
-    fig, (ax_n, ax_h, ax_t) = plt.subplots(3, 1, figsize=(9, 12.9))
+    classes = "classes" in result  # a JSON written before the video VAEs has no class panel
+    fig, axes = plt.subplots(4 if classes else 3, 1, figsize=(9, 17.2 if classes else 12.9))
+    ax_n, ax_h, ax_t = axes[:3]
     ranks = [1, 2, 4]
     at = heights.index(max(heights))
     measured = [peaks["unpatched"][at], peaks["hfpatch_N2"][at], peaks["hfpatch_N4"][at]]
@@ -320,8 +435,26 @@ def _plot(result: dict) -> None:
         ax_t.plot(heights, [v / 2**20 for v in values], "o-", label=name)
     ax_t.set(xlabel="latent height (rows)", ylabel="peak MiB per rank", title="training step (fwd + bwd)")
     ax_t.legend()
+    if classes:
+        _plot_video_classes(axes[3], result["classes"]["peak_ratio_vs_unpatched"])
     fig.tight_layout()
     fig.savefig(RESULTS / "vae_memory.png", dpi=120)
+
+
+def _plot_video_classes(ax_c, ratios: dict) -> None:
+    """Per split class: the decode peak per rank vs unpatched at the largest height, N = 2 and 4."""
+    names = list(ratios)
+    for offset, world in ((-0.2, 2), (0.2, 4)):
+        ax_c.bar([i + offset for i in range(len(names))], [ratios[n][f"N{world}"][-1] for n in names], 0.4,
+                 label=f"N = {world}")  # fmt: skip
+    for bound in (0.6, 0.35):
+        ax_c.axhline(bound, color="gray", ls=":")
+    ax_c.set_xticks(range(len(names)))
+    ax_c.set_xticklabels([n.replace("AutoencoderKL", "") for n in names], rotation=45, ha="right")
+    ax_c.set(
+        ylabel="decode peak per rank / unpatched", title=f"video VAEs, latent height {VIDEO_HEIGHTS[-1]}"
+    )
+    ax_c.legend()
 
 
 if __name__ == "__main__":

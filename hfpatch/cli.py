@@ -168,8 +168,9 @@ def _wrapped(label: str, items: Sequence[str], indent: int = 6, width: int = 110
 def info_lines(classes: bool = False) -> list[str]:
     """The lines ``hfpatch info`` prints (``classes``: every class, as ``hfpatch info --classes``).
 
-    By default each patch family is one entry: what it patches, the classes it is registered for (counted,
-    the first few named) and its options, once; ``classes=True`` lists every class with its families.
+    By default each patch family is one entry (the VAE families, one per VAE kind, together): what it patches,
+    the classes it is registered for (counted, the first few named) and its options, once; ``classes=True``
+    lists every class with its families.
     """
     import torch
 

@@ -184,12 +184,13 @@ PUBLIC: dict[str, str | None] = {
         "takes_local_embeddings"
     ),
     "hfpatch.training.gradcache": "GradCache RngState is_sentence_transformer split_inputs",
-    "hfpatch.training.pixel_loss": "REFERENCE_ENV chunked_pixel_loss",
+    "hfpatch.training.pixel_loss": "OPAQUE_FRAMES REFERENCE_ENV chunked_pixel_loss",
     "hfpatch.training.pooling": "Pooling default_rep pool",
     "hfpatch.training.sentence_transformers": "GradCacheLoss row_blocked_equivalent tiny_sentence_transformer",
     "hfpatch.training.trainer": "GradCacheTrainer info_nce",
     "hfpatch.training.video_vae": (
-        "WanFrames checkpointed_decode checkpointed_encode is_wan_vae time_segments"
+        "CogVideoXFrames WanFrames checkpointed_decode checkpointed_encode frames_for is_wan_vae "
+        "span_segments time_segments vae_behind"
     ),
     "hfpatch.training.vlm_split": (
         "MEDIA_KEYS VisionTokenSpec has_grids has_media media_per_sample plan_chunks split_vlm_inputs "

@@ -109,6 +109,17 @@ BUILTIN_FAMILIES: list[tuple[str, str]] = [
         "hfpatch.patches.vae.hunyuanimage:HunyuanImageRefinerVAEParallel",
     ),
     ("diffusers.AutoencoderDC", "hfpatch.patches.vae.dc:DCAEParallel"),
+    ("diffusers.AutoencoderKLHunyuanVideo", "hfpatch.patches.vae.hunyuan_video:HunyuanVideoVAEParallel"),
+    (
+        "diffusers.AutoencoderKLHunyuanVideo15",
+        "hfpatch.patches.vae.hunyuan_video15:HunyuanVideo15VAEParallel",
+    ),
+    ("diffusers.AutoencoderKLLTXVideo", "hfpatch.patches.vae.ltx:LTXVideoVAEParallel"),
+    ("diffusers.AutoencoderKLLTX2Video", "hfpatch.patches.vae.ltx:LTXVideoVAEParallel"),
+    ("diffusers.AutoencoderKLCogVideoX", "hfpatch.patches.vae.cogvideox:CogVideoXVAEParallel"),
+    ("diffusers.AutoencoderKLMochi", "hfpatch.patches.vae.mochi:MochiVAEParallel"),
+    ("diffusers.AutoencoderKLAllegro", "hfpatch.patches.vae.allegro:AllegroVAEParallel"),
+    ("diffusers.AutoencoderKLCosmos", "hfpatch.patches.vae.cosmos:CosmosVAEParallel"),
     # Weights sharded over ranks (FSDP2, option shard_weights): a pipeline's transformers and encoders, before
     # the CFG/data-parallel wrapper (which must call the sharded forward only where the transformer computes).
     ("diffusers.DiffusionPipeline", "hfpatch.patches.fsdp.sharding:WeightSharding"),

@@ -434,6 +434,65 @@ TINY_MODELS: dict[str, TinyModel] = {
             spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True,
         ),
     ),
+    "hunyuanvideo15_vae": TinyModel(  # 4x spatial, 4x temporal, causal attention in the mid-blocks
+        "diffusers.AutoencoderKLHunyuanVideo15",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8), layers_per_block=1,
+            spatial_compression_ratio=4, temporal_compression_ratio=4,
+        ),
+    ),
+    "ltx2_vae": TinyModel(  # 16x spatial (patch 2), 8x temporal, reflect-padded causal decoder, residual upsamplers
+        "diffusers.AutoencoderKLLTX2Video",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, True),
+            decoder_spatio_temporal_scaling=(True, True, True), decoder_inject_noise=(False, False, False, False),
+            upsample_residual=(True, True, True), upsample_factor=(2, 2, 2), patch_size=2,
+            spatial_compression_ratio=16, temporal_compression_ratio=8,
+        ),
+    ),
+    "cogvideox_vae": TinyModel(  # 2x spatial, 2x temporal, SpatialNorm3D decoder, frame batches with conv_cache
+        "diffusers.AutoencoderKLCogVideoX",
+        dict(
+            in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 2,
+            up_block_types=("CogVideoXUpBlock3D",) * 2, block_out_channels=(8, 8), latent_channels=4,
+            layers_per_block=1, norm_num_groups=4, temporal_compression_ratio=2, sample_height=32, sample_width=32,
+        ),
+    ),
+    "mochi_vae": TinyModel(  # 2x spatial, 2x temporal; per-frame GroupNorm needs 32 channels (32 groups)
+        "diffusers.AutoencoderKLMochi",
+        dict(
+            in_channels=15, out_channels=3, encoder_block_out_channels=(32, 32),
+            decoder_block_out_channels=(32, 32), latent_channels=4, layers_per_block=(1, 1, 1),
+            temporal_expansions=(2,), spatial_expansions=(2,), add_attention_block=(False, True, True),
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        ),
+    ),
+    "allegro_vae": TinyModel(  # 2x spatial, 2x temporal; tiles of 4 frames x 10 x 10 pixels every 2 x 6 x 6
+        "diffusers.AutoencoderKLAllegro",
+        dict(
+            in_channels=3, out_channels=3, down_block_types=("AllegroDownBlock3D",) * 2,
+            up_block_types=("AllegroUpBlock3D",) * 2, block_out_channels=(8, 8),
+            temporal_downsample_blocks=(True, False), temporal_upsample_blocks=(False, True), latent_channels=4,
+            layers_per_block=1, norm_num_groups=4, temporal_compression_ratio=2, sample_size=10,
+        ),
+        init={
+            "attributes": {  # Allegro encodes and decodes through its tiles only
+                ".use_tiling": True, ".kernel": (4, 10, 10), ".stride": (2, 6, 6), ".tile_overlap_t": 2,
+                ".tile_overlap_h": 4, ".tile_overlap_w": 4,
+            }
+        },
+    ),
+    "cosmos_vae": TinyModel(  # 4x spatial (Haar patch 2), 4x temporal, spatial + causal temporal attention
+        "diffusers.AutoencoderKLCosmos",
+        dict(
+            in_channels=3, out_channels=3, latent_channels=4, encoder_block_out_channels=(8, 8, 8, 8),
+            decode_block_out_channels=(8, 8, 8, 8), attention_resolutions=(4, 8), resolution=16, num_layers=1,
+            patch_size=2, spatial_compression_ratio=4, temporal_compression_ratio=4, latents_mean=None,
+            latents_std=None,
+        ),
+    ),
     # ---- text models
     "qwen3_causal_lm": TinyModel(
         "transformers.Qwen3ForCausalLM", _TINY_TEXT_LM, config_cls="transformers.Qwen3Config"

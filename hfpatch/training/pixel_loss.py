@@ -33,9 +33,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .causal_checkpoint import causal_checkpoint, snapshot_stride
-from .video_vae import WanFrames, is_wan_vae, time_segments
+from .video_vae import CogVideoXFrames, WanFrames, frames_for, span_segments, vae_behind
 
-__all__ = ["REFERENCE_ENV", "chunked_pixel_loss"]
+__all__ = ["OPAQUE_FRAMES", "REFERENCE_ENV", "chunked_pixel_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,24 +120,28 @@ def chunked_pixel_loss(
     autograd graph (``torch.autograd.grad``, DDP/FSDP gradient hooks, ``GradScaler`` all work unchanged).
     With grad disabled the chunks simply run one after the other.
 
-    Videos. When ``decode`` is a diffusers ``AutoencoderKLWan`` (the object itself, Wan 2.1 or 2.2, split by
-    ``hfpatch.apply`` or not) and gradients are needed, a chunk of videos is also cut along time: the decoder
-    runs ``frame_chunk_size`` latent frames at a time carrying its causal cache, each time chunk's error sum
+    Videos. When ``decode`` is a diffusers ``AutoencoderKLWan`` (Wan 2.1 or 2.2) or ``AutoencoderKLCogVideoX``
+    (the object itself or its bound ``vae.decode``, split by ``hfpatch.apply`` or not) and gradients are needed, a
+    chunk of videos is also cut along time: the decoder runs ``frame_chunk_size`` latent frames at a time
+    (CogVideoX: its own batches of 2) carrying its causal cache, each time chunk's error sum
     is taken as soon as its frames are decoded, and the backward recomputes the time chunks newest first,
     passing the gradient of each one's outgoing cache to the previous one
     (:func:`hfpatch.training.causal_checkpoint.causal_checkpoint`). The step then holds one time chunk's
     activations plus a few caches, whatever the number of frames, with the same loss and gradients (to the
     latents and to the decoder's trainable weights, LoRA included: the VAE is all the time chunks depend on).
     A VAE split over ranks runs time chunks x height shards; every rank must pass the same latents, targets
-    and masks (checked before any decode, on every rank alike).
+    and masks (checked before any decode, on every rank alike). The other video VAEs decode all frames in one
+    pass (GroupNorm statistics or attention over every frame): their videos are decoded whole (split over ranks,
+    1/N of it per rank). A ``decode`` function hfpatch cannot see into (a lambda) decodes videos whole too, and
+    logs a warning once for videos of more than :data:`OPAQUE_FRAMES` latent frames.
 
     Args:
         decode: Latents -> images in ``[-1, 1]``: returns a tensor, an object with ``.sample`` (diffusers
             ``DecoderOutput``) or a tuple whose first element is the images; or a diffusers VAE itself
             (decoded with ``vae.decode(z)``; a decode that raises, e.g. out of memory, then leaves no frame
             cache behind: ``vae.clear_cache()`` for ``AutoencoderKLWan``, which keeps the frames of a failed
-            call on the module; an ``AutoencoderKLWan`` given this way is also chunked over time, see Videos;
-            a lambda hides the VAE from hfpatch). For example
+            call on the module; an ``AutoencoderKLWan`` or ``AutoencoderKLCogVideoX`` given this way, or its bound
+            ``vae.decode``, is also chunked over time, see Videos; a lambda hides the VAE from hfpatch). For example
             ``lambda z: vae.decode(z / vae.config.scaling_factor).sample``, a frozen VAE, or a VAE patched
             by ``hfpatch.apply`` (patch-parallel decode: every rank of the VAE group calls with the same
             latents, and an int or ``"auto"`` chunk size gives every rank the same plan; do not use
@@ -161,7 +165,9 @@ def chunked_pixel_loss(
         frame_chunk_size: Latent frames decoded at once when ``decode`` is an ``AutoencoderKLWan`` and
             gradients are needed (each latent frame decodes to 4 pixel frames): an ``int`` >= 1, ``"auto"``
             (1 for videos of 2 or more latent frames: the stock decoder's own step; not with VAE tiling on,
-            which the time chunks would bypass) or ``None`` (whole items). Ignored for other decoders.
+            which the time chunks would bypass) or ``None`` (whole items). An ``AutoencoderKLCogVideoX`` takes
+            ``"auto"`` (or its batch size, 2) or ``None``: its stock batches are its time chunks (its GroupNorm
+            statistics are per batch). Ignored for other decoders.
         snapshot_every: With time chunks: the forward keeps the decoder's cache entering every
             ``snapshot_every``-th time chunk, the backward rebuilds the others from it. ``"auto"``:
             ``ceil(sqrt(time chunks))`` (caches held grow as the square root of the frames, for one extra
@@ -201,7 +207,7 @@ def chunked_pixel_loss(
     loss_kind = _check_loss(loss)
     _check_plan_options(chunk_size, memory_budget_bytes)
     _check_frame_options(frame_chunk_size, snapshot_every)
-    video_vae = decode if is_wan_vae(decode) else None
+    vae = vae_behind(decode)
     decode = _as_decode(decode)
     groups = _groups(latents, targets, masks)
     denominator = _denominator(groups)
@@ -210,8 +216,8 @@ def chunked_pixel_loss(
         return _pixel_loss(
             [g.chunks(len(g)) for g in groups], decode, loss_kind, denominator, recompute=False
         )
-    frames = _frames_plan(video_vae, frame_chunk_size, snapshot_every)
-    plans = _plan(groups, decode, loss_kind, chunk_size, memory_budget_bytes, frames)
+    frames = _frames_plan(vae, frame_chunk_size, snapshot_every)
+    plans = _plan(groups, decode, loss_kind, chunk_size, memory_budget_bytes, frames, vae)
     total: torch.Tensor | None = None
     for group, plan in zip(groups, plans):
         if plan.frames is None:
@@ -310,9 +316,8 @@ class _VAEDecode:
 
 
 def _as_decode(decode: Decode | torch.nn.Module) -> Decode:
-    if isinstance(decode, torch.nn.Module) and callable(getattr(decode, "decode", None)):
-        return _VAEDecode(decode)
-    return decode
+    vae = vae_behind(decode)  # the VAE, or its bound stock ``decode``
+    return decode if vae is None else _VAEDecode(vae)
 
 
 def _stack(items: _Items) -> torch.Tensor:
@@ -473,9 +478,9 @@ class _GroupPlan:
 
 @dataclass(frozen=True)
 class _Frames:
-    """The Wan VAE given as ``decode``, and the options of its time chunks."""
+    """The causal video VAE given as ``decode`` (Wan, CogVideoX), and the options of its time chunks."""
 
-    runner: WanFrames
+    runner: WanFrames | CogVideoXFrames
     chunk: int | str | None
     snapshot_every: int | str
 
@@ -488,21 +493,42 @@ class _Frames:
             return None, "no grad: the stock frame loop keeps no graph"
         if latent_frames < 2:
             return None, "one latent frame"
+        name = type(self.runner.vae).__name__
         if getattr(self.runner.vae, "use_tiling", False):
             if self.chunk == "auto":
                 return None, "VAE tiling on: whole items"
             raise ValueError(
                 f"frame_chunk_size={self.chunk} decodes frame by frame without tiles, which would not equal the "
-                "tiled AutoencoderKLWan; call vae.disable_tiling() (it does not bound training memory) or pass "
+                f"tiled {name}; call vae.disable_tiling() (it does not bound training memory) or pass "
                 "frame_chunk_size=None"
             )
+        if isinstance(self.runner, CogVideoXFrames):
+            batch = self.runner.vae.num_latent_frames_batch_size
+            if self.chunk not in ("auto", batch):
+                raise ValueError(
+                    f"frame_chunk_size={self.chunk}: {name} decodes {batch} latent frames per call with GroupNorm "
+                    f"statistics per call, so its time chunks are its own batches; pass 'auto' (or {batch}) or None"
+                )
+            return batch, f"{name}'s batches of {batch}"
         return (1 if self.chunk == "auto" else int(self.chunk)), str(self.chunk)
 
 
 def _frames_plan(vae: Any, frame_chunk_size: int | str | None, snapshot_every: int | str) -> _Frames | None:
-    if vae is None:
+    runner = None if vae is None else frames_for(vae)
+    if runner is None:
         return None
-    return _Frames(WanFrames(vae), frame_chunk_size, snapshot_every)
+    return _Frames(runner, frame_chunk_size, snapshot_every)
+
+
+#: Latent frames above which a video decoded whole by an opaque ``decode`` gets a warning (once per message).
+OPAQUE_FRAMES = 4
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def _check_frame_options(frame_chunk_size: object, snapshot_every: object) -> None:
@@ -520,6 +546,7 @@ def _plan(
     chunk_size: int | str,
     memory_budget_bytes: int | None,
     frames: _Frames | None,
+    vae: Any = None,
 ) -> list[_GroupPlan]:
     plans, notes = [], []
     for g in groups:
@@ -559,10 +586,24 @@ def _plan(
         elif frames is not None:
             note += f" (whole items: {frame_note})"
         elif len(g.item_shape()) == 4 and g.item_shape()[1] > 1 and torch.is_grad_enabled():
-            note += (
-                " (whole videos: decode is not an AutoencoderKLWan; pass the VAE itself, with unnormalised "
-                "latents, to chunk videos over time)"
-            )
+            latent_frames = g.latents[0].shape[-3]
+            if vae is not None:
+                note += (
+                    f" (whole videos: {type(vae).__name__} decodes all frames in one pass, no frame loop carrying "
+                    "a cache to cut; split it over ranks to divide its memory)"
+                )
+            else:
+                note += (
+                    " (whole videos: decode is a function hfpatch cannot see into; pass the VAE itself or its "
+                    "bound vae.decode, with unnormalised latents, to chunk videos over time)"
+                )
+                if latent_frames > OPAQUE_FRAMES:
+                    _warn_once(
+                        f"chunked_pixel_loss: decode is a function hfpatch cannot see into, so each video of "
+                        f"{latent_frames} latent frames is decoded whole and its activations are held until "
+                        "backward; pass the VAE itself or its bound vae.decode (with unnormalised latents) to "
+                        "decode AutoencoderKLWan/AutoencoderKLCogVideoX videos over time with bounded memory"
+                    )
         notes.append(note)
     logger.debug(
         "pixel loss plan: %s, recompute=%s; %s", loss_kind, torch.is_grad_enabled(), "; ".join(notes)
@@ -570,7 +611,7 @@ def _plan(
     return plans
 
 
-def _check_video_targets(runner: WanFrames, group: _Group) -> None:
+def _check_video_targets(runner: WanFrames | CogVideoXFrames, group: _Group) -> None:
     """Targets of the decoded size, checked before any decode (the time chunks decode piece by piece)."""
     latents = tuple(group.latents[0].shape)
     expected, got = runner.decoded_shape(latents), group.item_shape()
@@ -620,12 +661,13 @@ def _video_error_sum(frames: _Frames, loss_kind: str, group: _Group, plan: _Grou
     others = {f"{k}_{i}": t for k, v in named.items() if v is not None for i, t in enumerate(_items(v))}
     latents = runner.enter(_stack(group.latents), "decode", **others)
     assert plan.frames is not None
-    segments = time_segments(len(group), plan.items, latents.shape[2], plan.frames)
+    latent_frames = latents.shape[2]
+    segments = span_segments(len(group), plan.items, runner.spans(latent_frames, plan.frames))
 
     def step(k: int, cache: list | None, z: torch.Tensor) -> tuple[torch.Tensor, list]:
         segment = segments[k]
         items, span = segment.index[0], segment.index[2]
-        pixels = slice(runner.pixel_frame(span.start), runner.pixel_frame(span.stop))
+        pixels = slice(*runner.pixel_span(latent_frames, span.start, span.stop))
         pred, cache = runner.decode(cache, z, first=segment.fresh, full=True)
         targets = _frame_slice(group.targets, items, pixels)
         masks = None if group.masks is None else _frame_slice(group.masks, items, pixels)

@@ -59,6 +59,18 @@ CASES = {
     "tiny_bert": lambda: T.tiny_bert(),
     "tiny_clip_text_model": lambda: T.tiny_clip_text_model(),
     "tiny_t5_encoder": lambda: T.tiny_t5_encoder(),
+    # The video VAEs split by height (issue 36), rows of TINY_MODELS without a factory of their own.
+    **{
+        f"tiny_model({row!r})": (lambda r: lambda: T.models.tiny_model(r))(row)
+        for row in (
+            "hunyuanvideo15_vae",
+            "ltx2_vae",
+            "cogvideox_vae",
+            "mochi_vae",
+            "allegro_vae",
+            "cosmos_vae",
+        )
+    },
     **{f"tiny_dit({name!r})": (lambda n: lambda: dits.tiny_dit(n))(name) for name in dits.TINY_DITS},
     **{
         f"tiny_dit_pipe({name!r})": (lambda n: lambda: dits.tiny_dit_pipe(n))(name)
@@ -108,6 +120,12 @@ PINNED = {
     "tiny_bert": "0e2ed2608b4a08fc",
     "tiny_clip_text_model": "bce0690f58fd987e",
     "tiny_t5_encoder": "83b7732806cb4826",
+    "tiny_model('hunyuanvideo15_vae')": "770d25d5783da00d",
+    "tiny_model('ltx2_vae')": "26bf3880ba7bab9e",
+    "tiny_model('cogvideox_vae')": "d0b5198db95fd90c",
+    "tiny_model('mochi_vae')": "d04187ea949b9ce2",
+    "tiny_model('allegro_vae')": "0e69c46625dd641e",
+    "tiny_model('cosmos_vae')": "5ea805acc3f88bad",
     "tiny_dit('chroma')": "fc75eb5ffdb2b07e",
     "tiny_dit('bria')": "69e08eca20ef01e5",
     "tiny_dit('bria_fibo')": "5520d7b029c42f8d",

@@ -14,6 +14,7 @@ an exactly zero true gradient: its entries are rounding noise).
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -327,3 +328,85 @@ def test_split_wan_vae_time_segments_equal_unpatched_and_bounded(rank_pool, worl
         growth = out["peaks"][16] / out["peaks"][4]
         print(f"world {world} rank {rank} wan {version}: step peak 4 -> 16 latent frames {growth:.2f}x")
         assert growth <= 2.0, (world, rank, out["peaks"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AutoencoderKLCogVideoX: its stock batches (2 latent / 8 pixel frames, the first takes the remainder) are the
+# time segments, carrying its conv_cache; given as the VAE or its bound ``vae.decode``.
+
+
+@functools.cache
+def _cogvideox():
+    from hfpatch.testing.models import tiny_model
+
+    return tiny_model("cogvideox_vae")
+
+
+def _cog_reference(kind: str, x: torch.Tensor) -> tuple[dict, dict]:
+    vae = _cogvideox()
+    with fp64_float():
+        fn = _decode if kind == "decode" else _encode
+        return _step(vae, fn, x), _step(to_fp64(vae), fn, x.double())
+
+
+def test_checkpointed_cogvideox_equals_stock_decode_and_encode():
+    # 5 latent frames: batches [0, 3) and [3, 5); 17 pixel frames: [0, 9) and [9, 17) (9 latent frames).
+    vae = _cogvideox()
+    z = _latents(5, height=3, batch=1)
+    video = torch.rand(1, 3, 17, 6, 4, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    for name, kind, fn, x in [
+        ("decode (the VAE)", "decode", lambda v, z: checkpointed_decode(v, z).sample, z),
+        (
+            "decode (bound)",
+            "decode",
+            lambda v, z: checkpointed_decode(v.decode, z, snapshot_every=1).sample,
+            z,
+        ),
+        ("encode", "encode", _checkpointed_moments, video),
+    ]:
+        got = _step(vae, fn, x)
+        ref, exact = _cog_reference(kind, x)
+        assert got["output"].shape == ref["output"].shape and len(got) == len(ref) > 2, name
+        error, noise = _errors(got, ref, exact)
+        assert error <= reassociation_tol(noise), (name, error, noise)
+    assert got["output"].shape[2] == 9
+
+
+def test_chunked_pixel_loss_cogvideox_bound_decode_bounded_over_frames(caplog):
+    # A frozen CogVideoX VAE given as its bound vae.decode: from 3 to 11 latent frames (1 to 5 batches) the
+    # one-shot step's peak grows with the frames, the batch-chunked step's stays within 2x, same loss and latent
+    # gradient. A lambda hides the VAE: decoded whole, with a warning once for videos over OPAQUE_FRAMES frames.
+    from hfpatch.training.pixel_loss import _WARNED, OPAQUE_FRAMES
+
+    vae = _cogvideox().requires_grad_(False)
+    peaks, steps = {}, {}
+    try:
+        for frames in (3, 11):
+            gen = torch.Generator().manual_seed(frames)
+            latents = torch.randn(1, 4, frames, 4, 3, generator=gen)
+            targets = torch.rand(1, 3, 2 * frames - 1 + (frames % 2 == 0), 8, 6, generator=gen) * 2 - 1
+            for mode, kwargs in [("one-shot", {"reference": True}), ("hfpatch", {})]:
+                leaf = latents.clone().requires_grad_(True)
+                with track_memory() as memory:
+                    loss = chunked_pixel_loss(vae.decode, leaf, targets, **kwargs)
+                    loss.backward()
+                peaks[mode, frames], steps[mode, frames] = memory.peak_bytes, (loss.detach(), leaf.grad)
+        _WARNED.clear()
+        with caplog.at_level(logging.WARNING, logger="hfpatch.training.pixel_loss"):
+            for _ in range(2):
+                chunked_pixel_loss(lambda z: vae.decode(z).sample, latents.requires_grad_(True), targets)
+    finally:
+        vae.requires_grad_(True)
+    warnings = [r.getMessage() for r in caplog.records if "cannot see into" in r.getMessage()]
+    assert frames > OPAQUE_FRAMES and len(warnings) == 1 and "11 latent frames" in warnings[0], warnings
+    one_shot = peaks["one-shot", 11] / peaks["one-shot", 3]
+    ours = peaks["hfpatch", 11] / peaks["hfpatch", 3]
+    print(f"cogvideox peak 3 -> 11 latent frames: one-shot {one_shot:.2f}x, hfpatch {ours:.2f}x")
+    assert one_shot >= 2.5 and ours <= 2.0, peaks
+    leaf = latents.detach().double().requires_grad_(True)
+    with fp64_float():
+        exact = chunked_pixel_loss(to_fp64(vae).decode, leaf, targets.double(), reference=True)
+        exact.backward()
+    for got, ref, truth in zip(steps["hfpatch", 11], steps["one-shot", 11], (exact.detach(), leaf.grad)):
+        error, noise = rel_error(got, ref), rel_error(ref, truth)
+        assert error <= reassociation_tol(noise), (error, noise)

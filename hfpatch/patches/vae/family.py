@@ -32,13 +32,14 @@ import torch.distributed as dist
 from ...core.config import ParallelConfig
 from ...core.registry import PatchFamily
 from .halo import conv_halo, halo_bytes, row_offsets, split_rows
-from .layers import coder_forward, conv2d_forward, session_forward, tiled_forward
+from .layers import coder_forward, conv2d_forward, padded_conv_forward, session_forward, tiled_forward
 from .state import MODES, OUTPUTS, STATE_ATTR, VAEShardState
 
 __all__ = [
     "VAEParallelFamily",
     "analytic_gather_bytes",
     "analytic_halo_bytes",
+    "analytic_split_bytes",
     "local_rows",
     "trace_conv_inputs",
 ]
@@ -125,6 +126,7 @@ class VAEParallelFamily(PatchFamily):
         top = conv.padding[0] if pad_top is None else pad_top
         bottom = conv.padding[0] if pad_bottom is None else pad_bottom
         state.halos[id(conv)] = conv_halo(kernel, stride, top)
+        state.exchanges.append((conv, state.halos[id(conv)], None))
         patch.set_attr(conv, "forward", conv2d_forward(conv, state, top, bottom))
 
     @staticmethod
@@ -175,6 +177,66 @@ def check_conv2d(path: str, conv: torch.nn.Conv2d) -> None:
             f"dilation={conv.dilation}, padding_mode={conv.padding_mode!r}) is not supported by the VAE split; "
             "it handles zero padding, dilation 1 and padding <= kernel // 2"
         )
+
+
+def check_padded_conv(path: str, module: Any) -> None:
+    """A causal conv that pads with ``F.pad(x, module.time_causal_padding, module.pad_mode)``, then convolves
+    with no padding of its own (HunyuanVideo 1 and 1.5)."""
+    conv = module.conv
+    pad = module.time_causal_padding
+    if (
+        any(p != 0 for p in conv.padding)
+        or conv.dilation[1] != 1
+        or module.pad_mode not in ("replicate", "reflect", "constant")
+        or pad[2] != pad[3]
+    ):
+        raise TypeError(
+            f"{path}: {type(module).__name__} with conv padding {conv.padding}, dilation {conv.dilation}, pad mode "
+            f"{module.pad_mode!r} and padding {pad} is not supported by the VAE split"
+        )
+
+
+def check_conv3d(path: str, conv: torch.nn.Conv3d) -> None:
+    """The split handles integer-padded, undilated (along height) 3D convs padding zeros, replicate or reflect."""
+    if (
+        conv.padding_mode not in ("zeros", "replicate", "reflect")
+        or isinstance(conv.padding, str)
+        or conv.dilation[1] != 1
+        or conv.padding[1] > conv.kernel_size[1] // 2
+    ):
+        raise TypeError(
+            f"{path}: Conv3d(kernel={conv.kernel_size}, stride={conv.stride}, padding={conv.padding}, "
+            f"dilation={conv.dilation}, padding_mode={conv.padding_mode!r}) is not supported by the VAE split"
+        )
+
+
+def patch_padded_conv(patch: Any, module: Any, state: VAEShardState) -> None:
+    """Halo-wrap a causal conv that pads with ``F.pad(x, module.time_causal_padding, module.pad_mode)`` and then
+    runs ``module.conv`` (HunyuanVideo 1 and 1.5; the stock forward stays for a row-local 1x1 conv)."""
+    pad = tuple(module.time_causal_padding)
+    forward = padded_conv_forward(module, module.conv, state, lambda: pad, module.pad_mode)
+    if forward is not None:
+        patch.set_attr(module, "forward", forward)
+
+
+def check_no_checkpointing(target: torch.nn.Module) -> None:
+    """Refuse a differentiable call with gradient checkpointing on: it re-runs blocks outside the split."""
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in target.modules()):
+        raise ValueError(
+            f"{type(target).__name__}: gradient checkpointing re-runs blocks outside the split; call "
+            "vae.disable_gradient_checkpointing() (the split already divides activation memory by N)"
+        )
+
+
+def encoder_unit(
+    encoder: torch.nn.Module, stride_of: Callable[[torch.nn.Module], int], patch: int = 1
+) -> int:
+    """Pixel rows per latent row of ``encoder``: ``patch`` times the product of its modules' height strides
+    (``stride_of(module)``: 1 for a module that does not downsample by itself)."""
+    unit = patch
+    for module in encoder.modules():
+        unit *= stride_of(module)
+    return unit
 
 
 # ----------------------------------------------------------------------------------------------- public helpers
@@ -241,6 +303,71 @@ def conv_row_halo(conv: torch.nn.Module) -> tuple[int, int]:
     if kernel == 1 and stride == 1:
         return 0, 0
     return conv_halo(kernel, stride, pad_top)
+
+
+def analytic_split_bytes(vae: Any, fn: Callable[[], Any], latent_rows: int) -> dict[str, int]:
+    """Bytes this rank sends while ``fn()`` runs ``vae`` split, from the shapes of the unsplit run (forward only).
+
+    ``vae`` must be patched; ``fn`` runs inside ``patch.disabled()`` (the stock model: nothing is sent), with
+    hooks reading the input of every layer that exchanges rows (``state.exchanges``), of every ``GroupNorm`` and
+    of every attention over the split (``state.attentions``). ``latent_rows``: the latent height of the call
+    (the split of every feature map follows it). Returns ``{"halo": ..., "all_gather": ..., "ring": ...}``, the
+    kinds :func:`hfpatch.distributed.collectives.count_comm` reports:
+
+    - ``halo``: per exchange, ``(before + after) x row elements x itemsize`` (one side at the borders);
+    - ``all_gather``: per GroupNorm call, ``(N - 1) x 2 x batch x groups x 4`` (fp32 mean and variance);
+    - ``ring``: per attention, ``(N - 1)`` key/value blocks of ``batch x frames x max rows x width`` tokens of
+      ``channels`` (:func:`hfpatch.patches.vae.attention.attention_bytes`);
+    - ``all_gather`` also counts, for a coder gathering each call's output (Allegro's tiles), ``(N - 1)`` times
+      this rank's rows of that output.
+    """
+    from ...core.patch import get_patch
+    from .attention import attention_bytes
+
+    state, patch = _state(vae), get_patch(vae)
+    assert patch is not None
+    rank, world = state.rank, state.world
+    most = max(split_rows(latent_rows, world, state.min_rows))
+    totals = {"halo": 0, "all_gather": 0, "ring": 0}
+
+    def exchanged(halo: tuple[int, int], when: Callable[[], bool] | None) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            if when is None or when():
+                shape = args[0].shape
+                row = shape.numel() // shape[-2]
+                totals["halo"] += halo_bytes(rank, world, *halo, row, args[0].element_size())
+
+        return hook
+
+    def norm(module: torch.nn.Module, args: tuple) -> None:
+        totals["all_gather"] += (world - 1) * 2 * args[0].shape[0] * module.num_groups * 4
+
+    def attention(calls: Callable[[torch.Tensor], list[tuple[int, ...]]]) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            for batch, frames, rows, width, channels in calls(args[0]):
+                tokens = batch * frames * most * (rows // latent_rows) * width
+                totals["ring"] += attention_bytes(
+                    rank, world, tokens, channels, args[0].element_size(), False
+                )
+
+        return hook
+
+    def gathered(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        latent = min(args[0].shape[-2], out.shape[-2])  # a decoder's input rows, an encoder's output rows
+        rows = split_rows(latent, world, state.min_rows)[rank] * (out.shape[-2] // latent)
+        totals["all_gather"] += (world - 1) * out.numel() // out.shape[-2] * rows * out.element_size()
+
+    hooks = [m.register_forward_pre_hook(exchanged(h, when)) for m, h, when in state.exchanges]
+    hooks += [m.register_forward_hook(gathered) for m in state.gathers]
+    hooks += [m.register_forward_pre_hook(norm) for m in vae.modules() if type(m) is torch.nn.GroupNorm]
+    hooks += [m.register_forward_pre_hook(attention(calls)) for m, calls in state.attentions]
+    try:
+        with patch.disabled():
+            fn()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return totals
 
 
 def analytic_halo_bytes(module: torch.nn.Module, fn: Callable[[], Any], rank: int, world: int) -> int:

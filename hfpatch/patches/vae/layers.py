@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ...distributed.agreement import check_same_inputs
 from ...distributed.collectives import all_gather
 from ...distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
+from .halo import conv_halo
 from .state import (
     VAEShardState,
     _assemble,
@@ -107,6 +108,68 @@ def _edge_rows(rows: int, kernel: int, stride: int, before: int) -> tuple[int, i
     return n_top, n_bottom
 
 
+def conv_inplace_forward(conv: torch.nn.Conv2d | torch.nn.Conv3d, state: VAEShardState) -> Callable:
+    """Forward for an ``nn.Conv2d``/``nn.Conv3d`` zero-padding rows alike above and below, on height shards, without
+    a padded copy of its input: the stock conv runs on the shard (its zero padding is right everywhere except in
+    the first and last output rows, whose windows reach into the neighbours' rows), then those rows are recomputed
+    from small slabs of halo rows + shard rows and written into the output in place.
+
+    :func:`conv2d_forward` and :func:`conv3d_rows` assemble ``[halo; shard; halo]`` in a new buffer first: a copy
+    of the shard that the stock conv (padding inside the kernel) never makes, which sets the per-rank peak where a
+    conv widens its input (Allegro's temporal upsampler: 2x channels). Every rank recomputes the same rows (zero
+    halos at the global borders), so every rank builds the same autograd graph.
+    """
+    original = conv.forward
+    before, after = state.halos[id(conv)]
+    h = conv.weight.dim() - 2 - 2  # the height dim among the spatial dims of weight/padding/stride
+    kernel, stride, pad = conv.kernel_size[h], conv.stride[h], conv.padding[h]
+    run = F.conv3d if conv.weight.dim() == 5 else F.conv2d
+    slab_padding = tuple(0 if d == h else p for d, p in enumerate(conv.padding))
+    assembled = (
+        conv2d_forward(conv, state, pad, pad)
+        if run is F.conv2d
+        else lambda x: conv3d_rows(x, conv, state, _pad6(conv), "zeros")
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.sharding or state.approx:
+            return original(x)
+        rows = x.shape[-2]
+        # Output rows whose window starts above row 0, and those whose window ends below the last row.
+        n_top = -(-pad // stride)
+        first_bottom = max(n_top, -(-(rows + pad - kernel + 1) // stride))
+        # A shard so thin that a window needs both halos (decided on the thinnest shard: same path everywhere).
+        if n_top > 0 and (n_top - 1) * stride - pad + kernel > min(state.sizes(rows)):
+            return assembled(x)
+        top, bottom = exchange_rows(x, before, after, state)
+        shape = list(x.shape)
+        shape[-2] = before - top.shape[-2]
+        top = torch.cat(
+            [x.new_zeros(shape), top], -2
+        )  # zero halos at the global borders: same graph everywhere
+        shape[-2] = after - bottom.shape[-2]
+        bottom = torch.cat([bottom, x.new_zeros(shape)], -2)
+        out = run(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        n_bottom = out.shape[-2] - first_bottom
+        if n_top:
+            slab = torch.cat([top, x.narrow(-2, 0, min(rows, (n_top - 1) * stride + kernel - pad))], -2)
+            fixed = run(slab, conv.weight, conv.bias, conv.stride, slab_padding, conv.dilation, conv.groups)
+            out[..., :n_top, :] = fixed[..., :n_top, :]
+        if n_bottom > 0:
+            start = first_bottom * stride - pad
+            slab = torch.cat([x.narrow(-2, start, rows - start), bottom], -2)
+            fixed = run(slab, conv.weight, conv.bias, conv.stride, slab_padding, conv.dilation, conv.groups)
+            out[..., first_bottom:, :] = fixed[..., :n_bottom, :]
+        return out
+
+    return forward
+
+
+def _pad6(conv: torch.nn.Conv3d) -> tuple[int, int, int, int, int, int]:
+    pt, ph, pw = conv.padding
+    return (pw, pw, ph, ph, pt, pt)
+
+
 def causal_conv3d_forward(conv: Any, state: VAEShardState, cache_frames: int) -> Callable:
     """Forward for Wan's ``WanCausalConv3d`` on height shards, with the causal frame cache.
 
@@ -142,6 +205,160 @@ def causal_conv3d_forward(conv: Any, state: VAEShardState, cache_frames: int) ->
             padding,
         )
         return conv3d_forward(conv, x)
+
+    return forward
+
+
+#: ``F.pad`` mode of each padding a VAE conv applies along height (``nn.Conv3d.padding_mode`` names included).
+PAD_MODES = {"zeros": "constant", "constant": "constant", "replicate": "replicate", "reflect": "reflect"}
+
+
+def _border(view: torch.Tensor, dim: int, n: int, mode: str, start: bool) -> torch.Tensor:
+    """The ``n`` padding entries ``mode`` puts before (``start``) or after ``view`` along ``dim`` (a copy)."""
+    length = view.shape[dim]
+    if mode == "replicate":
+        edge = view.narrow(dim, 0 if start else length - 1, 1)
+        return edge.expand(*[n if d == dim % view.dim() else -1 for d in range(view.dim())]).clone()
+    # reflect: the entries next to the edge, mirrored (the edge itself is not repeated)
+    return view.narrow(dim, 1 if start else length - 1 - n, n).flip(dim)
+
+
+def padded_rows(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    bottom: torch.Tensor,
+    pad: tuple[int, int, int, int, int, int],
+    mode: str,
+    at_top: bool,
+    at_bottom: bool,
+    time_mode: str | None = None,
+) -> torch.Tensor:
+    """``F.pad(cat([top, x, bottom], H), pad, mode)`` of a ``[B, C, T, H, W]`` shard, padding H at the borders only.
+
+    ``pad`` is ``F.pad``'s ``(w_left, w_right, h_top, h_bottom, t_front, t_back)``; the height padding is applied
+    only where this shard meets the global border (``at_top``/``at_bottom``), elsewhere the halo rows ``top``/
+    ``bottom`` stand in for it. ``mode``: ``"constant"`` (zeros), ``"replicate"`` or ``"reflect"``; replicate and
+    reflect read the neighbouring rows through the halos, so a one-row shard reflects correctly; ``time_mode``
+    pads the frames another way (causal convs repeating the first frame: ``"replicate"``). One allocation
+    of the padded shape (plus copies of the border strips): padding is separable per dim, so filling H, then W
+    (every row), then T (every row and column) gives ``F.pad``'s corners.
+    """
+    wl, wr, ht, hb, tf, tb = pad
+    ht, hb = (ht if at_top else 0), (hb if at_bottom else 0)
+    time_mode = mode if time_mode is None else time_mode
+    b, c, t, h, w = x.shape
+    rows = ht + top.shape[-2] + h + bottom.shape[-2] + hb
+    shape = (b, c, tf + t + tb, rows, wl + w + wr)
+    zeros = mode == "constant" or (time_mode == "constant" and (tf or tb))
+    out = x.new_zeros(shape) if zeros else x.new_empty(shape)
+    ts, ws = slice(tf, tf + t), slice(wl, wl + w)
+    row = ht
+    # Assign even empty halos: every rank builds the same autograd graph (see ``_assemble``).
+    for part in (top, x, bottom):
+        out[:, :, ts, row : row + part.shape[-2], ws] = part
+        row += part.shape[-2]
+    if mode != "constant":
+        _fill_rows_and_columns(out, (ts, ws), (ht, hb, wl, wr), mode)
+    if time_mode != "constant" and tf:
+        out[:, :, :tf] = _border(out[:, :, tf:], 2, tf, time_mode, start=True)
+    if time_mode != "constant" and tb:
+        out[:, :, tf + t :] = _border(out[:, :, : tf + t], 2, tb, time_mode, start=False)
+    return out
+
+
+def _fill_rows_and_columns(
+    out: torch.Tensor, center: tuple[slice, slice], pads: tuple[int, int, int, int], mode: str
+) -> None:
+    """Fill the H, then the W border of ``out`` (frames ``center[0]``) from its inner entries, per ``mode``."""
+    ts, ws = center
+    ht, hb, wl, wr = pads
+    rows, width = out.shape[3], out.shape[4]
+    if ht:
+        out[:, :, ts, :ht, ws] = _border(out[:, :, ts, ht:, ws], 3, ht, mode, start=True)
+    if hb:
+        out[:, :, ts, rows - hb :, ws] = _border(out[:, :, ts, : rows - hb, ws], 3, hb, mode, start=False)
+    if wl:
+        out[:, :, ts, :, :wl] = _border(out[:, :, ts, :, wl:], 4, wl, mode, start=True)
+    if wr:
+        out[:, :, ts, :, width - wr :] = _border(out[:, :, ts, :, : width - wr], 4, wr, mode, start=False)
+
+
+def conv3d_rows(
+    x: torch.Tensor,
+    conv: torch.nn.Conv3d,
+    state: VAEShardState,
+    pad: tuple[int, int, int, int, int, int],
+    mode: str,
+    time_mode: str | None = None,
+) -> torch.Tensor:
+    """``F.conv3d(F.pad(x, pad, mode), conv.weight, ...)`` on height shards (``conv``'s own padding is not used).
+
+    The rows of ``state.halos[id(conv)]`` come from the neighbours; the height padding is added at the global
+    border only. ``vae_mode="approx"``: no exchange, every shard pads itself as if it were the whole image.
+    """
+    before, after = state.halos[id(conv)]
+    if state.approx:
+        top = bottom = x.narrow(-2, 0, 0)
+        at_top = at_bottom = True
+    else:
+        top, bottom = exchange_rows(x, before, after, state)
+        at_top, at_bottom = state.rank == 0, state.rank == state.world - 1
+    time_mode = None if time_mode is None else PAD_MODES[time_mode]
+    padded = padded_rows(x, top, bottom, pad, PAD_MODES[mode], at_top, at_bottom, time_mode)
+    return F.conv3d(padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+
+def conv3d_forward(
+    conv: torch.nn.Conv3d,
+    state: VAEShardState,
+    pad: tuple[int, int, int, int, int, int] | None = None,
+    mode: str | None = None,
+    time_mode: str | None = None,
+) -> Callable:
+    """Forward for an ``nn.Conv3d`` on height shards: its own padding (``padding_mode`` zeros, replicate or
+    reflect) applied at the global border only, halo rows inside. ``pad``/``mode`` override the padding (a
+    wrapper that pads before calling a conv with ``padding=0``, e.g. Hunyuan's replicate-padded causal conv)."""
+    original = conv.forward
+    if pad is None:
+        pt, ph, pw = conv.padding
+        pad = (pw, pw, ph, ph, pt, pt)
+    mode = conv.padding_mode if mode is None else mode
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.sharding:
+            return original(x)
+        return conv3d_rows(x, conv, state, pad, mode, time_mode)
+
+    return forward
+
+
+def padded_conv_forward(
+    module: torch.nn.Module,
+    conv: torch.nn.Conv3d,
+    state: VAEShardState,
+    pad: Callable[..., tuple[int, int, int, int, int, int]],
+    mode: str,
+    time_mode: str | None = None,
+) -> Callable | None:
+    """Forward for a module that pads its input (``F.pad``, or frames repeated) and then runs ``conv`` (with
+    ``conv``'s own padding included in ``pad``): halo rows inside, the height padding at the global border.
+
+    ``pad(*args, **kwargs)`` gives the ``F.pad`` tuple of a call from its extra arguments (LTX-2's ``causal=``),
+    ``mode`` the row/column padding, ``time_mode`` the frame padding. Registers the conv's halo; returns ``None``
+    for a conv that is row-local (one row, stride 1: the stock forward runs on the shard).
+    """
+    kernel, stride = conv.kernel_size[1], conv.stride[1]
+    top = pad()[2]
+    if kernel == 1 and stride == 1 and top == 0:
+        return None
+    state.halos[id(conv)] = conv_halo(kernel, stride, top)
+    state.exchanges.append((module, state.halos[id(conv)], None))
+    original = module.forward
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not state.sharding:
+            return original(hidden_states, *args, **kwargs)
+        return conv3d_rows(hidden_states, conv, state, pad(*args, **kwargs), mode, time_mode)
 
     return forward
 
@@ -269,20 +486,44 @@ def coder_forward(original: Callable, state: VAEShardState, unit: int) -> Callab
     return forward
 
 
+def coder_gather_forward(original: Callable, state: VAEShardState, unit: int) -> Callable:
+    """Entry of an encoder/decoder whose every call is split and gathered on its own (a coder the stock code
+    calls once per tile of a fixed size, Allegro's): slice the rows in, gather the output rows out."""
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not state.sharding:
+            return original(x, *args, **kwargs)
+        state.latent_rows = None  # each call (tile) has its own height
+        out = original(scatter_rows(x, state.plan(x.shape[-2], unit), state), *args, **kwargs)
+        return gather_rows(out, state)
+
+    return forward
+
+
 def session_forward(
-    original: Callable, state: VAEShardState, kind: str, cleanup: Callable[[], Any] | None = None
+    original: Callable,
+    state: VAEShardState,
+    kind: str,
+    cleanup: Callable[[], Any] | None = None,
+    *,
+    gathered: bool = False,
+    same_state: Callable[[], dict[str, Any]] | None = None,
 ) -> Callable:
-    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output or tuple).
+    """``vae._encode`` (``kind="encode"``, returns a tensor) or ``vae._decode`` (returns output, tuple or tensor).
 
     ``cleanup`` runs when the call raises (an out-of-memory error, say): the Wan VAE keeps its per-conv frame
     cache on the module (``clear_cache``), which would otherwise hold the failed call's activations (and
-    their graph) until the next call.
+    their graph) until the next call. ``gathered``: the coder gathers its output rows itself
+    (:func:`coder_gather_forward`), the result is already whole. ``same_state``: more values every rank must
+    hold alike, checked with the inputs (the RNG state of a decoder that draws noise).
     """
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
             # Every rank computes its rows of ONE output from its own copy of x: copies must be identical.
             named = {"x": x, **{f"arg{i}": a for i, a in enumerate(args, 1)}, **kwargs}
+            if same_state is not None:
+                named.update(same_state())
             check_same_inputs(
                 named,
                 state.group,
@@ -305,8 +546,8 @@ def session_forward(
             if cleanup is not None:
                 cleanup()
             raise
-        if rows is None:
-            return out  # tiled: already full
+        if rows is None or gathered:
+            return out  # tiled, or gathered per coder call: already full
         if state.output == "shard":
             # The local rows; the gradient is then that of the SUM of the ranks' losses on their rows.
             def finish(t: torch.Tensor) -> torch.Tensor:
@@ -327,8 +568,16 @@ def session_forward(
 
 
 # ----------------------------------------------------------------------------------------------- tiling
-def tiled_forward(original: Callable, state: VAEShardState, per_call: bool) -> Callable:
-    """A stock tiled method run with its tiles spread over the ranks (inference only)."""
+def tiled_forward(
+    original: Callable,
+    state: VAEShardState,
+    per_call: bool,
+    starts: Callable[[tuple, dict], bool] | None = None,
+) -> Callable:
+    """A stock tiled method run with its tiles spread over the ranks (inference only).
+
+    A tile is one coder call (``per_call``), the calls between two ``clear_cache`` (Wan), or the calls from one
+    for which ``starts(args, kwargs)`` holds to the next (a tile decoded frame batch by frame batch)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if state.mode is None:  # called directly, outside encode/decode: stock single-process tiling
@@ -341,7 +590,7 @@ def tiled_forward(original: Callable, state: VAEShardState, per_call: bool) -> C
                 "torch.no_grad(), or call vae.disable_tiling() for training: the height split alone gives 1/N "
                 "activation memory"
             )
-        saved_mode, run = state.mode, _TileRun(state, per_call)
+        saved_mode, run = state.mode, _TileRun(state, per_call, starts)
         state.mode, state.tiles = "tiles", run
         try:
             with torch.no_grad():

@@ -55,6 +55,17 @@ class VAEShardState:
     checks: list[Callable[[], None]] = field(default_factory=list)
     name: str = "VAE"
     check_inputs: bool = True
+    #: For byte accounting (:func:`hfpatch.patches.vae.family.analytic_split_bytes`): the modules whose input
+    #: rows are exchanged, with their halo and when they are (``None``: always); the attention modules with the
+    #: ``(batch, frames, rows, width, channels)`` of each attention a call runs, from its unsplit input.
+    exchanges: list[tuple[torch.nn.Module, tuple[int, int], Callable[[], bool] | None]] = field(
+        default_factory=list
+    )
+    attentions: list[tuple[torch.nn.Module, Callable[[torch.Tensor], list[tuple[int, ...]]]]] = field(
+        default_factory=list
+    )
+    #: The coders whose every call gathers its output rows (:func:`~hfpatch.patches.vae.layers.coder_gather_forward`).
+    gathers: list[torch.nn.Module] = field(default_factory=list)
 
     @property
     def sharding(self) -> bool:
@@ -177,6 +188,9 @@ class _TileRun:
 
     state: VAEShardState
     per_call: bool  # True: each coder call is a tile (KL); False: tiles start at ``clear_cache`` (Wan)
+    #: Whether a coder call starts a new tile, from its arguments (CogVideoX: the call without a ``conv_cache``);
+    #: overrides ``per_call`` where given: a tile is then a sequence of calls carrying a cache.
+    starts: Callable[[tuple, dict], bool] | None = None
     tile: int = -1
     replaying: bool = False
     replayed: int = 0
@@ -184,34 +198,46 @@ class _TileRun:
     calls: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
     mine: list[torch.Tensor] = field(default_factory=list)
     results: list[torch.Tensor] = field(default_factory=list)
+    #: Coders returning ``(tile, cache, ...)`` (CogVideoX, Mochi): how many values each call returned (1: a tensor).
+    arity: list[int] = field(default_factory=list)
 
     def new_tile(self) -> None:
         if not self.replaying:
             self.tile += 1
 
-    def call(self, original: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    def call(self, original: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self.replaying:
             self.replayed += 1
-            return self.results[self.replayed - 1]
-        if self.per_call:
+            result = self.results[self.replayed - 1]
+            extra = self.arity[self.replayed - 1] - 1
+            return result if extra == 0 else (result, *([None] * extra))  # the cache is not read on replay
+        if self.starts is not None:
+            if self.starts(args, kwargs):
+                self.new_tile()
+        elif self.per_call:
             self.new_tile()
         self.device = x.device
         owner = max(self.tile, 0) % self.state.world
         if owner == self.state.rank:
-            out = original(x, *args, **kwargs)
+            value = original(x, *args, **kwargs)
+            out, rest = (value[0], tuple(value[1:])) if isinstance(value, tuple) else (value, None)
             self.mine.append(out)
-            # The stock blend writes into the tiles it is given (blend_v/blend_h): this pass's blend is thrown
-            # away, so it gets a copy and the exchange sends the tile as decoded.
+            # The stock blend writes into the tiles it is given (blend_v/blend_h; HunyuanVideo's ``blend_v``): this
+            # first pass blends with zero stand-ins for the other ranks' tiles and is thrown away, so it gets a copy;
+            # the exchange sends the tile as decoded and the replay gets the tiles.
             out = out.clone()
         else:
             # Private but stable since torch 2.0: runs the stock code for shapes only, no compute, no memory.
+            # A cache it returns is made of fake tensors too, read only by this tile's next (fake) call.
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             with FakeTensorMode(allow_non_fake_inputs=True):
-                fake = original(x, *args, **kwargs)
+                value = original(x, *args, **kwargs)
+            fake, rest = (value[0], tuple(value[1:])) if isinstance(value, tuple) else (value, None)
             out = torch.zeros(fake.shape, dtype=fake.dtype, device=x.device)
         self.calls.append((owner, out.shape, out.dtype))
-        return out
+        self.arity.append(1 if rest is None else 1 + len(rest))
+        return out if rest is None else (out, *rest)
 
     def exchange(self) -> None:
         """Every rank gets every tile, in call order."""
