@@ -15,7 +15,7 @@ from hfpatch.patches.vae.support import REFUSED, support_table
 from hfpatch.testing import tiny_qwenimage_pipe
 from hfpatch.testing.models import tiny_model
 
-#: The image VAEs of issue 36 and the families that split them.
+#: The VAEs of issue 36 (image and video) and the families that split them.
 SPLIT = {
     "AutoencoderKL": "kl_vae",
     "AutoencoderKLWan": "wan_vae",
@@ -25,6 +25,14 @@ SPLIT = {
     "AutoencoderKLHunyuanImage": "hunyuanimage_vae",
     "AutoencoderKLHunyuanImageRefiner": "hunyuanimage_refiner_vae",
     "AutoencoderDC": "dc_ae",
+    "AutoencoderKLHunyuanVideo": "hunyuanvideo_vae",
+    "AutoencoderKLHunyuanVideo15": "hunyuanvideo15_vae",
+    "AutoencoderKLLTXVideo": "ltx_vae",
+    "AutoencoderKLLTX2Video": "ltx_vae",
+    "AutoencoderKLCogVideoX": "cogvideox_vae",
+    "AutoencoderKLMochi": "mochi_vae",
+    "AutoencoderKLAllegro": "allegro_vae",
+    "AutoencoderKLCosmos": "cosmos_vae",
 }
 
 
