@@ -3,12 +3,16 @@
 Keys look like ``"diffusers.WanTransformer3DModel"``: the top-level package plus the class name, so a
 subclass of a supported class matches and no HF module is imported to build the registry. Families are
 given as ``"module:Class"`` strings and imported on first lookup.
+
+Classes a family looked at and does not patch are *refused* with a reason: a library's table of class name ->
+reason (``"module:NAME"``, imported only when a refused class is looked up), so that :func:`hfpatch.apply` says why
+instead of only that nothing matched.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -61,6 +65,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[str, list[type[PatchFamily] | str]] = {}
+        self._refusals: list[tuple[str, Mapping[str, str] | str]] = []
 
     def register(self, key: str, family: type[PatchFamily] | str) -> None:
         """Register ``family`` (a class or ``"module:Class"``) for the class named ``key``."""
@@ -97,12 +102,45 @@ class Registry:
                     found.append(family_cls())
         return found
 
+    def register_refusals(self, library: str, reasons: Mapping[str, str] | str) -> None:
+        """Refuse classes of ``library`` (``"diffusers"``) with a reason: ``reasons`` maps a class name to why
+        hfpatch does not patch it (or is ``"module:NAME"`` of such a mapping, imported on first use)."""
+        if not isinstance(library, str) or not library or "." in library:
+            raise ValueError(f"refusals are registered per top-level package ('diffusers'), got {library!r}")
+        self._refusals.append((library, reasons))
+
+    def refusal_for(self, obj: Any) -> tuple[str, str] | None:
+        """``(class name, reason)`` when ``obj``'s class is refused, ``None`` otherwise.
+
+        Along the MRO, the first class that has families or a refusal decides: a subclass of a supported class is
+        not refused by its parent's neighbours, and a class with families is never refused.
+
+        >>> registry = Registry()
+        >>> registry.register_refusals("builtins", {"dict": "a mapping, not a model"})
+        >>> registry.refusal_for({})
+        ('dict', 'a mapping, not a model')
+        >>> registry.refusal_for([]) is None
+        True
+        """
+        for cls in type(obj).__mro__:
+            key = class_key(cls)
+            if key in self._entries:
+                return None
+            library, _, name = key.partition(".")
+            for refused_library, reasons in self._refusals:
+                if refused_library != library:
+                    continue
+                table = _load(reasons) if isinstance(reasons, str) else reasons
+                if name in table:
+                    return name, table[name]
+        return None
+
     def supported(self) -> dict[str, list[str]]:
         """Class key -> family names (imports the families)."""
         return {key: [_load(e).name for e in entries] for key, entries in sorted(self._entries.items())}
 
 
-def _load(entry: type[PatchFamily] | str) -> type[PatchFamily]:
+def _load(entry: Any) -> Any:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)

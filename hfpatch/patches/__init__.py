@@ -13,8 +13,10 @@ A family imports the core, distributed and attention layers and the shared modul
 self-attention arithmetic). The block-causal streaming patch lives with the rest of streaming
 (:mod:`hfpatch.streaming.transformer`).
 
-Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``; :func:`default_registry` (the registry
-``hfpatch.apply`` uses) reads this table, so ``import hfpatch`` imports no diffusers or transformers module.
+Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``, each of :data:`BUILTIN_REFUSALS`
+``(library, "module:TABLE")`` (class name -> why it is not patched, read when such a class is given to ``apply``);
+:func:`default_registry` (the registry ``hfpatch.apply`` uses) reads both tables, so ``import hfpatch`` imports no
+diffusers or transformers module.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ BUILTIN_FAMILIES += [
 ]
 
 
+#: The classes a family looked at and does not patch, with the reason ``hfpatch.apply`` gives for refusing them.
+BUILTIN_REFUSALS: list[tuple[str, str]] = [("diffusers", "hfpatch.patches.dit.plans:UNSUPPORTED")]
+
+
 _default: Registry | None = None
 
 
@@ -124,5 +130,7 @@ def default_registry() -> Registry:
         registry = Registry()
         for key, family in BUILTIN_FAMILIES:
             registry.register(key, family)
+        for library, reasons in BUILTIN_REFUSALS:
+            registry.register_refusals(library, reasons)
         _default = registry
     return _default
