@@ -68,7 +68,8 @@ PUBLIC: dict[str, str | None] = {
         "step_rng step_seed"
     ),
     "hfpatch.distributed.gradients": (
-        "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group register_ddp_hook"
+        "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group grads_averaged_over_group "
+        "register_ddp_hook"
     ),
     "hfpatch.distributed.runtime": (
         "AXES CollectiveError ParallelMesh collective_error default_timeout describe_group "
