@@ -200,7 +200,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 8.6))
     ns = [1, 2, 4]
     ax = axes[0]
     ax.plot(ns, [1 / n for n in ns], "k:", label="ideal 1/N")
@@ -216,8 +218,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
                 peaks = [1.0] + [r["peak_over_unpatched"] for r in rows]
                 ax.plot(ns_run, peaks, marker, color=color, label=label)
     ax.set(xlabel="ranks N", ylabel="per-rank peak / unpatched (training step)", xticks=ns, yscale="log")
-    ax.set_title(f"stock Qwen3ForCausalLM (S={SEQ}) / Qwen3-VL (video), C=128, 2 layers, fp32", fontsize=9)
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(f"stock Qwen3ForCausalLM (S={SEQ}) / Qwen3-VL (video), C=128, 2 layers, fp32")
+    ax.legend(ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=9)
     ax = axes[1]
     runs = [r for r in results["runs"] if r["kind"] in ("causal", "vl") and r["sp_vision"] != "replicate"]
     x = list(range(len(runs)))
@@ -234,10 +236,10 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ax.bar([i - 0.2 for i in x], heights, 0.4, bottom=bottom, color=color, label=f"measured {op}")
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.bar([i + 0.2 for i in x], [r["analytic"] / MB for r in runs], 0.4, color="0.6", label="analytic")
-    labels = [f"{r['kind']}\n{r['output']}\n{r['name']}\nN={r['N']}" for r in runs]
-    ax.set_xticks(x, labels, fontsize=6)
+    labels = [f"{r['kind']} {r['output']} {r['name']}, N={r['N']}" for r in runs]
+    ax.set_xticks(x, labels, rotation=60, ha="right")
     ax.set(ylabel="bytes sent per rank, one training step (MiB)")
-    ax.legend(fontsize=7)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

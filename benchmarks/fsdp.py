@@ -197,9 +197,11 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     runs = results["runs"]
     ns = [1] + [r["N"] for r in runs]
-    fig, (ax_rest, ax_peak, ax_comm) = plt.subplots(1, 3, figsize=(16, 4.4))
+    fig, (ax_rest, ax_peak, ax_comm) = plt.subplots(3, 1, figsize=(9, 12.9))
     for model, color in (("transformer", "C0"), ("text_encoder", "C1")):
         whole = results["unsharded"][model] / MB
         ax_rest.plot(ns, [whole / n for n in ns], ":", color=color, label=f"{model}: ideal 1/N")
@@ -220,8 +222,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
             label=f"{model}: measured",
         )
     ax_rest.set(xlabel="ranks N", ylabel="parameter bytes per rank, at rest (MiB)", xticks=ns, yscale="log")
-    ax_rest.set_title("stock Wan transformer (8 blocks, C=128) + T5 encoder (4 blocks), fp32", fontsize=9)
-    ax_rest.legend(fontsize=7)
+    ax_rest.set_title("stock Wan transformer (8 blocks, C=128) + T5 encoder (4 blocks), fp32")
+    ax_rest.legend()
     t = "transformer"
     ax_peak.plot(
         ns,
@@ -239,8 +241,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ns[1:], [r[t]["at_rest_max"] / MB for r in runs], "o:", alpha=0.6, label="  of which weights at rest"
     )
     ax_peak.set(xlabel="ranks N", ylabel="per-rank peak: weights + one forward (MiB)", xticks=ns)
-    ax_peak.set_title(f"one transformer forward, {LATENT} latent (256 tokens)", fontsize=9)
-    ax_peak.legend(fontsize=8)
+    ax_peak.set_title(f"one transformer forward, {LATENT} latent (256 tokens)")
+    ax_peak.legend()
     x = list(range(len(runs)))
     for offset, (model, color) in zip((-0.2, 0.2), (("transformer", "C0"), ("text_encoder", "C1"))):
         ax_comm.bar(
@@ -260,7 +262,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         )
     ax_comm.set_xticks(x, [f"N={r['N']}" for r in runs])
     ax_comm.set(ylabel="all-gather bytes sent per rank, one forward (MiB)")
-    ax_comm.legend(fontsize=8)
+    ax_comm.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -17,11 +17,18 @@ skipped and says so):
    after it, and with the decode overlapped on a side CUDA stream (end to end), each eager, compiled
    (``StreamingConfig(compile=True)``) and compiled with CUDA graphs (``cuda_graphs=True``). Goal: at least 24
    pixel frames/s end to end at 480x832.
+3b. ``streaming_sp``: the same stream split over every GPU of the machine (``parallel=N`` for N = 2, 4, 8 up to
+   the GPU count: Ulysses up to the 12 heads, then Ring; the VAE decode split by height): steady block time,
+   frames/s of the transformer alone and end to end, cache bytes per rank. Ranks are spawned on NCCL, one per GPU.
+   With fewer than two GPUs (and on CPU) it is skipped and says so; ``--sp-ranks N`` runs it on N gloo CPU ranks
+   (with ``--device cpu --tiny``: a check that the path works, not a timing).
 4. ``pixel_loss``: ``chunked_pixel_loss`` on the FLUX.1 VAE config at 1024x1024: step peak (forward +
    backward) one-shot at batch 1 and 2 vs hfpatch chunk 1 at batch 4.
 5. ``gradcache``: BERT-base (random weights), InfoNCE, batch 256 x 128 tokens, bf16 autocast: step time and
-   peak of GradCache at chunks 32 and 64 over the plain step, eager and ``GradCache(compile=True)``. Goal: at
-   most 1.3x a plain step at chunk 64, compiled.
+   peak of GradCache at chunks 32 and 64 over the plain step, eager and ``GradCache(compile=True)`` (at chunk
+   64 also with the loss in row blocks, ``InfoNCELoss``). Goal: at most 1.3x a plain step at chunk 64,
+   compiled. Then the loss stage alone at CLIP scale (32,768 pairs x 768, CLIP's loss, forward + backward):
+   time and peak of ``CLIPLoss`` in row blocks against the whole matrix.
 
 ``--device cpu --tiny`` runs every section on tiny configs in seconds (the test suite does, so the script
 cannot rot); CPU peaks are then live tensor bytes (``hfpatch.testing.memory``), CUDA peaks
@@ -330,6 +337,115 @@ def streaming(args, device, dtype, result, model) -> None:
             patch.remove()
 
 
+# ------------------------------------------------------------------------------------------------ streaming, N GPUs
+def streaming_sp(args, device, dtype, result) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    cpu_ranks = args.sp_ranks if device.type == "cpu" else None
+    if gpus < 2 and not cpu_ranks:
+        result["skipped"] = (
+            f"the sharded stream needs at least 2 GPUs on this machine; found {gpus} "
+            f"({'CPU run' if device.type == 'cpu' else torch.cuda.get_device_name(device)}): nothing to split"
+        )
+        print(f"streaming_sp: {result['skipped']}", flush=True)
+        return
+    worlds = [cpu_ranks] if cpu_ranks else [n for n in (2, 4, 8) if n <= gpus]
+    ctx = mp.get_context("spawn")
+    for world in worlds:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_streaming_sp_rank, args=(rank, world, port, args.tiny, str(dtype), queue))
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            rows = queue.get(timeout=max(60.0, args.budget_s))
+        finally:
+            for proc in procs:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+        if isinstance(rows, str):
+            raise RuntimeError(f"parallel={world}: {rows}")
+        result[f"N={world}"] = rows
+        print(f"streaming_sp N={world}: {rows}", flush=True)
+
+
+def _streaming_sp_rank(rank: int, world: int, port: int, tiny: bool, dtype_name: str, queue) -> None:
+    """One rank of :func:`streaming_sp` (spawned): the stream of :func:`streaming` split over ``world`` ranks."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+        import hfpatch
+        from hfpatch import ParallelConfig
+        from hfpatch.streaming import StreamingConfig, StreamingWanPipeline
+
+        dtype = getattr(torch, dtype_name.split(".")[-1])
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = WanTransformer3DModel(**(WAN_TINY if tiny else WAN_1_3B))
+            vae = (AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                    latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+                   if tiny else AutoencoderKLWan())  # fmt: skip
+        model = _to_dtype(model, dtype).eval().requires_grad_(False)
+        vae = _to_dtype(vae, dtype).eval().requires_grad_(False)
+        config = StreamingConfig(num_frame_per_block=3, local_attn_size=12, sink_size=3)
+        patch = hfpatch.apply(model, parallel=world, streaming=config)
+        plan = ParallelConfig(ring=patch.plan.ring, ulysses=patch.plan.ulysses)
+        vae_patch = hfpatch.apply(vae, parallel=ParallelConfig(vae=world))
+        pipe = StreamingWanPipeline(model, vae, config, 1000, patch, plan, vae_patch)
+        text = 8 if tiny else 512
+        prompt = torch.randn(1, text, model.config.text_dim, generator=torch.Generator().manual_seed(2)).to(
+            device, dtype
+        )
+        height, width = (64, 64) if tiny else (480, 832)
+        blocks = 5 if tiny else 10
+        rows = {"plan": repr(plan)}
+        for run, output_type in (("transformer only", "latent"), ("with VAE decode (split)", "pt")):
+            times = []
+            sync(device)
+            start = time.perf_counter()
+            stream = pipe.stream(prompt, blocks, height, width, STEPS, generator=torch.Generator().manual_seed(0),
+                                 output_type=output_type)  # fmt: skip
+            for _ in stream:
+                sync(device)
+                times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+            steady = statistics.median(times[4:])  # the window (12 frames) is full from block 5 on
+            pixel_frames = 4 * config.num_frame_per_block
+            rows[run] = {"block_ms": [1e3 * t for t in times], "steady_block_ms": 1e3 * steady,
+                         "pixel_frames_per_s": pixel_frames / steady,
+                         "cache_bytes_per_rank": pipe.cache.nbytes}  # fmt: skip
+        pipe.remove()
+        if rank == 0:
+            queue.put(rows)
+    except Exception:  # noqa: BLE001 - reported to the parent, which records the section's error
+        if rank == 0:
+            queue.put(traceback.format_exc()[-1500:])
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------------ pixel loss
 def pixel_loss(args, device, dtype, result) -> None:
     from diffusers import AutoencoderKL
@@ -372,7 +488,7 @@ def pixel_loss(args, device, dtype, result) -> None:
 def gradcache(args, device, dtype, result) -> None:
     from transformers import BertConfig, BertModel
 
-    from hfpatch.training import GradCache
+    from hfpatch.training import GradCache, InfoNCELoss
 
     if args.tiny:
         config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -412,6 +528,11 @@ def gradcache(args, device, dtype, result) -> None:
                              compile_backend=args.compile_backend,
                              autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
         steps[f"gradcache chunk {chunk}, compiled"] = lambda cache=compiled: cache.step(*inputs)
+    # The same InfoNCE computed in row blocks (hfpatch.training.InfoNCELoss) at the largest chunk, compiled.
+    blocked = GradCache(model, InfoNCELoss(20.0), chunk_size=chunks[-1], rep_fn=mean_pool, compile=True,
+                        compile_backend=args.compile_backend,
+                        autocast_dtype=None if dtype == torch.float32 else dtype)  # fmt: skip
+    steps[f"gradcache chunk {chunks[-1]}, compiled, row-blocked loss"] = lambda: blocked.step(*inputs)
     result.update(batch=batch, seq=seq, dtype=str(dtype))
     for name, step in steps.items():
         try:
@@ -427,6 +548,37 @@ def gradcache(args, device, dtype, result) -> None:
         if plain_ms and "ms" in result[name]:
             result[name]["time_vs_plain"] = result[name]["ms"] / plain_ms
         print(f"gradcache {name:22s} {result[name]}", flush=True)
+    # The loss stage alone at CLIP scale: a global batch of 32,768 pairs, width 768, CLIP's loss (learned
+    # temperature) on given embeddings, forward + backward: row-blocked (default 256 MiB budget) vs the whole
+    # matrix through autograd.
+    from hfpatch.training import CLIPLoss
+
+    pairs, width = (512, 32) if args.tiny else (32768, 768)
+    reps = [torch.randn(pairs, width, generator=gen).to(device, dtype) for _ in range(2)]
+
+    def clip_stage(loss_fn):
+        leaves = [r.detach().requires_grad_() for r in reps]
+        loss_fn(*leaves).backward()
+
+    scale = torch.tensor(1 / 0.07, device=device)
+
+    def unchunked(i, t):
+        with autocast:
+            logits = scale * F.normalize(i, dim=-1) @ F.normalize(t, dim=-1).T
+            labels = torch.arange(len(i), device=device)
+            return (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels)) / 2
+
+    stages = {"clip loss stage, row-blocked": CLIPLoss().to(device), "clip loss stage, unchunked": unchunked}
+    result["loss_stage"] = {"pairs": pairs, "width": width}
+    for name, loss_fn in stages.items():
+        try:
+            result["loss_stage"][name] = {
+                "ms": timed(lambda f=loss_fn: clip_stage(f), device, 1, args.repeats),
+                "peak_gib": peak_bytes(lambda f=loss_fn: clip_stage(f), device) / GiB,
+            }
+        except Exception as error:  # noqa: BLE001 (the unchunked stage may not fit)
+            result["loss_stage"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(f"gradcache {name:30s} {result['loss_stage'][name]}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ plot + main
@@ -439,7 +591,8 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", flush=True)
         return
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+    fig, axes = plt.subplots(4, 1, figsize=(9, 17.2))
     rows = result.get("attention", {}).get("rows", {})
     for ax, key, title in (
         (axes[0], "fwd_ms", "attention forward"),
@@ -450,7 +603,7 @@ def plot(result: dict, path: Path) -> None:
             pts = [(int(s), row[name][key]) for s, row in rows.items() if key in row.get(name, {})]
             ax.plot(*zip(*pts), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title=title)
-        ax.legend(fontsize=7)
+        ax.legend()
     wan = {n: e["ms"] for n, e in result.get("wan_forward", {}).items() if isinstance(e, dict) and "ms" in e}
     axes[2].bar(list(wan), list(wan.values()))
     axes[2].set(ylabel="ms", title=f"Wan forward ({result.get('wan_forward', {}).get('tokens')} tokens)")
@@ -460,6 +613,11 @@ def plot(result: dict, path: Path) -> None:
         for n, e in result.get("streaming", {}).items()
         if isinstance(e, dict) and "pixel_frames_per_s" in e
     }
+    for world, runs in result.get("streaming_sp", {}).items():  # the sharded stream, when it ran
+        if isinstance(runs, dict):
+            fps.update(
+                {f"{world} {n}": e["pixel_frames_per_s"] for n, e in runs.items() if isinstance(e, dict)}
+            )
     axes[3].bar(list(fps), list(fps.values()))
     axes[3].set(ylabel="pixel frames / s", title="streaming Wan")
     fig.suptitle(
@@ -470,7 +628,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SECTIONS = ("attention", "wan_forward", "streaming", "pixel_loss", "gradcache")
+SECTIONS = ("attention", "wan_forward", "streaming", "streaming_sp", "pixel_loss", "gradcache")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -485,6 +643,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--name", default=None, help="results file name (default gpu, or gpu_tiny with --tiny)"
+    )
+    parser.add_argument(
+        "--sp-ranks",
+        type=int,
+        default=None,
+        help="run the streaming_sp section on this many gloo CPU ranks (with --device cpu; default: skip on CPU)",
     )
     parser.add_argument(
         "--compile-backend",

@@ -212,8 +212,10 @@ def plot(rows: list[dict], sweep: list[dict], chunk: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     sizes = [r["batch"] for r in rows]
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_mem, ax_time) = plt.subplots(2, 1, figsize=(9, 8.6))
     ax_mem.plot(sizes, [r["plain_peak_bytes"] / 2**20 for r in rows], "o-", label="plain step")
     ax_mem.plot(
         sizes, [r["gradcache_peak_bytes"] / 2**20 for r in rows], "s-", label=f"GradCache (chunk {chunk})"
@@ -236,9 +238,9 @@ def plot(rows: list[dict], sweep: list[dict], chunk: int, path: Path) -> None:
     ax_time.plot(labels[: len(rows)], estimates, "k_", ms=20, label="1 + no-grad forward / plain")
     ax_time.axhline(1.4, color="gray", ls="--", label="1.4x target")
     ax_time.set(ylabel="GradCache / plain step CPU time", title="Step time overhead (CPU, 1 thread)")
-    ax_time.tick_params(axis="x", labelsize=8)
+    ax_time.tick_params(axis="x", labelsize=10)
     ax_time.set_ylim(0, 1.85)
-    ax_time.legend(loc="upper right", ncol=2, fontsize=8)
+    ax_time.legend(loc="upper right", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -235,6 +235,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     rows = result["rows"]
     x = list(range(len(rows)))
     bars = (
@@ -244,19 +246,18 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         ("wall", "diff_fraction", "(t_on - t_off) / t_off, wall", "C3"),
     )
     width = 0.2
-    fig, ax = plt.subplots(figsize=(12, 4.6))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for j, (clock, key, label, color) in enumerate(bars):
         heights = [100 * r[clock][key] for r in rows]
         ax.bar([i + (j - 1.5) * width for i in x], heights, width, color=color, label=label)
     ax.axhline(100 * TARGET, color="k", ls="--", label="target 2%")
     ax.axhline(0, color="k", lw=0.5)
-    ax.set_xticks(
-        x, [f"{r['case']}\nN={r['N']}, {r['guard_calls_per_call']} checks" for r in rows], fontsize=8
-    )
+    labels = [f"{r['case']}, N={r['N']} ({r['guard_calls_per_call']} checks)" for r in rows]
+    ax.set_xticks(x, labels, rotation=30, ha="right")
     ax.set(
         ylabel="guard time / call time (%)", title="same-input guard per split call (CPU gloo, 1 thread/rank)"
     )
-    ax.legend(fontsize=8)
+    ax.legend(loc="lower left", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -373,14 +373,16 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 17.2))
     for row, (model, split, fidelity, steps) in enumerate(
         [
             ("Wan", results["split"], results["fidelity"], FIDELITY_STEPS),
             ("Flux", results["flux"]["split"], results["flux"]["fidelity"], FLUX_FIDELITY["steps"]),
         ]
     ):
-        _plot_row(plt, axes[row], model, split, fidelity, steps)
+        _plot_row(plt, axes[2 * row : 2 * row + 2], model, split, fidelity, steps)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -396,7 +398,7 @@ def _plot_row(plt: Any, axes: Any, model: str, split: dict, fidelity: dict, step
     left.set_xlabel("PipeFusion ranks P")
     left.set_ylabel("parameter MiB on the rank")
     left.set_title(f"{model}: weights per rank (bar: 1.1/P of blocks + unsplit)")
-    left.legend(fontsize=8)
+    left.legend()
     for warmup in WARMUPS:
         cells = [c for c in fidelity["table"] if c["warmup"] == warmup]
         right.plot(
@@ -407,7 +409,7 @@ def _plot_row(plt: Any, axes: Any, model: str, split: dict, fidelity: dict, step
     right.set_xlabel("patches M")
     right.set_ylabel("PSNR of decoded output vs unpatched (dB)")
     right.set_title(f"{model}: fidelity, {steps} steps (warm-up {steps}: exact)")
-    right.legend(fontsize=8)
+    right.legend()
 
 
 def main() -> dict[str, Any]:

@@ -339,8 +339,10 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     records = results["records"]
-    fig, grid = plt.subplots(2, 2, figsize=(13, 9))
+    fig, grid = plt.subplots(4, 1, figsize=(9, 17.2))
     axes = grid.flat
     for ax, model, title in [
         (axes[0], "kl", "AutoencoderKL, 64x64, chunk 1"),
@@ -409,7 +411,7 @@ def _plot_frames(ax, records: list[dict]) -> None:
         ylabel="peak MiB (forward + backward)",
     )
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend()
 
 
 def main() -> None:

@@ -110,9 +110,11 @@ def _plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     base = results["block_unpatched"] / MB
     ns = [1, 2, 4]
-    fig, (ax_mem, ax_op, ax_comm) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (ax_mem, ax_op, ax_comm) = plt.subplots(3, 1, figsize=(9, 12.9))
     ax_mem.plot(ns, [base / n for n in ns], "k:", label="ideal 1/N")
     ax_mem.plot(ns, [1.2 * base / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
     single = [r for r in results["runs"] if r["N"] == 1]
@@ -121,7 +123,7 @@ def _plot(results: dict, path: Path) -> None:
         ax_mem.plot([r["N"] for r in rows], [r["block_peak_max"] / MB for r in rows], marker, label=name)
     ax_mem.set(xlabel="ranks N", ylabel="per-rank peak activation (MiB)", xticks=ns, yscale="log")
     ax_mem.set_title(f"DiT block, S={SEQ}, H={HEADS}, D={DIM}, fp32, inference", fontsize=10)
-    ax_mem.legend(fontsize=8)
+    ax_mem.legend()
     op_base = results["attention_unpatched"] / MB
     ax_op.axhline(op_base, color="k", ls=":", label="unpatched (output only)")
     for name, marker in MARKERS.items():
@@ -129,14 +131,14 @@ def _plot(results: dict, path: Path) -> None:
         ax_op.plot([r["N"] for r in rows], [r["attention_peak_max"] / MB for r in rows], marker, label=name)
     ax_op.set(xlabel="ranks N", ylabel="per-rank peak activation (MiB)", xticks=ns)
     ax_op.set_title("attention op alone: resharded q/k/v or K/V in flight", fontsize=10)
-    ax_op.legend(fontsize=8)
+    ax_op.legend()
     runs = [r for r in results["runs"] if r["N"] > 1]
     x = list(range(len(runs)))
     ax_comm.bar([i - 0.2 for i in x], [r["sent_max"] / MB for r in runs], 0.4, label="measured")
     ax_comm.bar([i + 0.2 for i in x], [r["analytic"] / MB for r in runs], 0.4, label="analytic minimum")
-    ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs], fontsize=8)
+    ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs])
     ax_comm.set(ylabel="bytes sent per rank, attention forward (MiB)")
-    ax_comm.legend(fontsize=8)
+    ax_comm.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

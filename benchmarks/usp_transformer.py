@@ -254,9 +254,11 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     base = results["unpatched"]["peak"] / MB
     ns = [1, 2, 4]
-    fig, (ax_mem, ax_comm, ax_fam) = plt.subplots(1, 3, figsize=(17, 4.4))
+    fig, (ax_mem, ax_comm, ax_fam) = plt.subplots(3, 1, figsize=(9, 12.9))
     ax_mem.plot(ns, [base / n for n in ns], "k:", label="ideal 1/N")
     ax_mem.plot(ns, [1.2 * base / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
     for name, marker in MARKERS.items():
@@ -267,9 +269,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_mem.set(xlabel="ranks N", ylabel="per-rank peak activation (MiB)", xticks=ns, yscale="log")
     ax_mem.set_title(
         f"stock WanTransformer3DModel, S={results['seq']}, C={HIDDEN}, ffn=4C, {LAYERS} layers, fp32",
-        fontsize=9,
     )
-    ax_mem.legend(fontsize=8)
+    ax_mem.legend()
     runs = results["runs"]
     x = list(range(len(runs)))
     bottom = [0.0] * len(runs)
@@ -280,9 +281,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_comm.bar(
         [i + 0.2 for i in x], [r["analytic"] / MB for r in runs], 0.4, color="0.6", label="analytic min"
     )
-    ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs], fontsize=8)
+    ax_comm.set_xticks(x, [f"{r['name']}\nN={r['N']}" for r in runs])
     ax_comm.set(ylabel="bytes sent per rank, one forward (MiB)")
-    ax_comm.legend(fontsize=8)
+    ax_comm.legend()
     ax_fam.plot(ns, [1 / n for n in ns], "k:", label="ideal 1/N")
     ax_fam.plot(ns, [1.2 / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
     families = {"wan": {"runs": results["runs"], "unpatched_peak": results["unpatched"]["peak"]}}
@@ -299,8 +300,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
                 label=f"{family_name} {name}",
             )
     ax_fam.set(xlabel="ranks N", ylabel="per-rank peak / unpatched", xticks=ns, yscale="log")
-    ax_fam.set_title(f"Wan, QwenImage, LTX-Video: S=4096, C={HIDDEN}, {LAYERS} layers, fp32", fontsize=9)
-    ax_fam.legend(fontsize=7, ncol=3)
+    ax_fam.set_title(f"Wan, QwenImage, LTX-Video: S=4096, C={HIDDEN}, {LAYERS} layers, fp32")
+    ax_fam.legend(ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

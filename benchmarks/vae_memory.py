@@ -180,9 +180,11 @@ def _plot(result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
+
     heights = result["input"]["latent_heights"]
     peaks = result["peak_bytes"]
-    fig, (ax_n, ax_h, ax_t) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (ax_n, ax_h, ax_t) = plt.subplots(3, 1, figsize=(9, 12.9))
     ranks = [1, 2, 4]
     at = heights.index(max(heights))
     measured = [peaks["unpatched"][at], peaks["hfpatch_N2"][at], peaks["hfpatch_N4"][at]]
@@ -199,11 +201,11 @@ def _plot(result: dict) -> None:
         ax_h.plot(heights, [v / 2**20 for v in values], "o-", label=name)
     ax_h.axhline(result["budget_bytes"] / 2**20, color="gray", ls=":", label="budget")
     ax_h.set(xlabel="latent height (rows)", ylabel="peak activation MiB per rank", title="peak vs resolution")
-    ax_h.legend(fontsize=8)
+    ax_h.legend()
     for name, values in result["train_peak_bytes"].items():
         ax_t.plot(heights, [v / 2**20 for v in values], "o-", label=name)
     ax_t.set(xlabel="latent height (rows)", ylabel="peak MiB per rank", title="training step (fwd + bwd)")
-    ax_t.legend(fontsize=8)
+    ax_t.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "vae_memory.png", dpi=120)
 

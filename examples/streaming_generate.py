@@ -8,6 +8,7 @@ Runs on tiny random-weight models on CPU in seconds (the pixels are noise; the p
 3. ``StreamingTrainingModel`` produces one training chunk (new frames + overlap) with its gradient mask.
 
     python examples/streaming_generate.py --blocks 8 --switch-at 4
+    torchrun --nproc-per-node 2 examples/streaming_generate.py --parallel 2   # each block split over 2 ranks
 
 With real weights (Self-Forcing / LongLive generator checkpoints are in the native Wan layout):
 
@@ -28,6 +29,7 @@ import argparse
 import time
 
 import torch
+import torch.distributed as dist
 
 from hfpatch.streaming import StreamingConfig, StreamingTrainingModel, StreamingWanPipeline
 from hfpatch.testing import tiny_wan_pipe, wan_prompt_embeds
@@ -39,12 +41,20 @@ def main() -> None:
     parser.add_argument("--switch-at", type=int, default=4, help="block where the second prompt starts")
     parser.add_argument("--window", type=int, default=6, help="local_attn_size in latent frames")
     parser.add_argument("--sink", type=int, default=2)
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="ranks that split each block (launch with torchrun)"
+    )
     args = parser.parse_args()
 
     config = StreamingConfig(num_frame_per_block=2, local_attn_size=args.window, sink_size=args.sink)
-    stream = StreamingWanPipeline.from_pipe(tiny_wan_pipe(), config)
+    # parallel > 1: every block's tokens, both caches and the VAE decode split over the ranks (same frames).
+    stream = StreamingWanPipeline.from_pipe(tiny_wan_pipe(), config, parallel=args.parallel)
+    show = not dist.is_initialized() or dist.get_rank() == 0  # every rank holds the same frames: print once
+    if show and args.parallel > 1:
+        print(f"plan: {stream.plan}")
     schedule = [(0, wan_prompt_embeds(seed=1)), (args.switch_at, wan_prompt_embeds(seed=2))]
-    print(f"{'block':>5} {'prompt':>6} {'frames':>10} {'cache KiB':>9} {'ms':>6}")
+    if show:
+        print(f"{'block':>5} {'prompt':>6} {'frames':>10} {'cache KiB':>9} {'ms':>6}")
     start = time.perf_counter()
     for out in stream.stream(
         schedule,
@@ -55,12 +65,14 @@ def main() -> None:
         generator=torch.Generator().manual_seed(0),
     ):
         now = time.perf_counter()
-        print(
-            f"{out.block_index:>5} {out.prompt_index:>6} {out.frames.shape[1]:>10} "
-            f"{stream.cache.nbytes / 1024:>9.1f} {1e3 * (now - start):>6.0f}"
-        )
+        if show:
+            print(
+                f"{out.block_index:>5} {out.prompt_index:>6} {out.frames.shape[1]:>10} "
+                f"{stream.cache.nbytes / 1024:>9.1f} {1e3 * (now - start):>6.0f}"
+            )
         start = now
-    print("cached frames at the end:", stream.cache.frames())
+    if show:
+        print("cached frames at the end:", stream.cache.frames())
 
     trainer = StreamingTrainingModel(
         stream.transformer, config, chunk_size=6, min_new_frames=2, denoising_step_list=(1000, 750, 500, 250)
@@ -72,10 +84,11 @@ def main() -> None:
         loss = (chunk.square().mean(dim=(1, 3, 4)) * info.gradient_mask).sum() / info.gradient_mask.sum()
         if chunk.requires_grad:
             loss.backward()
-        print(
-            f"chunk {step}: frames {info.chunk_start_frame}..{info.chunk_start_frame + chunk.shape[2] - 1}, "
-            f"new {info.new_frames}, exit steps {info.exit_steps}, loss {loss.item():.3f}"
-        )
+        if show:
+            print(
+                f"chunk {step}: frames {info.chunk_start_frame}..{info.chunk_start_frame + chunk.shape[2] - 1}, "
+                f"new {info.new_frames}, exit steps {info.exit_steps}, loss {loss.item():.3f}"
+            )
     stream.remove()
 
 

@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     explicit = {k: v for k, v in (("cfg", args.cfg), ("ulysses", args.ulysses), ("ring", args.ring)) if v}
     # None = every rank torchrun started, planned automatically; initialises torch.distributed (NCCL on CUDA,
     # gloo on CPU).
-    patch = hfpatch.apply(pipe, parallel=hfpatch.ParallelConfig(**explicit) if explicit else None)
+    try:
+        patch = hfpatch.apply(pipe, parallel=hfpatch.ParallelConfig(**explicit) if explicit else None)
+    except (ValueError, TypeError) as exc:  # e.g. degrees that do not multiply to the number of ranks
+        # Raised alike on every rank: say it once (rank 0), not once per rank with its traceback.
+        raise SystemExit(f"error: {exc}" if os.environ.get("RANK", "0") == "0" else 1) from None
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         print(f"plan: {patch.plan}")

@@ -22,8 +22,15 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError, get_patch
     from .core.registry import PatchFamily
-    from .distributed.agreement import InputMismatchError
-    from .distributed.data import data_parallel_loaders, data_parallel_sampler, step_generator, step_rng
+    from .distributed.agreement import InputMismatchError, WeightMismatchError
+    from .distributed.data import (
+        StepRNG,
+        data_parallel_loaders,
+        data_parallel_sampler,
+        prepare_accelerator,
+        step_generator,
+        step_rng,
+    )
     from .distributed.gradients import all_reduce_gradients, register_ddp_hook
     from .distributed.runtime import CollectiveError
 
@@ -42,9 +49,12 @@ _LAZY = {
     "register_ddp_hook": ".distributed.gradients",
     "data_parallel_loaders": ".distributed.data",
     "data_parallel_sampler": ".distributed.data",
+    "StepRNG": ".distributed.data",
+    "prepare_accelerator": ".distributed.data",
     "step_generator": ".distributed.data",
     "step_rng": ".distributed.data",
     "InputMismatchError": ".distributed.agreement",
+    "WeightMismatchError": ".distributed.agreement",
     "CollectiveError": ".distributed.runtime",
     "ApplyMismatchError": ".api",
 }
@@ -78,12 +88,15 @@ __all__ = [
     "Patch",
     "PatchError",
     "PatchFamily",
+    "StepRNG",
+    "WeightMismatchError",
     "__version__",
     "all_reduce_gradients",
     "apply",
     "data_parallel_loaders",
     "data_parallel_sampler",
     "get_patch",
+    "prepare_accelerator",
     "register_ddp_hook",
     "register_patch",
     "step_generator",

@@ -10,12 +10,21 @@ and config, resolved plan and options, or the error its own checks raised). Rank
 arguments, or where only some ranks' checks failed, raise the same :class:`ApplyMismatchError` listing every
 rank's call; ranks whose peers never call ``apply`` raise
 :class:`hfpatch.distributed.runtime.CollectiveError` within the timeout. Nothing is patched on any rank then.
+
+The handshake also carries a fingerprint of every parameter and buffer of the target
+(:func:`hfpatch.distributed.agreement.weight_digests`, folded into one digest): ranks that hold different
+weights (a model or adapter initialised without a common seed, another checkpoint) raise the same
+:class:`~hfpatch.distributed.agreement.WeightMismatchError`, naming the tensors. After patching, a
+:class:`~hfpatch.distributed.agreement.WeightWatch` keeps that fingerprint in every same-input check of the
+patched calls, so an adapter added later on some ranks only, or initialised per rank, is refused at the next
+call.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import types
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -26,9 +35,16 @@ from .core.config import ModelFacts, ParallelConfig, resolve_parallel
 from .core.patch import MARKER, Patch, get_patch
 from .core.registry import PatchFamily, Registry, class_key
 from .distributed import runtime
+from .distributed.agreement import (
+    WeightMismatchError,
+    WeightWatch,
+    fold_digests,
+    weight_digests,
+    weights_mismatch_message,
+)
 from .patches import default_registry
 
-__all__ = ["ApplyMismatchError", "apply", "get_patch"]
+__all__ = ["ApplyMismatchError", "WeightMismatchError", "apply", "get_patch"]
 
 
 class ApplyMismatchError(ValueError):
@@ -75,9 +91,8 @@ def _unsupported(target: Any, registry: Registry) -> TypeError:
         return TypeError(f"{_refusal_text(target, refused)}. To use several ranks, {_RUN_WHOLE}.")
     supported = sorted(key.split(".", 1)[1] for key in registry.supported())
     listed = ", ".join(supported) or "none registered"
-    if (
-        len(listed) > 240
-    ):  # the built-in registry: dozens of classes; `hfpatch info` prints them with their families
+    # The built-in registry has dozens of classes: `hfpatch info` prints them with their families.
+    if len(listed) > 240:
         listed = f"{len(supported)} classes, listed by `hfpatch info`"
     return TypeError(f"hfpatch has no patch for {type(target).__name__}; supported classes: {listed}")
 
@@ -93,6 +108,24 @@ def _refuse_split_components(target: Any, parallel: ParallelConfig, registry: Re
                 f"ulysses={parallel.ulysses}, ring={parallel.ring} split {type(target).__name__}'s transformer, but "
                 f"{_refusal_text(component, refused)}; {_RUN_WHOLE}"
             )
+
+
+def _drop_superseded(
+    units: list[tuple[Any, list[PatchFamily]]], options: dict[str, Any]
+) -> tuple[list[tuple[Any, list[PatchFamily]]], dict[str, str]]:
+    """``units`` without the families that another family of the same object replaces given its options
+    (:meth:`~hfpatch.core.registry.PatchFamily.supersedes`), and ``{dropped family: the family replacing it}``."""
+    kept, dropped = [], {}
+    for obj, families in units:
+        replaced: dict[str, str] = {}
+        for family in families:
+            for name in family.supersedes({k: options[k] for k in family.options}):
+                replaced[name] = family.name
+        kept.append((obj, [f for f in families if f.name not in replaced]))
+        dropped.update(
+            {f"{f.name} ({type(obj).__name__})": replaced[f.name] for f in families if f.name in replaced}
+        )
+    return kept, dropped
 
 
 def _merge_facts(units: list[tuple[Any, list[PatchFamily]]], target: Any) -> ModelFacts:
@@ -175,6 +208,20 @@ def _model_digest(target: Any) -> str:
     return hashlib.blake2b("|".join(parts).encode(), digest_size=6).hexdigest()
 
 
+def _differences(existing: Patch, config: ParallelConfig, options: dict[str, Any]) -> list[str]:
+    """``"key: live -> asked"`` for the plan and each option that differ between a live patch and a new call."""
+    missing = object()
+    out = []
+    if existing.plan != config:
+        out.append(f"plan: {_text(existing.plan)} now, {_text(config)} asked")
+    for key in sorted(set(existing.options) | set(options)):
+        old, new = existing.options.get(key, missing), options.get(key, missing)
+        if old != new:
+            shown = ("not an option" if v is missing else _text(v) for v in (old, new))
+            out.append("{}: {} now, {} asked".format(key, *shown))
+    return out
+
+
 def _check(
     target: Any, parallel: Any, registry: Registry, options: dict[str, Any]
 ) -> tuple[list[tuple[Any, list[PatchFamily]]], ParallelConfig, dict[str, Any], Patch | None]:
@@ -193,7 +240,20 @@ def _check(
             f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
             f"{type(target).__name__}; known: {', '.join(sorted(known)) or 'none'}"
         )
-    resolved_options = {**known, **options}
+    units, dropped = _drop_superseded(units, {**known, **options})
+    live: dict[str, Any] = {}
+    for _, families in units:
+        for family in families:
+            live.update(family.options)
+    stray = sorted(set(options) - set(live))
+    if stray:
+        replaced = "; ".join(f"{by} replaces {name}" for name, by in sorted(dropped.items()))
+        raise TypeError(
+            f"option{'s' if len(stray) > 1 else ''} {', '.join(map(repr, stray))} of {type(target).__name__} "
+            f"belong{'' if len(stray) > 1 else 's'} to a patch that the other options replace ({replaced}), so "
+            f"{'they' if len(stray) > 1 else 'it'} would do nothing; options that apply: {', '.join(sorted(live))}"
+        )
+    resolved_options = {**live, **options}
 
     facts = _merge_facts(units, target)
     if isinstance(parallel, ParallelConfig) and parallel.sequence_parallel > 1 and facts.num_heads is None:
@@ -209,9 +269,9 @@ def _check(
             return units, config, resolved_options, existing
         owner = f" as part of {existing.part_of}" if existing.part_of else ""
         raise ValueError(
-            f"{type(target).__name__} is already patched{owner} with plan={existing.plan}, "
-            f"options={existing.options}; call patch.remove() before applying plan={config}, "
-            f"options={resolved_options}"
+            f"{type(target).__name__} is already patched{owner} with other settings "
+            f"({'; '.join(_differences(existing, config, resolved_options))}); call patch.remove() before "
+            "applying it again with these, or pass the same arguments to get the live patch back"
         )
     for obj, _ in units:
         if get_patch(obj) is not None:
@@ -233,10 +293,15 @@ def _handshake(
     config: ParallelConfig | None,
     resolved_options: dict[str, Any] | None,
     error: Exception | None,
+    digests: dict[str, list[int]] | None = None,
 ) -> None:
     """Check that every rank made the same ``apply`` call; raise :class:`ApplyMismatchError` alike on all if not.
 
+    ``digests`` (:func:`~hfpatch.distributed.agreement.weight_digests` of the target) travel folded into one
+    digest; when only they differ, a second exchange of every tensor's digest names the tensors that differ.
+
     Raises:
+        WeightMismatchError: The same call, but the ranks hold different weights.
         CollectiveError: A rank did not call ``apply`` within ``HFPATCH_TIMEOUT_S``.
     """
     call = ", ".join(
@@ -253,6 +318,7 @@ def _handshake(
         if resolved_options is None
         else [[k, _text(v)] for k, v in sorted(resolved_options.items())],
         "error": None if error is None else f"{type(error).__name__}: {error}",
+        "weights": None if digests is None else fold_digests(digests),
     }
     every = runtime.exchange(
         "apply",
@@ -262,7 +328,16 @@ def _handshake(
     )
     compared = ("target", "model", "plan", "options", "error")
     if all(all(p[k] == every[0][k] for k in compared) for p in every):
-        return
+        if all(p["weights"] == every[0]["weights"] for p in every):
+            return
+        # The same call on different weights: every rank sends every tensor's digest to name them.
+        tables = runtime.exchange("apply weights", {"digests": digests or {}}, what="hfpatch.apply")
+        raise WeightMismatchError(
+            weights_mismatch_message(
+                [t["digests"] for t in tables], list(range(len(tables))), type(target).__name__
+            )
+            + " Nothing was patched on any rank."
+        )
     lines: dict[str, list[int]] = {}
     models = {p["model"] for p in every}
     for rank, p in enumerate(every):
@@ -335,6 +410,7 @@ def apply(
     1
     """
     registry = registry or default_registry()
+    runtime.check_launch_agrees()  # the launcher started N processes that torch.distributed/accelerate must see
     error: Exception | None = None
     config = resolved_options = existing = None
     units: list[tuple[Any, list[PatchFamily]]] = []
@@ -344,34 +420,45 @@ def apply(
         error = exc
     # Several ranks compute together: agree on the call before any group is created (bounded wait).
     world = runtime.launched_world_size()
+    digests = None
     if world > 1 and _requested_world(parallel) != 1 and (config is None or config.world_size > 1):
+        if error is None and existing is None and _checks_weights(resolved_options):
+            digests = weight_digests(_weight_modules(target))
         try:
             runtime.ensure_process_group(world)
-            _handshake(target, parallel, options, config, resolved_options, error)
+            _handshake(target, parallel, options, config, resolved_options, error, digests)
         except runtime.CollectiveError as exc:
             if error is None:
                 raise
             if hasattr(error, "add_note"):  # this rank's own error stays the one to fix first
                 error.add_note(str(exc))
     if error is not None:
-        raise error
+        raise _short(error)
     assert config is not None and resolved_options is not None
     if existing is not None:
         return existing
 
     mesh = runtime.get_mesh(config)  # the first collective: every check above passed on every rank
 
-    top = Patch(name=type(target).__name__, plan=config, options=resolved_options)
+    top = Patch(name=type(target).__name__, plan=config, options=resolved_options, requested=dict(options))
     try:
+        patches: list[tuple[Any, Patch]] = []
         for obj, families in units:
             child = top
             if obj is not target:
                 child = Patch(type(obj).__name__, plan=config, options=resolved_options, part_of=top.name)
                 top.add_child(child)
             for family in families:
+                changes = len(child.entries())
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})
+                if len(child.entries()) > changes:  # the families that changed something (repr)
+                    child.families[family.name] = family.role
                 if family.split_axis is not None and mesh.size(family.split_axis) > 1:
                     child.reduce_group = mesh.group(family.split_axis)
+            patches.append((obj, child))
+        if digests is not None:
+            _watch_weights(target, top, patches, digests)
+        for obj, child in patches:
             child.set_attr(obj, MARKER, child, keep_when_disabled=True)  # get_patch works inside disabled()
             child.refuse_copies(obj)
     except BaseException as exc:
@@ -381,3 +468,53 @@ def apply(
             exc.add_note(f"hfpatch: rolling back the partial patch also failed: {rollback_error!r}")
         raise
     return top
+
+
+def _checks_weights(options: dict[str, Any] | None) -> bool:
+    """Whether ``apply`` compares the ranks' weights (``check_inputs=False`` turns every agreement check off)."""
+    return options is None or options.get("check_inputs", True) is not False
+
+
+def _weight_modules(target: Any) -> list[tuple[str, torch.nn.Module]]:
+    """``(prefix, module)`` whose parameters and buffers the ranks compare: a model, or a pipeline's
+    ``torch.nn.Module`` components by name (text encoders and VAEs included)."""
+    if not _is_pipeline(target):
+        return [("", target)] if isinstance(target, torch.nn.Module) else []
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, component in target.components.items():
+        if isinstance(component, torch.nn.Module) and all(component is not m for _, m in found):
+            found.append((name, component))
+    return found
+
+
+def _watch_weights(
+    target: Any, top: Patch, patches: list[tuple[Any, Patch]], digests: dict[str, list[int]]
+) -> None:
+    """Keep the weights' fingerprint in the same-input checks of every patched module's calls.
+
+    Modules whose weights FSDP shards (``shard_weights``, or the user's ``fully_shard``) are left out: each
+    rank holds another shard of them by design (their full weights were compared above, before sharding).
+    """
+    modules = [
+        (name, module)
+        for name, module in _weight_modules(target)
+        if not any(cls.__name__ == "FSDPModule" for m in module.modules() for cls in type(m).__mro__)
+    ]
+    if not modules:
+        return
+    watch = WeightWatch(modules, type(target).__name__, digests)
+    top.on_remove(target, "weight watch", watch.close)
+    for obj, child in patches:
+        if isinstance(obj, torch.nn.Module):
+            watch.enter(child, obj)
+
+
+def _short(error: Exception) -> Exception:
+    """``error`` with a traceback of one frame, where it was raised (the frames of hfpatch's checks between
+    ``apply`` and that line say nothing to the caller, and every rank prints them)."""
+    tb = error.__traceback__
+    if tb is None or not isinstance(error, (ValueError, TypeError, RuntimeError)):
+        return error
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return error.with_traceback(types.TracebackType(None, tb.tb_frame, tb.tb_lasti, tb.tb_lineno))

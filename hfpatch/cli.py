@@ -1,9 +1,11 @@
-"""The ``hfpatch`` command: ``demo``, ``selftest``, ``bench`` and ``info``.
+"""The ``hfpatch`` command: ``generate``, ``demo``, ``selftest``, ``bench`` and ``info``.
 
+* ``hfpatch generate MODEL --prompt ... --out FILE``: a diffusers checkpoint on every launched rank
+  (``torchrun --nproc-per-node N -m hfpatch generate ...``), see :mod:`hfpatch.generate`.
 * ``hfpatch demo [--nproc N]``: the tiny Wan pipeline unpatched vs ``hfpatch.apply(pipe, parallel=N)``.
 * ``hfpatch selftest [--nproc N]``: collectives and ``usp_attention`` exactness on N local gloo ranks.
 * ``hfpatch bench [NAME]``: list, or run, the scripts in ``benchmarks/`` of a source checkout.
-* ``hfpatch info``: versions, device, world size and the registered patch families.
+* ``hfpatch info [--classes]``: versions, device, world size and a summary of the patch families.
 * ``hfpatch --version``.
 
 Each prints its report and exits with status 0 on success, 1 on a failed check, 2 on a usage error
@@ -69,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hfpatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    from .generate import add_arguments as add_generate_arguments
+
+    add_generate_arguments(
+        commands.add_parser(
+            "generate",
+            help="run a diffusers checkpoint on every launched rank: torchrun --nproc-per-node N -m hfpatch generate",
+            description="Load a diffusers pipeline (a local folder or a hub id), hfpatch.apply it over the ranks "
+            "torchrun launched (or one process) and write its output from rank 0. Every rank runs the same "
+            "command and computes the unpatched pipeline's output; what can be checked without the weights "
+            "(degrees vs the world size, output suffixes, the model's classes) is a usage error (exit status 2) "
+            "before any weight loads.",
+        )
+    )
     demo = commands.add_parser(
         "demo",
         help="run the tiny Wan pipeline unpatched and with hfpatch.apply(pipe, parallel=N) on N CPU ranks",
@@ -118,11 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         "and exit with its status.",
     )
     bench.add_argument("name", nargs="?", help="benchmark to run (file name without .py); omit to list")
-    commands.add_parser(
+    info = commands.add_parser(
         "info",
         help="versions, device, world size and the registered patch families",
-        description="Print "
-        "package versions, the device and backend, the world size and the patch families per class.",
+        description="Print package versions, the device and backend, the world size, and a summary of the patch "
+        "families (what each patches, for how many classes, its options).",
+    )
+    info.add_argument(
+        "--classes",
+        action="store_true",
+        help="list every registered class with its families and options, and every diffusers transformer class "
+        "with how hfpatch splits its sequence (or why it does not)",
     )
     return parser
 
@@ -135,8 +156,21 @@ def _version(package: str) -> str:
     return getattr(module, "__version__", "unknown")
 
 
-def info_lines() -> list[str]:
-    """The lines ``hfpatch info`` prints."""
+def _wrapped(label: str, items: Sequence[str], indent: int = 6, width: int = 110) -> list[str]:
+    """``label`` then ``items`` joined by commas, wrapped under it."""
+    import textwrap
+
+    return textwrap.wrap(
+        label + ", ".join(items), width=width, subsequent_indent=" " * indent, break_on_hyphens=False
+    )
+
+
+def info_lines(classes: bool = False) -> list[str]:
+    """The lines ``hfpatch info`` prints (``classes``: every class, as ``hfpatch info --classes``).
+
+    By default each patch family is one entry: what it patches, the classes it is registered for (counted,
+    the first few named) and its options, once; ``classes=True`` lists every class with its families.
+    """
     import torch
 
     from .distributed import runtime
@@ -150,16 +184,31 @@ def info_lines() -> list[str]:
         device = "cpu, backend gloo"
     lines.append(f"device        {device}")
     lines.append(f"world size    {runtime.launched_world_size()} (rank {runtime.rank()})")
-    lines.append("patch families (class: family [options]):")
+
+    families: dict[tuple[str, str, str], list[str]] = {}  # (name, role, options) -> class keys
+    missing: list[str] = []
     for key, entry in BUILTIN_FAMILIES:
         module, _, attr = entry.partition(":")
         try:
             family = getattr(importlib.import_module(module), attr)
         except ImportError as exc:
-            lines.append(f"  {key}: {entry} unavailable ({exc})")
+            missing.append(f"  {key}: {entry} unavailable ({exc})")
             continue
         options = ", ".join(f"{k}={v!r}" for k, v in family.options.items()) or "no options"
-        lines.append(f"  {key}: {family.name} ({family.role}) [{options}]")
+        families.setdefault((family.name, family.role, options), []).append(key)
+    if classes:
+        lines.append("patch families by class (class: family (role) [options]):")
+        for (name, role, options), keys in families.items():
+            lines += [f"  {key}: {name} ({role}) [{options}]" for key in keys]
+    else:
+        lines.append(f"patch families ({len(families)}; `hfpatch info --classes` lists every class):")
+        for (name, role, options), keys in families.items():
+            short = [key.split(".", 1)[1] for key in keys]
+            count = f"{len(keys)} classes" if len(keys) > 1 else "1 class"
+            shown = short if len(short) <= 6 else [*short[:5], f"... ({len(short) - 5} more)"]
+            lines += _wrapped(f"  {name} ({role}), {count}: ", shown)
+            lines += _wrapped("      options: ", [options])
+    lines += missing
     try:
         from .patches.dit.family import support_table
 
@@ -167,8 +216,16 @@ def info_lines() -> list[str]:
     except ImportError as exc:
         lines.append(f"sequence parallel by diffusers transformer class: unavailable ({exc})")
     else:
-        lines.append("sequence parallel by diffusers transformer class:")
-        lines += [f"  {name}: {how}" for name, how in rows]
+        supported = [name for name, how in rows if not how.startswith("not supported")]
+        if classes:
+            lines.append("sequence parallel by diffusers transformer class:")
+            lines += [f"  {name}: {how}" for name, how in rows]
+        else:
+            lines += _wrapped(
+                f"sequence parallel: {len(supported)} of the {len(rows)} diffusers transformer classes ",
+                ["`hfpatch info --classes` gives each one's plan, or why it is not split"],
+                indent=2,
+            )
     return lines
 
 
@@ -182,13 +239,16 @@ def benchmark_dir() -> Path | None:
 
 
 def benchmarks(directory: Path) -> dict[str, str]:
-    """Benchmark name -> first line of its docstring, for every ``*.py`` script in ``directory``."""
+    """Benchmark name -> the first paragraph of its docstring (one line), for every ``*.py`` script in
+    ``directory`` (``_``-prefixed modules are helpers, not benchmarks)."""
     import ast
 
     found = {}
     for script in sorted(directory.glob("*.py")):
-        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
-        found[script.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+        if script.name.startswith("_"):
+            continue
+        doc = (ast.get_docstring(ast.parse(script.read_text())) or "").strip()
+        found[script.stem] = " ".join(doc.split("\n\n")[0].split())
     return found
 
 
@@ -203,8 +263,12 @@ def _bench(name: str | None, directory: Path | None) -> int:
         return 2
     found = benchmarks(directory)
     if name is None:
+        import textwrap
+
         print(f"benchmarks in {directory} (run: hfpatch bench NAME):")
-        print("\n".join(f"  {n:<22} {doc}" for n, doc in found.items()))
+        for n, doc in found.items():
+            wrapped = textwrap.wrap(doc, width=110, initial_indent=f"  {n:<20} ", subsequent_indent=" " * 23)
+            print("\n".join(wrapped or [f"  {n}"]))
         return 0
     if name not in found:
         print(
@@ -219,8 +283,12 @@ def _bench(name: str | None, directory: Path | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hfpatch`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        from .generate import main as generate
+
+        return generate(args)
     if args.command == "info":
-        print("\n".join(info_lines()))
+        print("\n".join(info_lines(classes=args.classes)))
         return 0
     if args.command == "bench":
         return _bench(args.name, benchmark_dir())

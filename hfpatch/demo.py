@@ -1,9 +1,11 @@
 """``hfpatch demo`` and ``hfpatch selftest``: multi-rank checks of the installation on N local CPU ranks.
 
 ``demo``: every rank builds the same tiny random-weight ``WanPipeline`` (seeded), runs it unpatched as the
-reference, then with ``hfpatch.apply(pipe, parallel=N)``, and reports the largest difference of the final
-latents and of the video, the plan and how exact each parallel path in it is, its peak activation memory and
-the bytes it sent. The report is the README's first command.
+reference, then with ``hfpatch.apply(pipe, parallel=N)``, and reports per rank the largest difference of the
+final latents and of the video, peak activation memory, the bytes it sent and the time of the unpatched and
+the patched call, then how exact each parallel path of the plan is. ``parallel=N`` gives a guiding pipeline
+CFG parallel first, so at 2 ranks its plan has no sequence parallelism: the demo then also runs a plan of
+sequence parallelism alone (``ParallelConfig(ulysses=2)``). The report is the README's first command.
 
 ``selftest``: the building blocks alone, in seconds: uneven ``all_gather``, ``all_to_all``, and
 ``usp_attention`` (Ulysses, Ring, and both when N factors) against SDPA on the full sequence.
@@ -12,12 +14,20 @@ Importing this module imports no torch (the ``hfpatch`` command's parser reads i
 functions import it.
 
 >>> from hfpatch.demo import DemoResult, format_report
->>> rows = [DemoResult(0, 3e-7, "ParallelConfig(cfg=2, vae=2)", 2048, 1024, 512, 1.0, 0.0)]
->>> for line in format_report(rows, nproc=2, steps=2, atol=2e-4).splitlines()[-4:]:
+>>> rows = [DemoResult(0, 3e-7, "ParallelConfig(cfg=2, vae=2)", 2048, 1024, 512, 0.5, 0.0, "parallel=2", 0.4)]
+>>> for line in format_report(rows, nproc=2, steps=2, atol=2e-4).splitlines()[2:]:
 ...     print(line)
+plan 1: hfpatch.apply(pipe, parallel=2)
+plan: ParallelConfig(cfg=2, vae=2)
+rank  latents |diff|  video |diff|   peak activations unpatched -> patched  bytes sent  unpatched  patched
+   0         0.0e+00       3.0e-07                      2.0 KiB -> 1.0 KiB      0.5 KiB      0.40s    0.50s
 exactness of the paths in this plan:
   CFG parallel (cond and uncond calls on different ranks): bit-exact, each call is the unpatched one
   split VAE (precise, 2 row shards): equal up to fp32 reassociation (conv sums ordered per shard shape)
+<BLANKLINE>
+times: a tiny model on CPU processes, where collectives and scheduling outweigh milliseconds of
+compute: the patched call is not faster here (speed-ups at real sizes: docs/performance.md)
+<BLANKLINE>
 verdict: PASS, every rank's video is within atol of the unpatched one (max abs diff 3.0e-07 <= 2.0e-04)
 """
 
@@ -41,6 +51,7 @@ __all__ = [
     "run_demo",
     "run_selftest",
     "selftest_rank",
+    "sequence_parallel_plan",
 ]
 
 #: Pixel tolerance (video in [0, 1]). What differs from the unpatched run is only the order of fp32 sums
@@ -79,6 +90,7 @@ class DemoResult:
 
     ``max_abs_diff`` compares the videos (pixels in ``[0, 1]``), ``max_latent_diff`` the latents the
     denoising loop ends with (before the VAE decode), both against the unpatched run on the same rank.
+    ``seconds``/``seconds_unpatched`` time one call each, without the memory and byte counters.
     """
 
     rank: int
@@ -89,6 +101,10 @@ class DemoResult:
     bytes_sent: int
     seconds: float
     max_latent_diff: float | None = None
+    #: How ``apply`` was called (``"parallel=2"``, ``"parallel=hfpatch.ParallelConfig(ulysses=2)"``).
+    call: str = ""
+    #: Time of the unpatched call on this rank (the same call, before ``apply``).
+    seconds_unpatched: float | None = None
 
 
 def _run(pipe: Any, steps: int) -> tuple[Any, Any]:
@@ -119,8 +135,18 @@ def _run(pipe: Any, steps: int) -> tuple[Any, Any]:
     return video, final["latents"]
 
 
-def demo_rank(nproc: int, steps: int) -> DemoResult:
-    """One rank of the demo (runs under :func:`hfpatch.testing.run_ranks`)."""
+def sequence_parallel_plan(nproc: int, heads: int = 4) -> dict[str, int]:
+    """Degrees of sequence parallelism alone over ``nproc`` ranks: Ulysses up to the head count, Ring the rest.
+
+    >>> sequence_parallel_plan(2), sequence_parallel_plan(6)
+    ({'ulysses': 2}, {'ring': 3, 'ulysses': 2})
+    """
+    ulysses = max(d for d in range(1, nproc + 1) if nproc % d == 0 and heads % d == 0)
+    return {k: v for k, v in (("ring", nproc // ulysses), ("ulysses", ulysses)) if v > 1}
+
+
+def demo_rank(nproc: int, steps: int) -> list[DemoResult]:
+    """One rank of the demo (runs under :func:`hfpatch.testing.run_ranks`): one result per plan."""
     import hfpatch
 
     from .distributed import runtime
@@ -131,22 +157,42 @@ def demo_rank(nproc: int, steps: int) -> DemoResult:
     pipe = tiny_wan_pipe()
     with track_memory() as mem_ref:
         reference, reference_latents = _run(pipe, steps)
-    patch = hfpatch.apply(pipe, parallel=nproc)
+    unpatched = _timed(pipe, steps)
+    calls: list[tuple[str, Any]] = [(f"parallel={nproc}", nproc)]
+    results = []
+    for call, parallel in calls:
+        patch = hfpatch.apply(pipe, parallel=parallel)
+        with track_memory() as mem, count_comm() as comm:
+            out, latents = _run(pipe, steps)
+        seconds = _timed(pipe, steps)
+        patch.remove()
+        results.append(
+            DemoResult(
+                rank=runtime.rank(),
+                max_abs_diff=(out - reference).abs().max().item(),
+                plan=str(patch.plan),
+                peak_unpatched=mem_ref.peak_bytes,
+                peak_patched=mem.peak_bytes,
+                bytes_sent=comm.bytes_sent,
+                seconds=seconds,
+                max_latent_diff=(latents - reference_latents).abs().max().item(),
+                call=call,
+                seconds_unpatched=unpatched,
+            )
+        )
+        if len(calls) == 1 and patch.plan.sequence_parallel == 1 and nproc > 1:
+            # parallel=N gave the ranks to CFG: show sequence parallelism too, on every rank.
+            degrees = sequence_parallel_plan(nproc, pipe.transformer.config.num_attention_heads)
+            text = ", ".join(f"{k}={v}" for k, v in degrees.items())
+            calls.append((f"parallel=hfpatch.ParallelConfig({text})", hfpatch.ParallelConfig(**degrees)))
+    return results
+
+
+def _timed(pipe: Any, steps: int) -> float:
+    """Seconds of one call of the demo's pipeline call (no counters)."""
     start = time.perf_counter()
-    with track_memory() as mem, count_comm() as comm:
-        out, latents = _run(pipe, steps)
-    seconds = time.perf_counter() - start
-    patch.remove()
-    return DemoResult(
-        rank=runtime.rank(),
-        max_abs_diff=(out - reference).abs().max().item(),
-        plan=str(patch.plan),
-        peak_unpatched=mem_ref.peak_bytes,
-        peak_patched=mem.peak_bytes,
-        bytes_sent=comm.bytes_sent,
-        seconds=seconds,
-        max_latent_diff=(latents - reference_latents).abs().max().item(),
-    )
+    _run(pipe, steps)
+    return time.perf_counter() - start
 
 
 def _mib(nbytes: int) -> str:
@@ -200,31 +246,56 @@ def exactness_lines(plan: str) -> list[str]:
     return ["exactness of the paths in this plan:", *lines]
 
 
-def format_report(results: list[DemoResult], nproc: int, steps: int, atol: float) -> str:
-    """The demo's printed report: one line per rank, the exactness of each path of the plan, a verdict."""
-    worst = max(r.max_abs_diff for r in results)
-    lines = [
-        f"hfpatch demo: tiny WanPipeline, {FRAMES}x{HEIGHT}x{WIDTH} video, {steps} steps, CFG 5.0, "
-        f"{nproc} CPU rank{'s' if nproc > 1 else ''} (gloo), fp32",
-        f"plan: {results[0].plan}",
+def _plan_section(rows: list[DemoResult], index: int, nproc: int) -> list[str]:
+    """Lines of one plan: how ``apply`` was called, the plan, one row per rank, the exactness of its paths."""
+    lines = [f"plan {index}: hfpatch.apply(pipe, {rows[0].call})"]
+    if index == 2:
+        lines.append(
+            f"  (sequence parallelism alone: parallel={nproc} gave the ranks to CFG, as the call guides)"
+        )
+    lines += [
+        f"plan: {rows[0].plan}",
         f"{'rank':>4}  {'latents |diff|':>14}  {'video |diff|':>12}  {'peak activations unpatched -> patched':>38}  "
-        f"{'bytes sent':>10}  {'patched call':>12}",
+        f"{'bytes sent':>10}  {'unpatched':>9}  {'patched':>8}",
     ]
-    for r in results:
+    for r in rows:
         peaks = f"{_mib(r.peak_unpatched)} -> {_mib(r.peak_patched)}"
         latent = "n/a" if r.max_latent_diff is None else f"{r.max_latent_diff:.1e}"
+        before = "n/a" if r.seconds_unpatched is None else f"{r.seconds_unpatched:.2f}s"
         lines.append(
             f"{r.rank:>4}  {latent:>14}  {r.max_abs_diff:>12.1e}  {peaks:>38}  {_mib(r.bytes_sent):>10}  "
-            f"{r.seconds:>11.2f}s"
+            f"{before:>9}  {r.seconds:>7.2f}s"
         )
-    plans = {r.plan for r in results}
-    if len(plans) > 1:
-        lines.append(f"verdict: FAIL, ranks planned differently: {sorted(plans)}")
-        return "\n".join(lines)
-    lines += exactness_lines(results[0].plan)
+    return lines + exactness_lines(rows[0].plan)
+
+
+def format_report(results: list[DemoResult], nproc: int, steps: int, atol: float) -> str:
+    """The demo's printed report: per plan one line per rank and the exactness of its paths; a verdict."""
+    lines = [
+        f"hfpatch demo: tiny WanPipeline, {FRAMES}x{HEIGHT}x{WIDTH} video, {steps} steps, CFG 5.0, "
+        f"{nproc} CPU rank{'s' if nproc > 1 else ''} (gloo), fp32"
+    ]
+    calls = list(dict.fromkeys(r.call for r in results))
+    for index, call in enumerate(calls, start=1):
+        rows = [r for r in results if r.call == call]
+        plans = {r.plan for r in rows}
+        lines.append("")
+        if len(plans) > 1:
+            lines.append(f"verdict: FAIL, ranks planned differently: {sorted(plans)}")
+            return "\n".join(lines)
+        lines += _plan_section(rows, index, nproc)
+    if nproc > 1:
+        lines += [
+            "",
+            "times: a tiny model on CPU processes, where collectives and scheduling outweigh milliseconds of",
+            "compute: the patched call is not faster here (speed-ups at real sizes: docs/performance.md)",
+        ]
+    worst = max(r.max_abs_diff for r in results)
+    lines.append("")
     if worst <= atol:
+        every = " in every plan" if len(calls) > 1 else ""
         lines.append(
-            f"verdict: PASS, every rank's video is within atol of the unpatched one "
+            f"verdict: PASS, every rank's video is within atol of the unpatched one{every} "
             f"(max abs diff {worst:.1e} <= {atol:.1e})"
         )
     else:
@@ -245,9 +316,11 @@ def run_demo(nproc: int = 2, steps: int = 2, atol: float = DEFAULT_ATOL) -> tupl
         )
     from .testing.runner import run_ranks
 
-    results = run_ranks(nproc, demo_rank, nproc, steps, timeout_s=300.0)
-    passed = len({r.plan for r in results}) == 1 and max(r.max_abs_diff for r in results) <= atol
-    return passed, format_report(results, nproc, steps, atol)
+    results = [row for rows in run_ranks(nproc, demo_rank, nproc, steps, timeout_s=300.0) for row in rows]
+    rows = sorted(results, key=lambda r: ([r.call for r in results].index(r.call), r.rank))
+    same = all(len({r.plan for r in rows if r.call == call}) == 1 for call in {r.call for r in rows})
+    passed = same and max(r.max_abs_diff for r in rows) <= atol
+    return passed, format_report(rows, nproc, steps, atol)
 
 
 #: usp_attention vs SDPA on the full sequence: fp32, O(1) values, only the order of float sums differs.

@@ -38,17 +38,25 @@ def test_cli_demo_two_ranks_passes_and_reports():
     result = _hfpatch("demo", "--nproc", "2", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
+    # Plan 1, parallel=2: CFG parallel (the call guides); plan 2: sequence parallelism alone on both ranks.
+    assert "plan 1: hfpatch.apply(pipe, parallel=2)" in lines
     assert "plan: ParallelConfig(data=1, cfg=2, ring=1, ulysses=1, vae=2)" in lines
+    assert "plan 2: hfpatch.apply(pipe, parallel=hfpatch.ParallelConfig(ulysses=2))" in lines
+    assert "plan: ParallelConfig(data=1, cfg=1, ring=1, ulysses=2, vae=2)" in lines
     rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
-    assert [row[0] for row in rows] == ["0", "1"]
+    assert [row[0] for row in rows] == ["0", "1", "0", "1"]
     latents, videos = [float(row[1]) for row in rows], [float(row[2]) for row in rows]
-    assert latents == [0.0, 0.0]  # two-call CFG parallel is bit-exact
-    assert all(0.0 <= v <= TWO_RANK_PIXEL_ATOL for v in videos), videos  # split VAE: fp32 reassociation
-    assert all("KiB" in line or "MiB" in line for line in lines if line.split()[:1] in (["0"], ["1"]))
+    assert latents[:2] == [0.0, 0.0]  # two-call CFG parallel is bit-exact
+    assert all(0.0 <= v <= TWO_RANK_PIXEL_ATOL for v in videos[:2]), videos  # split VAE: fp32 reassociation
+    # Ulysses too changes only the order of fp32 sums (the demo's atol; see hfpatch.demo.DEFAULT_ATOL)
+    assert all(0.0 <= x <= demo.DEFAULT_ATOL for x in latents[2:] + videos[2:]), (latents, videos)
+    for row in rows:  # memory, bytes, then the unpatched and the patched call's time
+        assert row[4] in ("KiB", "MiB") and row[-2].endswith("s") and row[-1].endswith("s"), row
     assert (
         "  CFG parallel (cond and uncond calls on different ranks): bit-exact, each call is the unpatched one"
         in lines
     )
+    assert any(line.startswith("  sequence parallel (Ulysses 2): equal up to fp32") for line in lines)
     assert any(
         line.startswith("  split VAE (precise, 2 row shards): equal up to fp32 reassociation")
         for line in lines
@@ -63,8 +71,18 @@ def test_cli_info_lists_versions_and_families():
     for package in ("hfpatch", "torch", "diffusers", "transformers", "peft", "accelerate", "xformers"):
         assert f"\n{package} " in out
     assert "world size    1 (rank 0)" in out
-    assert "diffusers.DiffusionPipeline: pipeline_parallel (pipeline)" in out
-    assert "diffusers.WanTransformer3DModel:" in out
+    # A summary: each family once, its options once (issue 33: 50 lines repeated one option dict, twice)
+    assert "  pipeline_parallel (pipeline), 1 class: DiffusionPipeline" in out, out
+    assert out.count("compile_backend='inductor'") == 1, out
+    assert len(out.splitlines()) < 45, out
+    assert "`hfpatch info --classes`" in out
+
+
+def test_cli_info_classes_lists_every_class():
+    lines = cli.info_lines(classes=True)
+    assert "  diffusers.DiffusionPipeline: pipeline_parallel (pipeline) [check_inputs=True]" in lines
+    assert any(line.startswith("  diffusers.WanTransformer3DModel: dit_usp (transformer)") for line in lines)
+    assert any(line.startswith("  WanTransformer3DModel: dit_usp (plan:") for line in lines)
 
 
 def test_cli_demo_failure_exits_nonzero(monkeypatch, capsys):
@@ -84,7 +102,7 @@ def test_demo_report_states_exactness_per_path():
         steps=2,
         atol=2e-4,
     ).splitlines()
-    assert report[3].split()[:3] == ["0", "6.0e-06", "0.0e+00"]  # rank, latents, video
+    assert report[5].split()[:3] == ["0", "6.0e-06", "0.0e+00"]  # rank, latents, video
     assert "  sequence parallel (Ring 3): equal up to fp32 reassociation" in " ".join(report)
     assert not any("CFG" in line for line in report[4:])  # no CFG degree in this plan
     assert demo.exactness_lines("ParallelConfig(data=1, cfg=1, ring=1, ulysses=1, vae=1)")[1] == (
@@ -247,6 +265,9 @@ def test_cli_bench_lists_checkout_benchmarks():
     result = _hfpatch("bench", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usp_attention " in result.stdout and "vae_memory " in result.stdout
+    # Each description whole (its docstring's first paragraph), wrapped: none cut mid-sentence
+    text = " ".join(result.stdout.split())
+    assert "bytes of one transformer forward, vs N, against the analytic figures." in text, result.stdout
 
 
 def test_cli_bench_runs_named_script_from_checkout_root(monkeypatch, tmp_path, capsys):

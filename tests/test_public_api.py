@@ -1,5 +1,6 @@
 """The public surface of hfpatch: ``hfpatch.__all__`` and the ``__all__`` of every public module, as they were
-before ``hfpatch/patches/`` was regrouped into one sub-package per target (issue 35), recorded as data.
+before ``hfpatch/patches/`` was regrouped into one sub-package per target (issue 35), recorded as data, plus the
+names and modules added on purpose since (each addition is a change of this table).
 
 A public module is one whose dotted name has no ``_``-prefixed part. Every one of them still imports under its
 name, with the same ``__all__`` and every name of it defined, except the four that moved into a package of their
@@ -18,10 +19,15 @@ import pytest
 PUBLIC: dict[str, str | None] = {
     "hfpatch": (
         "ApplyMismatchError CollectiveError InputMismatchError ModelFacts ParallelConfig Patch PatchError "
-        "PatchFamily __version__ all_reduce_gradients apply data_parallel_loaders data_parallel_sampler "
-        "get_patch register_ddp_hook register_patch step_generator step_rng"
+        "PatchFamily StepRNG WeightMismatchError __version__ all_reduce_gradients apply data_parallel_loaders "
+        "data_parallel_sampler get_patch prepare_accelerator register_ddp_hook register_patch step_generator "
+        "step_rng"
     ),
-    "hfpatch.api": "ApplyMismatchError apply get_patch",
+    "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch",
+    "hfpatch.generate": (
+        "CACHES ModelInfo UsageError add_arguments check_arguments check_model inspect_model load_pipeline main "
+        "mp4_unavailable parse_cache requested_ranks run_report write_outputs"
+    ),
     "hfpatch.attention": (
         "AttentionBackend available_backends head_sizes local_attention merge_attention merge_blocks "
         "padded_len register_backend ring_attention shard_len shard_positions shard_sequence sp_index "
@@ -53,28 +59,31 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.core.wrappers": "unwrap_model unwrap_once",
     "hfpatch.demo": (
         "DEFAULT_ATOL DemoResult MAX_DEMO_NPROC MAX_SELFTEST_NPROC demo_limit_reason demo_rank "
-        "exactness_lines format_report format_selftest run_demo run_selftest selftest_rank"
+        "exactness_lines format_report format_selftest run_demo run_selftest selftest_rank "
+        "sequence_parallel_plan"
     ),
     "hfpatch.distributed": None,
     "hfpatch.distributed.agreement": (
-        "FIELDS InputMismatchError SLOTS bytes_per_check check_same_inputs content_digest describe_inputs "
-        "install_call_guard named_arguments"
+        "FIELDS InputMismatchError SLOTS WeightMismatchError WeightWatch bulk_digest bytes_per_check "
+        "check_same_inputs content_digest describe_inputs install_call_guard named_arguments weight_digests "
+        "weights_mismatch_message"
     ),
     "hfpatch.distributed.collectives": (
-        "CommCounter all_gather all_to_all count_comm even_sizes halo_exchange ring_shift"
+        "CommCounter all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange reduce_scatter "
+        "ring_shift"
     ),
     "hfpatch.distributed.data": (
-        "data_coordinates data_parallel_loaders data_parallel_position data_parallel_sampler step_generator "
-        "step_rng step_seed"
+        "StepRNG data_coordinates data_parallel_loaders data_parallel_position data_parallel_sampler "
+        "prepare_accelerator step_generator step_rng step_seed"
     ),
     "hfpatch.distributed.gradients": (
         "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group grads_averaged_over_group "
         "register_ddp_hook"
     ),
     "hfpatch.distributed.runtime": (
-        "AXES CollectiveError ParallelMesh collective_error default_timeout describe_group "
-        "ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank wait_timeout "
-        "world_size"
+        "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
+        "describe_group ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank "
+        "wait_timeout world_size"
     ),
     "hfpatch.patches": None,
     "hfpatch.patches.caches": "CACHE_HOOKS FirstBlockDecision agree_caches cache_names check_caches",
@@ -85,6 +94,7 @@ PUBLIC: dict[str, str | None] = {
         "AttentionRoute DiTPlan PLANS PlannedDiTUSP UNSUPPORTED USPDispatchProcessor USPSDPAProcessor "
         "plan_from_cp plan_source"
     ),
+    "hfpatch.patches.dit.streams": "ReplicatedStreams install_streams units",  # added by issue 34
     "hfpatch.patches.fsdp": (
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
         "shard_units"
@@ -111,6 +121,10 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.streaming.convert": "convert_diffusers_to_native convert_native_to_diffusers",
     "hfpatch.streaming.kv_cache": "CrossAttentionCache StreamingConfig StreamingKVCache visible_frames",
     "hfpatch.streaming.pipeline": "StreamingOutput StreamingWanPipeline recache warp_denoising_steps",
+    "hfpatch.streaming.sequence_parallel": (  # added by issue 37 (streaming on several GPUs)
+        "BlockCausalMask StreamShard block_bytes contiguous_layout frame_layout ring_block_tokens ring_read_index "
+        "shard_text"
+    ),
     "hfpatch.streaming.training": "ChunkInfo StreamingTrainingModel",
     "hfpatch.streaming.vae": "StreamingWanDecoder",
     "hfpatch.testing": (
@@ -149,15 +163,20 @@ PUBLIC: dict[str, str | None] = {
         "rounding_noise summation_tol to_fp64"
     ),
     "hfpatch.training": (
-        "GradCache GradCacheLoss GradCacheTrainer RngState VisionTokenSpec checkpointed_decode "
+        "CLIPLoss ContrastiveLoss GISTLoss GradCache GradCacheLoss GradCacheTrainer InfoNCELoss RngState SigLIPLoss "
+        "VisionTokenSpec checkpointed_decode "
         "checkpointed_encode chunked_pixel_loss is_sentence_transformer pool split_inputs split_vlm_inputs "
         "tiny_sentence_transformer"
     ),
     "hfpatch.training.causal_checkpoint": "Segment causal_checkpoint snapshot_stride",
+    "hfpatch.training.contrastive": (
+        "CLIPLoss ContrastiveLoss DEFAULT_BLOCK_BYTES GISTLoss InfoNCELoss SigLIPLoss cross_rank_world "
+        "takes_local_embeddings"
+    ),
     "hfpatch.training.gradcache": "GradCache RngState is_sentence_transformer split_inputs",
     "hfpatch.training.pixel_loss": "REFERENCE_ENV chunked_pixel_loss",
     "hfpatch.training.pooling": "Pooling default_rep pool",
-    "hfpatch.training.sentence_transformers": "GradCacheLoss tiny_sentence_transformer",
+    "hfpatch.training.sentence_transformers": "GradCacheLoss row_blocked_equivalent tiny_sentence_transformer",
     "hfpatch.training.trainer": "GradCacheTrainer info_nce",
     "hfpatch.training.video_vae": (
         "WanFrames checkpointed_decode checkpointed_encode is_wan_vae time_segments"

@@ -1,25 +1,35 @@
 """LoRA fine-tuning of a stock diffusers transformer with sequence parallelism, in a DreamBooth-LoRA-style loop.
 
 The structure of diffusers' ``train_dreambooth_lora_*.py``: an Accelerator with gradient accumulation
-(``accelerator.accumulate`` given a LIST of models, as diffusers' scripts do), the VAE encoding pixels with
-a posterior SAMPLE, a text encoder (optionally trained with its own LoRA, ``--train-text-encoder``),
-``add_adapter(LoraConfig)``, ``accelerator.prepare``, the flow-matching loss, gradient clipping,
-``save_state``/``load_state`` checkpoints, and validation on the main process (also in the middle of
-training, ``--validate-every``). Tiny random-weight Wan transformer, Wan VAE and T5 encoder from
-``hfpatch.testing``, so it runs on CPU in seconds. The hfpatch lines are marked ``# hfpatch``; without them
-(``--no-hfpatch``) this is the plain script, which the tests run on one process as the reference.
+(``accelerator.accumulate`` given a LIST of models, as diffusers' scripts do), a shuffled ``DataLoader``
+passed to ``accelerator.prepare`` with the models, ``num_update_steps_per_epoch = ceil(len(loader) /
+accumulation)``, epochs, the VAE encoding pixels with a posterior SAMPLE, a text encoder (optionally trained
+with its own LoRA, ``--train-text-encoder``), ``add_adapter(LoraConfig)``, the flow-matching loss, gradient
+clipping, ``save_state``/``load_state`` checkpoints (a resume in the middle of an epoch skips the batches
+already trained with ``accelerator.skip_first_batches``), and validation on the main process. Tiny
+random-weight Wan transformer, Wan VAE and T5 encoder from ``hfpatch.testing``, so it runs on CPU in
+seconds.
 
-    # 2 CPU processes, one sequence-parallel group (on GPUs: torchrun / accelerate launch without the CPU flag)
-    torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
-    torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --steps 4 --resume
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
-        examples/integrations/lora_sp_accelerate.py --steps 4 --grad-accum 2 --train-text-encoder
+The hfpatch lines are marked ``# hfpatch``: ``import hfpatch``, ``hfpatch.apply`` before ``prepare``,
+``hfpatch.prepare_accelerator`` (the prepared loader shards over data replicas, its order checkpointed; it
+returns a ``StepRNG``, a checkpointed counter of micro-steps) and the ``with rng`` around each micro-step's
+draws, plus ``patch.disabled()`` for validation on the main process. Without them (``--stock``) this is the
+stock script, drawing from the global RNG; ``--unpatched`` keeps the draws of ``StepRNG`` but not the patch
+(the one-process reference the tests compare with, ``--replicas`` emulating data replicas).
+
+    # 2 CPU processes, one sequence-parallel group. On CPU, accelerate joins the processes only with
+    # ACCELERATE_USE_CPU=true (without it each one trains alone, and hfpatch.apply refuses); on GPUs drop it.
+    export ACCELERATE_USE_CPU=true
+    torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --epochs 3 --checkpoint-at 3
+    torchrun --nproc-per-node 2 examples/integrations/lora_sp_accelerate.py --epochs 3 --resume
+    accelerate launch --multi_gpu --num_processes 2 \\
+        examples/integrations/lora_sp_accelerate.py --grad-accum 2 --train-text-encoder
     # 4 processes: 2 data replicas x Ulysses 2
     torchrun --nproc-per-node 4 examples/integrations/lora_sp_accelerate.py --ulysses 2
-    python examples/integrations/lora_sp_accelerate.py --no-hfpatch --steps 4   # the unpatched reference
+    python examples/integrations/lora_sp_accelerate.py --stock      # the stock script, one process
     # accelerate's FSDP2 (GPUs; it prepares one model, so no --train-text-encoder): the same script
     accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \\
-        --fsdp_cpu_ram_efficient_loading false examples/integrations/lora_sp_accelerate.py --steps 4 --checkpoint-at 2
+        --fsdp_cpu_ram_efficient_loading false examples/integrations/lora_sp_accelerate.py --checkpoint-at 3
 
 Under FSDP2 (``accelerator.is_fsdp2``) the weights are sharded: validation runs on every rank (patched), the
 LoRA weights are gathered with ``accelerator.get_state_dict``, and ``accelerator.accumulate`` gets the models
@@ -27,21 +37,24 @@ rather than a list (accelerate's FSDP2 ``no_sync`` needs them). On CPU, accelera
 ``tests/integration/accelerate_fsdp2_cpu.py`` runs this script under it there (see its docstring).
 
 Per optimizer step the main process records the loss (the mean over data replicas and micro-steps), and at
-the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON).
+the end the LoRA weights and a validation loss, in ``<output-dir>/<results-file>`` (JSON); every process
+writes what each of its micro-steps loaded and drew to ``<output-dir>/<results-file>.rank<N>.json``.
+``--output-dir`` defaults to ``hfpatch-lora-sp-output`` in the system's temporary folder (checkpoints go there too).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
+import math
 import os
-from collections.abc import Iterator
+import tempfile
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
@@ -67,18 +80,18 @@ class InstanceDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         pixels = torch.rand(PIXEL_SHAPE, generator=torch.Generator().manual_seed(1000 + i)) * 2 - 1
         ids = self.tokenizer(PROMPTS[i % len(PROMPTS)], padding="max_length", max_length=8, truncation=True)
-        return pixels, torch.tensor(ids.input_ids)
+        return {"pixels": pixels, "input_ids": torch.tensor(ids.input_ids), "index": i}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="total optimizer steps")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--batch-size", type=int, default=2, help="per data-parallel replica and micro-step")
-    parser.add_argument("--num-samples", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3, help="num_train_epochs")
+    parser.add_argument("--grad-accum", type=int, default=2, help="micro-steps per optimizer step")
+    parser.add_argument("--batch-size", type=int, default=1, help="per data-parallel replica and micro-step")
+    parser.add_argument("--num-samples", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="accelerator.clip_grad_norm_")
@@ -97,19 +110,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replicas",
         type=int,
         default=1,
-        help="with --no-hfpatch on one process: train on the global batch of this many data replicas, each "
+        help="with --unpatched on one process: train on the global batch of this many data replicas, each "
         "replica's samples and random draws as its own process would make them (the reference of a run "
         "with data replicas)",
     )
     parser.add_argument("--validate-every", type=int, default=0, help="validation on the main process")
-    parser.add_argument("--output-dir", default="lora-sp-output")
+    parser.add_argument(
+        "--output-dir",
+        default=os.path.join(tempfile.gettempdir(), "hfpatch-lora-sp-output"),
+        help="results and checkpoints (default: hfpatch-lora-sp-output in the temporary folder)",
+    )
     parser.add_argument("--results-file", default="results.json")
     parser.add_argument("--checkpoint-at", type=int, default=0, help="accelerator.save_state after this step")
     parser.add_argument(
         "--stop-after-checkpoint", action="store_true", help="exit after saving (then --resume)"
     )
     parser.add_argument("--resume", action="store_true", help="load_state from the latest checkpoint")
-    parser.add_argument("--no-hfpatch", action="store_true", help="the plain script (the reference)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stock", action="store_true", help="no hfpatch line: the stock script")
+    mode.add_argument(
+        "--unpatched", action="store_true", help="StepRNG's draws without the patch (the tests' reference)"
+    )
     return parser.parse_args(argv)
 
 
@@ -127,11 +148,13 @@ def flow_matching_loss(
     vae: torch.nn.Module,
     pixels: torch.Tensor,
     input_ids: torch.Tensor,
+    draws: list | None = None,
 ) -> torch.Tensor:
     """Rectified-flow loss: predict ``noise - latents`` at a random point between them (SD3/Flux/Wan).
 
     Draws from the global RNGs, on the device of the tensors (no generator), as diffusers' scripts do: the
-    caller decides what seeds them (``hfpatch.step_rng`` in the training loop).
+    caller decides what seeds them (``with rng:`` in the training loop). ``draws`` collects a fingerprint of
+    the VAE sample, the noise and the sigmas.
     """
     dtype = next(transformer.parameters()).dtype
     with torch.no_grad():  # the VAE stays in fp32 (diffusers' scripts upcast it too)
@@ -141,6 +164,8 @@ def flow_matching_loss(
     # Drawn in fp32 whatever the model dtype: an fp64 twin run then draws the same values.
     noise = torch.randn_like(latents).to(dtype)
     sigmas = torch.rand(latents.shape[0], device=latents.device).to(dtype)
+    if draws is not None:
+        draws.append([latents.flatten()[:3].tolist(), noise.flatten()[:3].tolist(), sigmas.tolist()])
     latents = latents.to(dtype)
     sigma = sigmas.view(-1, *([1] * (latents.ndim - 1)))
     noisy = (1 - sigma) * latents + sigma * noise
@@ -152,25 +177,24 @@ def flow_matching_loss(
 
 def training_step_loss(
     models: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module],
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: dict[str, Any],
     args: argparse.Namespace,
-    micro_step: int,
-    patch: hfpatch.Patch | None,
+    rngs: list[Any],
     device: torch.device,
     dtype: torch.dtype,
+    draws: list | None = None,
 ) -> torch.Tensor:
-    """The loss of one micro-step on this process's batch (``--replicas``: the mean over the replicas')."""
-    pixels, input_ids = batch
-    pixels, input_ids = pixels.to(device), input_ids.to(device)  # the loader is not prepared
+    """The loss of one micro-step on this process's batch (``--replicas``: the mean over the replicas').
+
+    ``rngs[r]`` holds replica ``r``'s draws (one ``hfpatch.StepRNG`` per replica; ``nullcontext`` in the
+    stock script)."""
+    pixels, input_ids = batch["pixels"].to(device), batch["input_ids"].to(device)  # prepared: no-ops
+    size = len(pixels) // len(rngs)
     losses = []
-    for replica in range(args.replicas):
-        # Every random draw of the step from (seed, micro-step, data replica): the same on every rank of a
-        # sequence-parallel group, and after a resume, whatever the main process drew for validation.
-        data_rank = replica if args.replicas > 1 else None
-        with hfpatch.step_rng(args.seed, micro_step, patch, data_rank=data_rank):  # hfpatch
-            # DistributedSampler gives replica r every R-th sample of the global batch.
-            part = slice(replica, None, args.replicas)
-            losses.append(flow_matching_loss(*models, pixels[part], input_ids[part]))
+    for replica, rng in enumerate(rngs):
+        with rng:  # hfpatch: every random draw of the micro-step: per group, never twice, resumable
+            part = slice(replica * size, (replica + 1) * size)  # accelerate gives replica r the r-th batch
+            losses.append(flow_matching_loss(*models, pixels[part], input_ids[part], draws))
     return torch.stack(losses).mean()
 
 
@@ -200,39 +224,50 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
-    if args.replicas > 1 and (not args.no_hfpatch or accelerator.num_processes > 1):
-        raise SystemExit("--replicas emulates data replicas in ONE unpatched process (--no-hfpatch)")
+    # As diffusers' DreamBooth scripts do. With it DDP also keeps its first bucket layout: a resumed process
+    # then sums the ranks' gradients in the order of the uninterrupted one (DDP otherwise rebuilds its buckets
+    # after each process's first backward; over 3+ ranks the order of a sum changes its rounding).
+    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, kwargs_handlers=[ddp_kwargs])
+    if args.replicas > 1 and (not args.unpatched or accelerator.num_processes > 1):
+        raise SystemExit("--replicas emulates data replicas in ONE unpatched process (--unpatched)")
+    set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
 
     transformer, text_encoder, vae = build_models(args, dtype)
     lora_init = {"transformer": lora_weights(transformer)}
     if args.train_text_encoder:
         lora_init["text_encoder"] = lora_weights(text_encoder)
+    patched = not (args.stock or args.unpatched)
     patch = None
-    if not args.no_hfpatch:
+    if patched:
         world = accelerator.num_processes
-        parallel = (
-            hfpatch.ParallelConfig(data=world // args.ulysses, ulysses=args.ulysses)
-            if args.ulysses
-            else world
-        )
+        ulysses = args.ulysses or world
+        parallel = hfpatch.ParallelConfig(data=world // ulysses, ulysses=ulysses)
         patch = hfpatch.apply(transformer, parallel=parallel)  # hfpatch: before accelerator.prepare
+        # Loaders shard over data replicas (order checkpointed); the micro-steps' RNG, checkpointed too.
+        rngs = [hfpatch.prepare_accelerator(accelerator, patch, seed=args.seed)]  # hfpatch
+    elif args.unpatched:  # the reference: replica r's draws, as its own process makes them
+        rngs = [hfpatch.StepRNG(args.seed, data_rank=r) for r in range(args.replicas)]
+    else:
+        rngs = [contextlib.nullcontext()]  # the stock script draws from the global RNG
 
     dataset = InstanceDataset(args.num_samples)
-    # One shard per data replica; the ranks of a sequence-parallel group load the same batch. Not passed to
-    # accelerator.prepare, which would shard it again over every process; each pass is a new epoch.
-    sampler = hfpatch.data_parallel_sampler(dataset, patch, seed=args.seed)  # hfpatch
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size * args.replicas, sampler=sampler, drop_last=True
-    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size * args.replicas, shuffle=True)
+    if args.replicas > 1:
+        # What accelerate does to a shuffled loader it shards over several processes: one generator, seeded
+        # from the global RNG at prepare, shuffles every epoch.
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        loader.sampler.generator = torch.Generator().manual_seed(seed)
     trained = [transformer, text_encoder] if args.train_text_encoder else [transformer]
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(params, lr=args.lr)
     if args.train_text_encoder:
-        transformer, text_encoder, optimizer = accelerator.prepare(transformer, text_encoder, optimizer)
+        transformer, text_encoder, optimizer, loader = accelerator.prepare(
+            transformer, text_encoder, optimizer, loader
+        )
     else:
-        transformer, optimizer = accelerator.prepare(transformer, optimizer)
+        transformer, optimizer, loader = accelerator.prepare(transformer, optimizer, loader)
         text_encoder.to(accelerator.device)
     vae.to(accelerator.device)
     # No hfpatch line here: DDP's (or FSDP2's) gradient averaging is right for the patched transformer and
@@ -244,54 +279,72 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # output is the unpatched one) instead of on the main process alone.
     sharded = accelerator.is_fsdp2
 
-    first_step = 0
+    # diffusers' step arithmetic, on the prepared loader (its length per data replica).
+    num_update_steps_per_epoch = math.ceil(len(loader) / args.grad_accum)
+    max_train_steps = args.epochs * num_update_steps_per_epoch
+    global_step, first_epoch, skip = 0, 0, 0
     if args.resume:
         found = latest_checkpoint(args.output_dir)
         if found is None:
             raise SystemExit(f"--resume: no checkpoint-<step> folder in {args.output_dir}")
-        path, first_step = found
-        accelerator.load_state(path)  # LoRA + optimizer + per-process RNG states
+        path, global_step = found
+        accelerator.load_state(path)  # LoRA, optimizer, RNG states, and what register_for_checkpointing holds
+        first_epoch = global_step // num_update_steps_per_epoch
+        skip = (global_step % num_update_steps_per_epoch) * args.grad_accum  # batches of that epoch trained
 
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield from loader  # the sampler moves to the next epoch at each pass
-
-    # A resumed run skips the batches already trained on (what accelerator.skip_first_batches does).
-    stream = itertools.islice(batches(), first_step * args.grad_accum, None)
     models_to_accumulate = [transformer, text_encoder] if args.train_text_encoder else [transformer]
     models = (transformer, text_encoder, vae)
     losses: dict[int, float] = {}
     validations: dict[int, float] = {}
-    for step in range(first_step, args.steps):
-        step_losses = []
-        for micro in range(args.grad_accum):
-            micro_step = step * args.grad_accum + micro
+    trace: list[dict[str, Any]] = []  # per micro-step: what this process loaded and drew
+    step_losses: list[float] = []
+    optimizer_steps = 0
+    done = False
+    for epoch in range(first_epoch, args.epochs):
+        epoch_loader = (
+            accelerator.skip_first_batches(loader, skip) if epoch == first_epoch and skip else loader
+        )
+        for batch in epoch_loader:
             # A list, as diffusers' scripts pass it (DDP then syncs at every micro-step); accelerate's FSDP2
             # no_sync needs the models themselves.
-            accumulating = accelerator.accumulate(
-                *models_to_accumulate if sharded else [models_to_accumulate]
-            )
-            with accumulating:
-                loss = training_step_loss(
-                    models, next(stream), args, micro_step, patch, accelerator.device, dtype
-                )
+            with accelerator.accumulate(*models_to_accumulate if sharded else [models_to_accumulate]):
+                draws: list = []
+                loss = training_step_loss(models, batch, args, rngs, accelerator.device, dtype, draws)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm:
                     accelerator.clip_grad_norm_(params, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
+            trace.append(
+                {"epoch": epoch, "step": global_step, "samples": batch["index"].tolist(), "draws": draws}
+            )
             step_losses.append(accelerator.reduce(loss.detach(), "mean").item())  # sp ranks: equal losses
-        losses[step] = sum(step_losses) / len(step_losses)
-        accelerator.print(f"step {step}: loss {losses[step]:.6f}")
-        if args.validate_every and (step + 1) % args.validate_every == 0:
-            if accelerator.is_main_process or sharded:
-                validations[step] = validate(accelerator, models, dataset, patch, seed=None, sharded=sharded)
-        if args.checkpoint_at and step + 1 == args.checkpoint_at:
-            accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step + 1}"))
-            if args.stop_after_checkpoint:
+            if not accelerator.sync_gradients:
+                continue
+            global_step += 1
+            optimizer_steps += 1
+            losses[global_step] = sum(step_losses) / len(step_losses)
+            step_losses = []
+            accelerator.print(f"epoch {epoch} step {global_step}: loss {losses[global_step]:.6f}")
+            if args.validate_every and global_step % args.validate_every == 0:
+                if accelerator.is_main_process or sharded:
+                    validations[global_step] = validate(accelerator, models, dataset, patch, None, sharded)
+            if args.checkpoint_at and global_step == args.checkpoint_at:
+                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
+                done = args.stop_after_checkpoint
+            if done or global_step >= max_train_steps:
+                done = True
                 break
+        if done:
+            break
 
-    results: dict[str, Any] = {"losses": losses, "world": accelerator.num_processes}
+    results: dict[str, Any] = {
+        "losses": losses,
+        "world": accelerator.num_processes,
+        "optimizer_steps": optimizer_steps,
+        "num_update_steps_per_epoch": num_update_steps_per_epoch,
+        "batches_per_epoch": len(loader),
+    }
     # Full state dicts: under FSDP2 a gather over every rank (each holds shards), else the model's own.
     final_state = {"transformer": accelerator.get_state_dict(transformer, unwrap=True)}
     if args.train_text_encoder:
@@ -299,6 +352,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     validation_loss = None
     if accelerator.is_main_process or sharded:
         validation_loss = validate(accelerator, models, dataset, patch, seed=123, sharded=sharded)
+    with open(
+        os.path.join(args.output_dir, f"{args.results_file}.rank{accelerator.process_index}.json"), "w"
+    ) as f:
+        json.dump({"trace": trace, "data_rank": patch.data_rank if patch else 0}, f)
     if accelerator.is_main_process:
         wrapped = {"transformer": transformer, "text_encoder": text_encoder}
         final = {k: lora_weights(accelerator.unwrap_model(wrapped[k]), sd) for k, sd in final_state.items()}
@@ -328,13 +385,13 @@ def validate(
     """A validation loss on the main process only: unpatched, so it needs no other rank.
 
     ``seed=None`` draws from the global RNG, as diffusers' ``log_validation`` does without ``--seed`` (or
-    with ``--seed 0``, which its ``if args.seed`` treats as none): only the main process's RNG moves.
-    ``sharded`` (FSDP2): every rank calls this and runs the patched models together (each holds 1/N of the
-    weights); their global RNGs agree (``hfpatch.step_rng`` restores them after every step), so the
-    ranks of a group draw the same noise.
+    with ``--seed 0``, which its ``if args.seed`` treats as none): only the main process's RNG moves (the
+    next epoch's shuffle follows the main process, ``hfpatch.data_parallel_loaders``). ``sharded`` (FSDP2):
+    every rank calls this and runs the patched models together (each holds 1/N of the weights).
     """
     transformer, text_encoder, vae = (accelerator.unwrap_model(m) for m in models)
-    pixels, input_ids = (t[None].to(accelerator.device) for t in dataset[0])
+    item = dataset[0]
+    pixels, input_ids = (item[k][None].to(accelerator.device) for k in ("pixels", "input_ids"))
     modes = [m.training for m in (transformer, text_encoder)]
     for model in (transformer, text_encoder):
         model.eval()

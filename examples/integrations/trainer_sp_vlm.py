@@ -85,7 +85,7 @@ def main() -> None:
         ulysses = args.ulysses or world // args.ring  # hfpatch
         parallel = hfpatch.ParallelConfig(ulysses=ulysses, ring=args.ring)  # hfpatch
         patch = hfpatch.apply(model, parallel=parallel, sp_output=args.sp_output)  # hfpatch
-        print(f"rank {os.environ.get('RANK', 0)}: plan {patch.plan}")
+        print(f"rank {os.environ.get('RANK', 0)}: {patch}")  # the degrees that matter here: no VAE, no vae=
     set_seed(
         0
     )  # LoRA's A matrices are drawn from the global RNG: the same on every rank and in the reference

@@ -105,6 +105,11 @@ class Patch:
         part_of: For a component's patch, the name of the pipeline patch that owns it.
         reduce_group: Process group the patched module splits its work over (``None``: not split). Gradients
             of a split module are averaged over it (DDP does; :func:`hfpatch.all_reduce_gradients` without DDP).
+        families: The patch families that changed this object, name -> role (``{"dit_usp": "transformer"}``).
+        requested: The options the caller passed (``options`` adds every default).
+
+    ``repr(patch)`` is a one-line summary (what was patched, by which families, the degrees that matter);
+    :meth:`describe` lists every change.
     """
 
     name: str
@@ -113,6 +118,8 @@ class Patch:
     children: list[Patch] = field(default_factory=list)
     part_of: str | None = None
     reduce_group: Any = None
+    families: dict[str, str] = field(default_factory=dict)
+    requested: dict[str, Any] = field(default_factory=dict)
     _log: list[_Entry] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
     # Depth of ``disabled()`` blocks, and what they swapped out: per patch, so patches never share a flag.
@@ -318,14 +325,57 @@ class Patch:
                 lines.append(str(entry))
         return lines
 
+    def _all_families(self) -> list[tuple[str, str, str]]:
+        """(object name, family, role) of this patch and its children, in the order they were applied."""
+        found = [(child.name, f, r) for child in self.children for _, f, r in child._all_families()]
+        return found + [(self.name, f, r) for f, r in self.families.items()]
+
+    def _plan_text(self) -> str:
+        """The degrees above 1, the VAE's only where a VAE family patched something (``cfg=2, ulysses=2``)."""
+        if self.plan is None or getattr(self.plan, "world_size", 1) == 1:
+            return "one rank"
+        names = ["data", "cfg", "pipefusion", "ring", "ulysses"]
+        if any(role == "vae" for _, _, role in self._all_families()):
+            names.append("vae")
+        shown = [f"{n}={getattr(self.plan, n)}" for n in names if getattr(self.plan, n, 1) > 1]
+        return ", ".join(shown) or "one rank"
+
     def __repr__(self) -> str:
+        """One line: ``<hfpatch.Patch WanPipeline (active): cfg=2, vae=2; wan_vae on AutoencoderKLWan,
+        pipeline_parallel; 77 changes, see patch.describe()>`` (options only when the caller passed some)."""
         state = "active" if self.is_active else "removed"
-        head = f"Patch({self.name!r}, {state}, plan={self.plan!r}, options={self.options!r}"
-        lines = self.entries()
-        if not lines:
-            return head + ")"
-        shown = lines[:40] + ([f"... {len(lines) - 40} more"] if len(lines) > 40 else [])
-        return head + ",\n  " + "\n  ".join(shown) + ")"
+        by = ", ".join(
+            family if obj == self.name else f"{family} on {obj}" for obj, family, _ in self._all_families()
+        )
+        count = len(self.entries())
+        parts = [f"<hfpatch.Patch {self.name} ({state}): {self._plan_text()}"]
+        if by:
+            parts.append(by)
+        if self.requested:
+            parts.append("options " + ", ".join(f"{k}={v!r}" for k, v in self.requested.items()))
+        parts.append(f"{count} change{'s' if count != 1 else ''}, see patch.describe()>")
+        return "; ".join(parts)
+
+    def describe(self) -> str:
+        """Every detail: the resolved plan and options, then every change, one per line (children included).
+
+        >>> import torch
+        >>> from hfpatch.core.patch import Patch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> with Patch("Linear") as patch:
+        ...     patch.set_attr(layer, "note", 1)
+        ...     print(patch.describe())
+        Patch 'Linear' (active)
+        plan: None
+        options: {}
+          Linear@0x....note (was ABSENT)
+        """
+        state = "active" if self.is_active else "removed"
+        lines = [f"Patch {self.name!r} ({state})", f"plan: {self.plan!r}", f"options: {self.options!r}"]
+        if self.part_of:
+            lines.insert(1, f"part of: {self.part_of}")
+        lines += [f"  {line}" for line in self.entries()]
+        return "\n".join(lines)
 
     def refuse_copies(self, obj: Any) -> None:
         """Make ``copy.deepcopy(obj)``, ``pickle``/``torch.save(obj)`` raise this patch's clear ``TypeError``.

@@ -55,6 +55,15 @@ class PatchFamily:
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` if ``target`` cannot run ``config`` with ``options``. Must be pure."""
 
+    def supersedes(self, options: dict[str, Any]) -> frozenset[str]:
+        """Names of the other families of the same target that this one replaces with these ``options``.
+
+        :func:`hfpatch.apply` drops them before any check: they neither validate nor apply, and an option only
+        they take is refused. The streaming patch of a Wan transformer, say, runs the sequence split itself, so
+        with ``streaming=`` set it replaces the DiT family (``"dit_usp"``). Default: none. Must be pure.
+        """
+        return frozenset()
+
     def apply(self, target: Any, patch: Any, mesh: Any, options: dict[str, Any]) -> None:
         """Mutate ``target`` through ``patch`` (a :class:`~hfpatch.core.patch.Patch`)."""
         raise NotImplementedError

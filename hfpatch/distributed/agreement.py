@@ -17,6 +17,12 @@ is invertible mod 2^64, so a change of any single word (down to one bit) always 
 permutation or a scale of many elements changes it unless two independent 64-bit sums cancel at once. It is
 not a cryptographic hash: it guards against scripts that are wrong, not against adversaries.
 
+Weights are checked too (:class:`WeightMismatchError`): ``hfpatch.apply`` compares a fingerprint of every
+parameter and buffer over the ranks before it patches anything (:func:`weight_digests`, one row per tensor
+from :func:`bulk_digest`, folded into one digest that rides in ``apply``'s handshake), and a
+:class:`WeightWatch` adds one row to every later same-input table, so that an adapter or LoRA added after
+``apply`` on some ranks only, or initialised per rank, is refused at the next patched call.
+
 >>> import torch
 >>> from hfpatch.distributed.agreement import describe_inputs
 >>> x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
@@ -32,10 +38,11 @@ False
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import inspect
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,12 +52,17 @@ __all__ = [
     "FIELDS",
     "SLOTS",
     "InputMismatchError",
+    "WeightMismatchError",
+    "WeightWatch",
+    "bulk_digest",
     "bytes_per_check",
     "check_same_inputs",
     "content_digest",
     "describe_inputs",
     "install_call_guard",
     "named_arguments",
+    "weight_digests",
+    "weights_mismatch_message",
 ]
 
 #: Arguments compared one by one (sorted by name); further ones are folded into the last row.
@@ -61,6 +73,8 @@ _DIMS = 6
 _NAME, _KIND, _NDIM = 0, 1, 2
 _SHAPE = slice(3, 3 + _DIMS)
 _NUMEL, _VALUE, _HAS_VALUE, _DIGEST_A, _DIGEST_B = range(3 + _DIMS, 8 + _DIMS)
+#: ``_HAS_VALUE`` of a generator's row: ``_VALUE`` holds its seed (an int), not a float's bits.
+_SEED_VALUE = 2
 FIELDS = 8 + _DIMS
 #: Words digested per chunk: bounds the temporary int64 buffers to ~2 MiB whatever the tensor size.
 _CHUNK = 1 << 16
@@ -69,6 +83,15 @@ _SEED_A, _SEED_B = 0x243F6A8885A308D3, 0x13198A2E03707344  # digits of pi: two i
 
 class InputMismatchError(ValueError):
     """Ranks that share one computation were given different inputs (raised on every one of them alike)."""
+
+
+class WeightMismatchError(ValueError):
+    """Ranks that compute one result together hold different weights (raised on every one of them alike).
+
+    Raised by ``hfpatch.apply`` before anything is patched, and by a patched call after the set of parameters
+    changed (an adapter or LoRA added or replaced after ``apply``); the message names the first tensors that
+    differ and the ranks that hold them.
+    """
 
 
 # ----------------------------------------------------------------------------------------------- hashing
@@ -135,6 +158,66 @@ def content_digest(x: torch.Tensor, *, on_device: bool | None = None) -> tuple[i
     return a, b
 
 
+#: Words per row of :func:`bulk_digest`'s layout.
+_ROW = 4096
+
+
+@functools.lru_cache(maxsize=128)
+def _odd(length: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``length`` odd pseudo-random int64 weights (odd: invertible mod 2^64); cached, as a model's tensors
+    share a few lengths (at most 128 small vectors are kept)."""
+    position = torch.arange(length, dtype=torch.int64, device=device)
+    return torch.bitwise_or(_mix(position + _to_int64(seed)), 1)
+
+
+def bulk_digest(x: torch.Tensor) -> torch.Tensor:
+    """Two 64-bit digests of the exact bits of ``x``, as an int64 tensor of shape ``(2,)`` on ``x``'s device.
+
+    For large tensors that do not change often (weights): about two reads of the memory, with no temporary
+    larger than one row per :data:`_ROW` words (for tensors whose bytes tile into int64 words; narrower ones
+    are widened chunk by chunk). The raw words, laid out in rows of :data:`_ROW`, give ``a = sum_c u_c *
+    colsum_c`` and ``b = sum_r w_r * rowsum_r`` with odd pseudo-random weights, in wrapping int64 arithmetic:
+    exact and associative, so the result does not depend on the device, the kernel or the reduction order. A
+    change of any single word changes both (odd weights are invertible mod 2^64); moving values between rows
+    changes ``b``, within a row ``a``. It guards against scripts that are wrong, not against adversaries.
+
+    >>> import torch
+    >>> w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    >>> ulp = w.clone()
+    >>> ulp[3, 5] = torch.nextafter(ulp[3, 5], torch.tensor(2.0))
+    >>> torch.equal(bulk_digest(w), bulk_digest(w.clone())), torch.equal(bulk_digest(w), bulk_digest(ulp))
+    (True, False)
+    >>> torch.equal(bulk_digest(w), bulk_digest(w.t().contiguous()))
+    False
+    """
+    words = _words(x)
+    device = words.device
+    digest = torch.zeros(2, dtype=torch.int64, device=device)
+    n = words.numel()
+    if n == 0:
+        return digest
+    rows, tail = divmod(n, _ROW)
+    columns = _odd(min(n, _ROW), _SEED_A, device)
+    row_weights = _odd(rows + 1, _SEED_B, device)  # the tail is row ``rows``
+    if rows:
+        if words.dtype == torch.int64:  # no temporary: two reductions of the words themselves
+            grid = words[: rows * _ROW].view(rows, _ROW)
+            digest[0] += (grid.sum(0) * columns).sum()
+            digest[1] += (grid.sum(1) * row_weights[:rows]).sum()
+        else:  # narrower words: widened a chunk of rows at a time (<= _CHUNK * 8 bytes each)
+            step = max(1, _CHUNK // _ROW)
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                grid = words[start * _ROW : stop * _ROW].to(torch.int64).view(stop - start, _ROW)
+                digest[0] += (grid.sum(0) * columns).sum()
+                digest[1] += (grid.sum(1) * row_weights[start:stop]).sum()
+    if tail:
+        last = words[rows * _ROW :].to(torch.int64)
+        digest[0] += (last * columns[:tail]).sum()
+        digest[1] += last.sum() * row_weights[rows]
+    return digest
+
+
 # ----------------------------------------------------------------------------------------------- rows
 def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
     """(path, leaf) pairs of nested tuples, lists and dicts (dict keys sorted)."""
@@ -177,6 +260,8 @@ def _leaf_row(value: Any) -> list[int]:
         row[_NUMEL - 1] = tensor.numel()
         if tensor.numel() == 1 and not tensor.is_complex() and isinstance(value, torch.Tensor):
             row[_VALUE - 1], row[_HAS_VALUE - 1] = _scalar_bits(tensor.item()), 1
+        elif isinstance(value, torch.Generator):  # its seed, for the message (the state is what is compared)
+            row[_VALUE - 1], row[_HAS_VALUE - 1] = _to_int64(value.initial_seed()), _SEED_VALUE
         row[_DIGEST_A - 1], row[_DIGEST_B - 1] = content_digest(tensor)
         return row
     if isinstance(value, (bool, int, float)):
@@ -231,6 +316,8 @@ def _slot_names(named: Mapping[str, Any]) -> list[str]:
 
 
 def _value_text(row: list[int]) -> str:
+    if row[_HAS_VALUE] == _SEED_VALUE:  # a generator: its seed says more than its state's shape
+        return f"seed {row[_VALUE] & ((1 << 64) - 1)}"
     shape = row[_SHAPE][: min(row[_NDIM], _DIMS)]
     parts = []
     if row[_NDIM] or row[_NUMEL]:
@@ -258,14 +345,23 @@ def bytes_per_check(world: int) -> int:
 
 
 def check_same_inputs(
-    named: Mapping[str, Any], group: Any, *, what: str, enabled: bool = True, hint: str = ""
+    named: Mapping[str, Any],
+    group: Any,
+    *,
+    what: str,
+    enabled: bool = True,
+    hint: str = "",
+    sources: Collection[str] = (),
 ) -> None:
     """Raise :class:`InputMismatchError` on every rank of ``group`` unless all passed the same ``named``.
 
     One ``all_gather`` of :func:`describe_inputs` over ``group`` (fixed size, counted as ``"guard"`` by
     :func:`hfpatch.distributed.collectives.count_comm`); call it before any collective whose shapes depend on
     the inputs. ``what`` names the call in the message (``"WanTransformer3DModel.forward"``), ``hint`` adds
-    advice for this kind of call. With
+    advice for this kind of call, ``sources`` are the names among ``named`` that the user passed (a pipeline's
+    arguments, when ``named`` also holds the transformer arguments computed from them): the message lists them
+    first. Inside a call of a module a :class:`WeightWatch` watches, the table has one more row, the weights'
+    fingerprint; when it differs, :class:`WeightMismatchError` (naming the tensors) is raised instead. With
     ``enabled=False`` (``hfpatch.apply(..., check_inputs=False)``) nothing is checked or sent.
     """
     if not enabled or group is None or _AGREED.get() or dist.get_world_size(group) == 1:
@@ -273,6 +369,9 @@ def check_same_inputs(
     from . import runtime
     from .collectives import _record
 
+    watch = _WATCH.get()
+    if watch is not None:
+        named = {**named, WEIGHTS_SLOT: watch.row()}
     local = describe_inputs(named).to(_table_device(group))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     try:
@@ -288,8 +387,28 @@ def check_same_inputs(
         return
     names = _slot_names(named)
     ranks = [dist.get_global_rank(group, r) for r in range(table.shape[0])]
+    slots = differs.any(dim=0).nonzero().flatten().tolist()
+    weights = names.index(WEIGHTS_SLOT) if WEIGHTS_SLOT in names else None
+    if weights in slots and bool((table[:, weights, _NAME] == _hash(WEIGHTS_SLOT)).all()):
+        # Every rank watches weights and they differ: every rank names the tensors (a second exchange).
+        every: list[Any] = [None] * len(ranks)
+        try:
+            dist.all_gather_object(every, watch.digests() if watch is not None else {}, group=group)
+        except RuntimeError as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            raise runtime.collective_error(f"the same-weights check of {what}", group, exc) from exc
+        others = [names[s] for s in slots if s != weights and s < len(names)]
+        when = (
+            f" (found at a call of {what}: its parameters changed since hfpatch.apply, e.g. an adapter or LoRA "
+            "was added" + (f"; the inputs {', '.join(map(repr, others))} differ too" if others else "") + ")"
+        )
+        raise WeightMismatchError(
+            weights_mismatch_message(every, ranks, watch.what if watch is not None else what, when=when)
+        )
+    order = sorted(slots, key=lambda slot: slot < len(names) and names[slot] not in sources)
     lines = []
-    for slot in differs.any(dim=0).nonzero().flatten().tolist():
+    for slot in order:
         name = names[slot] if slot < len(names) else f"argument #{slot}"
         rows = table[:, slot].tolist()
         odd = [r for r in range(len(rows)) if bool(differs[r, slot])]
@@ -299,7 +418,11 @@ def check_same_inputs(
             for r in odd
         )
         base = _value_text(rows[0])
-        lines.append(f"  {name!r}: differs from rank {ranks[0]}{f' ({base})' if base else ''} on {detail}")
+        shown = name if name in sources else repr(name)  # a source's name is its label already
+        lines.append(f"  {shown}: differs from rank {ranks[0]}{f' ({base})' if base else ''} on {detail}")
+    given = [names[s] for s in order if s < len(names) and names[s] in sources]
+    if given and len(given) < len(order):
+        lines.insert(len(given), "  (the arguments below are computed from those above)")
     raise InputMismatchError(
         f"hfpatch: the ranks {ranks} compute one {what} together, so they must be given identical inputs, "
         "but they were not:\n"
@@ -329,11 +452,13 @@ def install_call_guard(
     what: str,
     extra: Callable[[], dict[str, Any]] | None = None,
     deferred_error: Callable[[], BaseException | None] | None = None,
+    sources: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
     """Check every call of ``module`` over ``group`` before anything else runs, and mark it agreed.
 
     A forward pre-hook placed first (before the split hooks of any family) runs :func:`check_same_inputs`
-    on the call's arguments plus ``extra()`` (settings read at call time), then sets the agreed mark for the
+    on the call's arguments plus ``extra()`` (settings read at call time) and ``sources()`` (the arguments the
+    user gave the caller, listed first in the message), then sets the agreed mark for the
     rest of the call (nested checks over subgroups are skipped); an always-called forward hook clears it,
     also when the call raises. When the check fails because a peer did not get there
     (:class:`~hfpatch.distributed.runtime.CollectiveError`) and ``deferred_error()`` returns an error this
@@ -348,8 +473,10 @@ def install_call_guard(
         named.pop("self", None)
         if extra is not None:
             named.update(extra())
+        given = sources() if sources is not None else {}
+        named.update(given)
         try:
-            check_same_inputs(named, group, what=what)
+            check_same_inputs(named, group, what=what, sources=given.keys())
         except CollectiveError:
             earlier = deferred_error() if deferred_error is not None else None
             if earlier is None:
@@ -372,3 +499,255 @@ def named_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> 
     except (TypeError, ValueError):
         return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
     return dict(bound.arguments)
+
+
+# ----------------------------------------------------------------------------------------------- weights
+#: Columns of a weight row: a hash of the tensor's kind (dtype, shape, whether it holds data), two digests.
+_WEIGHT_FIELDS = 3
+#: Tensors named in a :class:`WeightMismatchError`; the rest are counted.
+_NAMED_TENSORS = 5
+
+
+def _weight_row(tensor: torch.Tensor) -> torch.Tensor:
+    """``(3,)`` int64 row of one parameter or buffer, on its device.
+
+    A tensor without data of its own here holds no digest, only its kind: on the meta device (offload hooks
+    bring the weights in per call), or a DTensor (FSDP2: each rank holds another shard by design).
+    """
+    local = not tensor.is_meta and not any(c.__name__ == "DTensor" for c in type(tensor).__mro__)
+    kind = _hash(f"{tensor.dtype}/{tuple(tensor.shape)}/{'data' if local else 'no data'}")
+    if not local:
+        return torch.tensor([kind, 0, 0], dtype=torch.int64)
+    return torch.cat([torch.tensor([kind], dtype=torch.int64, device=tensor.device), bulk_digest(tensor)])
+
+
+def _named_tensors(modules: Sequence[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.Tensor]]:
+    """(qualified name, tensor) of every parameter and buffer of ``modules``, each tensor once (tied weights
+    under their first name); ``prefix.`` names a pipeline's component."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for prefix, module in modules:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            found.append((f"{prefix}.{name}" if prefix else name, tensor))
+    return found
+
+
+def _rows(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Weight rows of ``tensors``: computed on their devices, brought to the host in one copy per device."""
+    rows = [_weight_row(t) for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_device.setdefault(row.device, []).append(i)
+    out: list[list[int]] = [[]] * len(rows)
+    for indices in by_device.values():
+        for i, values in zip(indices, torch.stack([rows[i] for i in indices]).tolist()):
+            out[i] = values
+    return out
+
+
+def weight_digests(modules: Sequence[tuple[str, torch.nn.Module]]) -> dict[str, list[int]]:
+    """Name -> ``[kind, digest a, digest b]`` of every parameter and buffer of ``modules`` (see :func:`bulk_digest`).
+
+    ``modules`` are ``(prefix, module)`` pairs: a model is ``[("", model)]``, a pipeline its components by name.
+
+    >>> import torch
+    >>> a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    >>> b.load_state_dict(a.state_dict())
+    <All keys matched successfully>
+    >>> weight_digests([("", a)]) == weight_digests([("", b)])
+    True
+    >>> with torch.no_grad():
+    ...     b.bias[1] = torch.nextafter(b.bias[1], torch.tensor(9.0))    # one ulp
+    >>> [n for n, row in weight_digests([("", b)]).items() if row != weight_digests([("", a)])[n]]
+    ['bias']
+    """
+    named = _named_tensors(modules)
+    return dict(zip([n for n, _ in named], _rows([t for _, t in named])))
+
+
+def fold_digests(digests: Mapping[str, list[int]]) -> str:
+    """One hex digest standing for every name and row of ``digests`` (what the ranks compare first)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        h.update(name.encode() + b"\0" + struct.pack("<3q", *digests[name]))
+    return h.hexdigest()
+
+
+def weights_mismatch_message(
+    every: Sequence[Mapping[str, list[int]]], ranks: Sequence[int], what: str, when: str = ""
+) -> str:
+    """The :class:`WeightMismatchError` text for the per-rank ``weight_digests`` ``every`` (the same on every
+    rank); ``when`` follows the first sentence (where the difference was found).
+
+    >>> same, other = {"w": [1, 2, 3], "b": [1, 5, 6]}, {"w": [1, 2, 4], "b": [1, 5, 6], "lora_A": [1, 7, 7]}
+    >>> print(weights_mismatch_message([same, other], [0, 1], "WanTransformer3DModel").splitlines()[1])
+      'lora_A': only on rank 1
+    """
+    names = sorted(set().union(*every))
+    first = every[0]
+    lines = []
+    differing = 0
+    for name in names:
+        rows = [d.get(name) for d in every]
+        if all(r == rows[0] for r in rows):
+            continue
+        differing += 1
+        if len(lines) >= _NAMED_TENSORS:
+            continue
+        holders = [ranks[i] for i, r in enumerate(rows) if r is not None]
+        if len(holders) < len(rows):
+            lines.append(
+                f"  {name!r}: only on rank{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))}"
+            )
+            continue
+        odd = [ranks[i] for i, r in enumerate(rows) if r != first.get(name)]
+        kind = "another dtype or shape" if any(r[0] != rows[0][0] for r in rows) else "other values"
+        lines.append(
+            f"  {name!r}: {kind} on rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} than on rank {ranks[0]}"
+        )
+    more = f"\n  ... and {differing - len(lines)} more" if differing > len(lines) else ""
+    return (
+        f"hfpatch: the ranks {list(ranks)} compute one result together with {what}, so they must hold the same "
+        f"weights, but {differing} of its {len(names)} parameters and buffers differ{when}:\n"
+        + "\n".join(lines)
+        + more
+        + "\n"
+        "Usual causes: a model or adapter initialised on each rank without the same seed (call "
+        "torch.manual_seed(seed) before building it or before add_adapter/load_lora_weights, on every rank), "
+        "another checkpoint or dtype on some ranks, or an adapter added, loaded or fused on some ranks only. "
+        "check_inputs=False skips this check."
+    )
+
+
+# Registrations of parameters, buffers and submodules in this process (torch's global registration hooks, on
+# while a WeightWatch lives): a WeightWatch re-reads its modules only when this moved since its last look.
+_REGISTRATIONS = [0]
+_REGISTRATION_HOOKS: list[Any] = []
+_LIVE_WATCHES = [0]
+
+
+def _count_registration(*_: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _watch_registrations(on: bool) -> None:
+    """Count registrations while at least one :class:`WeightWatch` is open (reference-counted)."""
+    from torch.nn.modules import module as torch_module
+
+    _LIVE_WATCHES[0] += 1 if on else -1
+    if on and not _REGISTRATION_HOOKS:
+        _REGISTRATION_HOOKS.extend(
+            register(_count_registration)
+            for register in (
+                torch_module.register_module_parameter_registration_hook,
+                torch_module.register_module_buffer_registration_hook,
+                torch_module.register_module_module_registration_hook,
+            )
+        )
+    elif not on and _LIVE_WATCHES[0] == 0:
+        for handle in _REGISTRATION_HOOKS:
+            handle.remove()
+        _REGISTRATION_HOOKS.clear()
+
+
+class WeightWatch:
+    """Keeps the weight fingerprint of a patched object current, at almost no cost per call.
+
+    Every same-input check made inside a call of a watched module (:meth:`enter`) gets one more row: the
+    fingerprint of every parameter and buffer (:func:`fold_digests`), so the ranks compare weights at each
+    patched call with no collective of their own. The fingerprint is cached: a call re-reads the tensors only
+    when a parameter, buffer or submodule was registered anywhere in the process since its last look (torch's
+    global registration hooks count them: one integer comparison per call otherwise), and digests only the
+    tensors that are new or replaced since (an adapter's, a LoRA's). Tensors changed in place (an optimizer
+    step, ``load_state_dict``, ``.to()``) are not re-digested: training keeps replicas equal by itself.
+    Deleting a submodule (``del``, peft's ``delete_adapter``) registers nothing: it is seen at the next
+    registration.
+
+    Args:
+        modules: ``(prefix, module)`` pairs to watch (a pipeline's components by name).
+        what: The watched object in words, for the error.
+        digests: Digests already computed for these tensors (``hfpatch.apply``'s own check), reused.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, torch.nn.Module]],
+        what: str,
+        digests: Mapping[str, list[int]] | None = None,
+    ) -> None:
+        import weakref
+
+        self._weakref = weakref.ref
+        self.modules = list(modules)
+        self.what = what
+        self.refreshes = 0  # times the tensors were re-read (tests, benchmarks)
+        self._digests: dict[str, list[int]] = {}
+        self._tensors: dict[int, tuple[Any, list[int]]] = {}  # id(tensor) -> (weakref of it, its row)
+        self._row: torch.Tensor | None = None
+        self._seen = -1
+        self._closed = False
+        _watch_registrations(True)
+        self._refresh(dict(digests or {}))
+
+    def close(self) -> None:
+        """Stop counting registrations for this watch (``patch.remove()`` calls it). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _watch_registrations(False)
+
+    def _refresh(self, known: Mapping[str, list[int]]) -> None:
+        named = _named_tensors(self.modules)
+        reuse: dict[str, list[int]] = {}  # rows of tensors digested before, under this name or another one
+        stale: list[tuple[str, torch.Tensor]] = []
+        for n, t in named:
+            seen = self._tensors.get(id(t))
+            if n in known:
+                reuse[n] = known[n]
+            elif seen is not None and seen[0]() is t:  # the same tensor (peft renames wrapped weights)
+                reuse[n] = seen[1]
+            elif t.is_meta and n in self._digests:  # offloaded for now: its data did not change
+                reuse[n] = self._digests[n]
+            else:
+                stale.append((n, t))
+        if stale or len(named) != len(self._digests) or self._row is None:
+            reuse.update(zip([n for n, _ in stale], _rows([t for _, t in stale])))
+            self._digests = {n: reuse[n] for n, _ in named}
+            folded = int.from_bytes(bytes.fromhex(fold_digests(self._digests))[:8], "little", signed=True)
+            self._row = torch.tensor([len(self._digests), folded], dtype=torch.int64)
+            self.refreshes += 1
+        self._tensors = {id(t): (self._weakref(t), self._digests[n]) for n, t in named}
+        self._seen = _REGISTRATIONS[0]
+
+    def row(self) -> torch.Tensor:
+        """``[tensor count, folded digest]`` of the watched weights, re-read if anything was registered since."""
+        if _REGISTRATIONS[0] != self._seen:
+            self._refresh({})
+        assert self._row is not None
+        return self._row
+
+    def digests(self) -> dict[str, list[int]]:
+        """Name -> weight row of every watched tensor (as of the last :meth:`row`)."""
+        return dict(self._digests)
+
+    def enter(self, patch: Any, module: torch.nn.Module) -> None:
+        """Make the same-input checks inside every call of ``module`` include this watch (first pre-hook)."""
+        tokens: list[contextvars.Token] = []
+
+        def watch_weights(_module: Any, _args: tuple, _kwargs: dict) -> None:
+            tokens.append(_WATCH.set(self))
+
+        def unwatch_weights(_module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
+            if tokens:
+                _WATCH.reset(tokens.pop())
+
+        patch.add_forward_pre_hook(module, watch_weights, prepend=True)
+        patch.add_forward_hook(module, unwatch_weights, always_call=True)
+
+
+#: The weights of the patched call running now (set by :meth:`WeightWatch.enter`).
+_WATCH: contextvars.ContextVar[WeightWatch | None] = contextvars.ContextVar("hfpatch_weights", default=None)
+#: The slot name of the weights row in a same-input table.
+WEIGHTS_SLOT = "(weights)"

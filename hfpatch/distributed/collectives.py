@@ -38,10 +38,12 @@ from . import runtime
 __all__ = [
     "CommCounter",
     "all_gather",
+    "all_reduce_sum",
     "all_to_all",
     "count_comm",
     "even_sizes",
     "halo_exchange",
+    "reduce_scatter",
     "ring_shift",
 ]
 
@@ -541,7 +543,47 @@ def all_gather(
     return _AllGather.apply(x, dim, group, sizes, backward, valid)
 
 
+def reduce_scatter(
+    x: torch.Tensor, dim: int, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """The sum over ranks of every rank's ``x``, each rank keeping its own slice along ``dim`` (uneven
+    ``sizes`` allowed): the dual of :func:`all_gather`, for gradients computed outside autograd. Not
+    differentiable.
+
+    Args:
+        x: This rank's full-size tensor (``sum(sizes)`` along ``dim``), e.g. its partial gradient of a
+            gathered tensor.
+        dim: Dim the slices are cut along.
+        group: Process group (default: world).
+        sizes: Every rank's slice length along ``dim`` (default: equal).
+
+    Returns:
+        This rank's slice summed over the ranks (``x`` itself in one process).
+    """
+    world = _size(group)
+    dim %= x.dim()
+    sizes = _check_sizes("sizes", sizes or even_sizes(x.shape[dim], world), world, x.shape[dim])
+    if world == 1:
+        return x
+    return _reduce_scatter(x, dim, group, sizes)
+
+
 # ----------------------------------------------------------------------------------------------- all-reduce
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group``, a new tensor (counted as ``"all_reduce"``). Not
+    differentiable; for a few scalars computed outside autograd (a loss value, a temperature's gradient)."""
+    out = x.contiguous().clone()
+    world = _size(group)
+    try:
+        dist.all_reduce(out, group=group)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error("all_reduce", group, exc) from exc
+    _record("all_reduce", 2 * (world - 1) * out.numel() * out.element_size() // world)
+    return out
+
+
 def all_reduce_mean(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``group``, a new tensor (one custom op in compiled code).
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,6 +36,7 @@ __all__ = [
     "AXES",
     "CollectiveError",
     "ParallelMesh",
+    "check_launch_agrees",
     "collective_error",
     "default_timeout",
     "describe_group",
@@ -172,8 +176,10 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
     me = dist.get_rank() if dist.is_initialized() else 0
     return CollectiveError(
         f"hfpatch: {op} over the {where} failed on rank {me}: another rank of the group failed, exited or "
-        f"did not get there within {limit}. The rank that failed first shows the cause in its own "
-        f"log; this rank only saw: {_first_line(exc)}",
+        f"did not get there within {limit}. Every rank of the group must make each patched call: a call made "
+        "on some ranks only (e.g. under `if rank == 0:`) waits here until the timeout; run such a call under "
+        "`with patch.disabled():` to compute it unpatched on its own. Otherwise the rank that failed first "
+        f"shows the cause in its own log; this rank only saw: {_first_line(exc)}",
         op=op,
         group=where,
         timeout=timeout,
@@ -204,6 +210,48 @@ def check_launchable(required: int) -> None:
         )
 
 
+def check_launch_agrees() -> None:
+    """Raise ``RuntimeError`` when the launcher started ``WORLD_SIZE > 1`` processes that do not see each other.
+
+    Under ``torchrun`` or ``accelerate launch`` every process gets ``WORLD_SIZE``; a process group of another
+    size, or accelerate state that counts another number of processes (on CPU, accelerate joins the processes
+    only with ``ACCELERATE_USE_CPU=true`` or ``Accelerator(cpu=True)``: otherwise each one trains alone, as one
+    process) would make every rank compute alone, silently. Initialises nothing.
+
+    >>> import os
+    >>> "WORLD_SIZE" in os.environ or check_launch_agrees() is None   # no launcher: nothing to compare
+    True
+    """
+    text = os.environ.get("WORLD_SIZE", "")
+    launched = int(text) if text.isdigit() else 0
+    if launched <= 1:
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != launched:
+        raise RuntimeError(
+            f"the launcher started WORLD_SIZE={launched} processes, but torch.distributed's default process group "
+            f"has {dist.get_world_size()} rank(s): the ranks would not compute together. Initialise it with every "
+            "process (torch.distributed.init_process_group() without rank/world_size reads the launcher's "
+            "environment), or launch as many processes as the group has"
+        )
+    accelerate = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(accelerate, "PartialState", None), "_shared_state", None) or {}
+    processes = shared.get("num_processes") if hasattr(shared, "get") else None
+    if isinstance(processes, int) and processes != launched:
+        import torch
+
+        fix = (
+            "set ACCELERATE_USE_CPU=true in the environment (or pass Accelerator(cpu=True)): without it accelerate "
+            "on CPU runs each process on its own"
+            if not torch.cuda.is_available()
+            else "launch with `accelerate launch --multi_gpu` or torchrun, and create the Accelerator in every process"
+        )
+        raise RuntimeError(
+            f"the launcher started WORLD_SIZE={launched} processes, but accelerate sees {processes} process(es) "
+            f"(distributed_type {shared.get('distributed_type')}): every process would compute alone. To run them "
+            f"together, {fix}"
+        )
+
+
 def ensure_process_group(required: int) -> None:
     """Make sure a default process group of ``required`` ranks exists.
 
@@ -226,9 +274,15 @@ def ensure_process_group(required: int) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = default_timeout()
         try:
-            dist.init_process_group(backend=backend, timeout=timeout)
-        except RuntimeError as exc:
-            if not is_peer_failure(exc):
+            dist.init_process_group(
+                backend=backend,
+                store=_launcher_store(timeout),
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            if not (isinstance(exc, TimeoutError) or is_peer_failure(exc)):
                 raise
             raise CollectiveError(
                 f"hfpatch could not initialise the default process group of WORLD_SIZE={required} ranks "
@@ -245,6 +299,44 @@ def ensure_process_group(required: int) -> None:
             f"hfpatch was asked for {required} ranks but the world size is {dist.get_world_size()}; "
             f"pass parallel={dist.get_world_size()} or a ParallelConfig whose degrees multiply to it"
         )
+
+
+def _launcher_store(timeout: timedelta) -> Any:
+    """The rendezvous store of the launcher's environment, as ``init_process_group("env://")`` makes it, but
+    connected within ``timeout`` in all (what ``init_process_group`` then wraps in ``PrefixStore("default_pg")``).
+
+    torch's store client retries a refused connection with the whole timeout per try (``TCPStore``: up to about
+    three times the timeout when the rank hosting the store never starts it, with a C++ stack trace per try),
+    so a rank that is not the host first waits here, in bounded polls, until the host's port accepts.
+
+    Raises:
+        TimeoutError: The store's host did not listen within ``timeout``.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts the store
+    deadline = time.monotonic() + timeout.total_seconds()
+    if agent or rank != 0:
+        while True:
+            try:
+                with socket.create_connection(
+                    (host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))
+                ):
+                    break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"nothing listens at MASTER_ADDR:MASTER_PORT={host}:{port} (the store that rank 0 or the "
+                        f"launcher hosts): {exc}"
+                    ) from exc
+                time.sleep(0.1)
+    remaining = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    if agent:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=remaining)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=remaining, multi_tenant=True)
+    store.set_timeout(timeout)
+    return store
 
 
 @dataclass(eq=False)

@@ -199,7 +199,9 @@ class StreamingKVCache:
 
     One cache serves one sequence of one guidance branch. Buffers are allocated on the first write (when
     batch size, tokens per frame, heads, dtype and device are known) and never grow. Keys and values are
-    stored detached: gradients of a training step flow through the frames of the current call only.
+    stored detached: gradients of a training step flow through the frames of the current call only. Under a
+    sequence-parallel split (:mod:`hfpatch.streaming.sequence_parallel`) each rank's cache holds its part of
+    every frame and its heads (``shard`` says which; ``nbytes`` is this rank's), with the same slots.
 
     Args:
         config: The :class:`StreamingConfig` the transformer was patched with.
@@ -228,7 +230,9 @@ class StreamingKVCache:
         self.keys: list[torch.Tensor] | None = None  # per layer [B, cache_frames * tokens_per_frame, H, D]
         self.values: list[torch.Tensor] | None = None
         self.cross = [CrossAttentionCache() for _ in range(num_layers)]
-        self.tokens_per_frame: int | None = None
+        self.tokens_per_frame: int | None = None  # buffer positions per frame (this rank's, when split)
+        self.frame_tokens: int | None = None  # tokens of a latent frame of the stream
+        self.shard: str | None = None  # which part of each frame a rank of a sequence-parallel split holds
         self.start: int | None = None
         self._slot_frames: list[int] = [-1] * config.cache_frames  # absolute frame held by each slot
 
@@ -239,7 +243,7 @@ class StreamingKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache: self-attention buffers plus cached text keys/values."""
+        """Bytes held by the cache (on this rank): self-attention buffers plus cached text keys/values."""
         total = sum(t.nbytes for t in (self.keys or []) + (self.values or []))
         for layer in self.cross:
             total += sum(t.nbytes for t in (layer.key, layer.value) if t is not None)
@@ -352,20 +356,45 @@ class StreamingKVCache:
         return to_device(mask.repeat_interleave(tokens_per_frame).view(1, 1, 1, -1), device)
 
     # -------------------------------------------------------------------------------- buffer access
-    def ensure_allocated(self, key: torch.Tensor, tokens_per_frame: int) -> None:
-        """Allocate the buffers for keys shaped like ``key`` ([B, tokens, H, D]) on first use; check later calls."""
+    def ensure_allocated(
+        self,
+        key: torch.Tensor,
+        tokens_per_frame: int,
+        frame_tokens: int | None = None,
+        shard: str | None = None,
+    ) -> None:
+        """Allocate the buffers for keys shaped like ``key`` ([B, tokens, H, D]) on first use; check later calls.
+
+        ``tokens_per_frame`` buffer positions hold a frame; a rank of a sequence-parallel split holds part of
+        every frame (``shard`` says which) of ``frame_tokens`` tokens (default: ``tokens_per_frame``).
+        """
         if self.keys is None:
             shape = (key.shape[0], self.config.cache_frames * tokens_per_frame, *key.shape[2:])
             self.keys = [key.new_zeros(shape) for _ in range(self.num_layers)]
             self.values = [key.new_zeros(shape) for _ in range(self.num_layers)]
             self.tokens_per_frame = tokens_per_frame
+            self.frame_tokens = tokens_per_frame if frame_tokens is None else frame_tokens
+            self.shard = shard
             return
-        self.check_layout(key.shape[0], tokens_per_frame, *key.shape[2:], dtype=key.dtype)
+        self.check_layout(key.shape[0], tokens_per_frame, *key.shape[2:], dtype=key.dtype, shard=shard)
 
     def check_layout(
-        self, batch: int, tokens_per_frame: int, heads: int, head_dim: int, dtype: torch.dtype | None = None
+        self,
+        batch: int,
+        tokens_per_frame: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
+        shard: str | None = None,
     ) -> None:
-        """Raise ``ValueError`` unless the allocated buffers hold keys of this layout (``dtype`` if given)."""
+        """Raise ``ValueError`` unless the allocated buffers hold keys of this layout (``dtype`` if given) and of
+        this part of the frames (``shard``: ``None`` for a whole-frame cache)."""
+        if shard != self.shard:
+            raise ValueError(
+                f"this StreamingKVCache holds {self.shard or 'whole frames (one process)'}, the transformer "
+                f"now computes {shard or 'whole frames (one process)'}; use one cache per sequence-parallel "
+                "split (or a new cache)"
+            )
         expected = (self.keys[0].shape[0], self.tokens_per_frame, *self.keys[0].shape[2:])
         given = (batch, tokens_per_frame, heads, head_dim)
         if dtype is not None:

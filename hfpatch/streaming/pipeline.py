@@ -18,8 +18,13 @@ recent frames are re-encoded under the new prompt in one forward (:func:`recache
 With ``global_sink=True`` (LongLive's released configs) the sink frames keep their keys from the first
 prompt; with ``global_sink=False`` the cache restarts and the first re-encoded frames become the sink.
 
-Distilled streaming models run without classifier-free guidance; this pipeline has no CFG (it would need
-a second cache per branch).
+Distilled streaming models run without classifier-free guidance (the default); with ``guidance_scale > 1`` each
+step runs a conditional and an unconditional branch, each with its own cache, one after the other or, under a
+``cfg=2`` plan, on two halves of the ranks.
+
+On several ranks (:meth:`StreamingWanPipeline.from_pipe` with ``parallel=``) every block's tokens are split over
+the ranks, caches included (:mod:`hfpatch.streaming.sequence_parallel`), the VAE decode is split by height, and
+every rank yields the same frames, equal to one process's for the same generator.
 
 >>> import torch
 >>> from hfpatch.streaming import StreamingConfig, StreamingWanPipeline
@@ -39,7 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..core.config import ModelFacts, ParallelConfig, resolve_parallel
+from ..distributed.agreement import check_same_inputs
+from ..distributed.collectives import all_gather
 from .kv_cache import StreamingConfig, StreamingKVCache
 from .vae import StreamingWanDecoder
 
@@ -260,6 +269,37 @@ class _SideStreamDecode(_InlineDecode):
         return frames
 
 
+def _stream_plan(parallel: int | ParallelConfig | None, transformer: Any) -> ParallelConfig:
+    """The degrees of a stream on the launched world: an int plans Ulysses up to the head count and Ring for the
+    rest (no CFG-parallel: guidance is a choice of :meth:`StreamingWanPipeline.stream`); an explicit
+    ``ParallelConfig`` may set ``cfg=2``."""
+    from ..distributed import runtime
+
+    heads = transformer.config.num_attention_heads
+    facts = ModelFacts(num_heads=heads, name="StreamingWanPipeline", pipeline=True)
+    plan = resolve_parallel(parallel, runtime.launched_world_size(), facts)
+    if plan.data > 1 or plan.pipefusion > 1:
+        raise ValueError(
+            f"StreamingWanPipeline splits one stream over its ranks (cfg, ring, ulysses, vae), got {plan}; for "
+            "one stream per rank use parallel=1 on every rank"
+        )
+    return plan
+
+
+def _transformer_plan(plan: ParallelConfig) -> int | ParallelConfig:
+    """What the transformer is patched with: the sequence split, the CFG halves as replicas (its ``data``
+    axis: each streams its own branch), or one process when nothing splits the tokens."""
+    if plan.sequence_parallel == 1:
+        return 1
+    return ParallelConfig(data=plan.cfg, ring=plan.ring, ulysses=plan.ulysses, vae=plan.vae)
+
+
+def _mesh_plan(plan: ParallelConfig) -> ParallelConfig:
+    """The mesh whose ``data`` axis is the CFG group and whose ``world`` group checks a stream's inputs (the
+    transformer's own mesh when it is split)."""
+    return ParallelConfig(data=plan.cfg, ring=plan.ring, ulysses=plan.ulysses, vae=plan.vae)
+
+
 def _decode_runner(device: torch.device, overlap_decode: bool) -> type[_InlineDecode]:
     """How a stream decodes its blocks: on a side CUDA stream (``overlap_decode`` on CUDA) or in line."""
     return _SideStreamDecode if overlap_decode and device.type == "cuda" else _InlineDecode
@@ -274,6 +314,9 @@ class StreamingWanPipeline:
         config: The :class:`StreamingConfig` the transformer was patched with.
         num_train_timesteps: Scale of the timesteps (1000 for Wan).
         patch: The patch to undo in :meth:`remove` (set by :meth:`from_pipe`).
+        plan: The parallel degrees of the stream (set by :meth:`from_pipe`; ``None``: one process, or a
+            transformer split by the caller, whose calls check their own inputs).
+        vae_patch: The VAE split to undo in :meth:`remove` (set by :meth:`from_pipe`).
     """
 
     def __init__(
@@ -283,33 +326,139 @@ class StreamingWanPipeline:
         config: StreamingConfig,
         num_train_timesteps: int = 1000,
         patch: Any = None,
+        plan: ParallelConfig | None = None,
+        vae_patch: Any = None,
     ) -> None:
         self.transformer, self.vae, self.config = transformer, vae, config
         self.num_train_timesteps = num_train_timesteps
-        self.patch = patch
-        self.cache: StreamingKVCache | None = None  # the cache of the stream in progress (for inspection)
+        self.patch, self.vae_patch = patch, vae_patch
+        self.plan = ParallelConfig() if plan is None else plan
+        # The cache of the stream in progress (this rank's guidance branch under CFG-parallel; the conditional
+        # branch otherwise), and the unconditional branch's under sequential CFG (for inspection).
+        self.cache: StreamingKVCache | None = None
+        self.uncond_cache: StreamingKVCache | None = None
+        self._world_group = self._cfg_group = None
+        if self.plan.world_size > 1:
+            from ..distributed import runtime
+
+            mesh = runtime.get_mesh(_mesh_plan(self.plan))
+            self._world_group, self._cfg_group = mesh.group("world"), mesh.group("data")
 
     @classmethod
-    def from_pipe(cls, pipe: Any, config: StreamingConfig) -> StreamingWanPipeline:
-        """Patch ``pipe.transformer`` for streaming and wrap it with ``pipe.vae``; undo with :meth:`remove`."""
+    def from_pipe(
+        cls, pipe: Any, config: StreamingConfig, parallel: int | ParallelConfig | None = None
+    ) -> StreamingWanPipeline:
+        """Patch ``pipe.transformer`` for streaming (split over the ranks of ``parallel``, and ``pipe.vae`` with
+        it) and wrap them; undo with :meth:`remove`.
+
+        Args:
+            pipe: A stock ``WanPipeline`` (one transformer).
+            config: How the transformer streams.
+            parallel: ``None`` (every rank of the launched world), an int number of ranks (Ulysses up to the
+                head count, the rest Ring; no CFG-parallel) or a :class:`hfpatch.ParallelConfig` with ``cfg``
+                (1, or 2 to run the guidance branches of :meth:`stream` on two halves of the ranks), ``ring``,
+                ``ulysses`` and ``vae`` (the VAE split; ``vae=1`` decodes whole on every rank, overlapped with
+                the transformer on CUDA). Every rank must call this, and then :meth:`stream`, with the same
+                arguments.
+
+        Raises:
+            ValueError: Degrees that do not fit the world or the model (``data``/``pipefusion`` are refused), a
+                pipeline with ``transformer_2``.
+        """
         import hfpatch
 
         if getattr(pipe, "transformer_2", None) is not None:
             raise ValueError(
                 "StreamingWanPipeline supports one transformer; this WanPipeline has transformer_2"
             )
-        patch = hfpatch.apply(pipe.transformer, streaming=config)
-        return cls(pipe.transformer, pipe.vae, config, pipe.scheduler.config.num_train_timesteps, patch)
+        plan = _stream_plan(parallel, pipe.transformer)
+        patch = hfpatch.apply(pipe.transformer, parallel=_transformer_plan(plan), streaming=config)
+        vae_patch = None
+        try:
+            if plan.vae > 1:
+                vae_patch = hfpatch.apply(pipe.vae, parallel=ParallelConfig(vae=plan.vae))
+            return cls(
+                pipe.transformer, pipe.vae, config, pipe.scheduler.config.num_train_timesteps, patch, plan,
+                vae_patch,
+            )  # fmt: skip
+        except BaseException:
+            if vae_patch is not None:
+                vae_patch.remove()
+            patch.remove()
+            raise
 
     def remove(self) -> None:
-        """Restore the stock transformer."""
-        if self.patch is not None:
-            self.patch.remove()
+        """Restore the stock transformer (and VAE)."""
+        for patch in (self.vae_patch, self.patch):
+            if patch is not None:
+                patch.remove()
+
+    # ------------------------------------------------------------------------------------------- branches
+    @property
+    def _cfg_rank(self) -> int:
+        """This rank's guidance branch under CFG-parallel: 0 conditional, 1 unconditional."""
+        return 0 if self._cfg_group is None else dist.get_rank(self._cfg_group)
+
+    def _branch(
+        self,
+        x: torch.Tensor,
+        t: float,
+        prompt: torch.Tensor,
+        cache: StreamingKVCache | None,
+        offset: int,
+        context: torch.Tensor | None,
+        context_noise: float,
+    ) -> torch.Tensor:
+        """The transformer's velocity for one guidance branch (``context``: uncached reference mode)."""
+        batch, n = x.shape[0], x.shape[2]
+        if context is None:
+            return self.transformer(
+                x,
+                torch.full((batch,), float(t), device=x.device),
+                prompt,
+                kv_cache=cache,
+                frame_offset=offset,
+            ).sample
+        ts = torch.cat(
+            [
+                torch.full((batch, context.shape[2]), float(context_noise), device=x.device),
+                torch.full((batch, n), float(t), device=x.device),
+            ],
+            dim=1,
+        )
+        return self.transformer(
+            torch.cat([context, x], 2), ts, prompt, frame_offset=offset - context.shape[2]
+        ).sample[:, :, -n:]
+
+    def _velocity(
+        self,
+        x: torch.Tensor,
+        t: float,
+        prompt: torch.Tensor,
+        negative: torch.Tensor | None,
+        guidance: float | None,
+        offset: int,
+        context: torch.Tensor | None,
+        context_noise: float,
+    ) -> torch.Tensor:
+        """The (guided) velocity: ``v_u + g (v_c - v_u)`` as diffusers' ``WanPipeline`` combines it."""
+        args = (offset, context, context_noise)
+        if guidance is None:
+            return self._branch(x, t, prompt, self.cache, *args)
+        if self._cfg_group is None:  # both branches here, one after the other
+            cond = self._branch(x, t, prompt, self.cache, *args)
+            uncond = self._branch(x, t, negative, self.uncond_cache, *args)
+        else:  # this rank's branch; the other half of the ranks computes the other one
+            mine = self._branch(x, t, negative if self._cfg_rank else prompt, self.cache, *args)
+            cond, uncond = all_gather(mine.unsqueeze(0).contiguous(), 0, self._cfg_group).unbind(0)
+        return uncond + guidance * (cond - uncond)
 
     def _denoise_block(
         self,
         x: torch.Tensor,
         prompt: torch.Tensor,
+        negative: torch.Tensor | None,
+        guidance: float | None,
         offset: int,
         steps: Sequence[float],
         generator: Generators,
@@ -317,32 +466,26 @@ class StreamingWanPipeline:
         context_noise: float,
     ) -> torch.Tensor:
         """Few-step denoising of one block; ``context`` (uncached reference mode) holds all earlier frames."""
-        batch, n = x.shape[0], x.shape[2]
         for i, t in enumerate(steps):
-            if context is None:
-                v = self.transformer(
-                    x,
-                    torch.full((batch,), float(t), device=x.device),
-                    prompt,
-                    kv_cache=self.cache,
-                    frame_offset=offset,
-                ).sample
-            else:
-                ts = torch.cat(
-                    [
-                        torch.full((batch, context.shape[2]), float(context_noise), device=x.device),
-                        torch.full((batch, n), float(t), device=x.device),
-                    ],
-                    dim=1,
-                )
-                v = self.transformer(
-                    torch.cat([context, x], 2), ts, prompt, frame_offset=offset - context.shape[2]
-                ).sample[:, :, -n:]
+            v = self._velocity(x, t, prompt, negative, guidance, offset, context, context_noise)
             x0 = x - (t / self.num_train_timesteps) * v
             if i + 1 < len(steps):
                 x = _renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
         return x0
 
+    def _context_pass(self, x0, prompt, negative, guidance, offset, context_noise) -> None:
+        """Write the clean block into the cache of every branch this rank runs, at timestep ``context_noise``."""
+        timestep = torch.full((x0.shape[0],), float(context_noise), device=x0.device)
+        if guidance is None:
+            branches = [(prompt, self.cache)]
+        elif self._cfg_group is None:
+            branches = [(prompt, self.cache), (negative, self.uncond_cache)]
+        else:
+            branches = [(negative if self._cfg_rank else prompt, self.cache)]
+        for branch_prompt, cache in branches:
+            self.transformer(x0, timestep, branch_prompt, kv_cache=cache, frame_offset=offset)
+
+    # ------------------------------------------------------------------------------------------- stream
     @torch.no_grad()
     def stream(
         self,
@@ -357,6 +500,8 @@ class StreamingWanPipeline:
         use_cache: bool = True,
         global_sink: bool = True,
         overlap_decode: bool = True,
+        guidance_scale: float = 1.0,
+        negative_prompt_embeds: torch.Tensor | None = None,
     ) -> Iterator[StreamingOutput]:
         """Generate ``num_blocks`` blocks, yielding each as soon as it is decoded.
 
@@ -373,7 +518,7 @@ class StreamingWanPipeline:
                 LongLive configs). The latents themselves are not re-noised, as in both references.
             generator: Random generator(s) for the initial and re-noising noise, by diffusers' convention: on
                 the CPU or on the transformer's device (a CPU generator gives the same video on any device),
-                or a list of one per batch item.
+                or a list of one per batch item. On several ranks, seed every rank alike (checked).
             output_type: ``"pt"`` (decoded frames) or ``"latent"`` (no decode).
             use_cache: ``False`` recomputes every earlier frame at every step instead of reading the cache
                 (a reference for tests and benchmarks: same result, cost growing with the video).
@@ -383,11 +528,23 @@ class StreamingWanPipeline:
                 :class:`StreamingConfig`: it changes only what a switch does, not how the model attends.
             overlap_decode: On CUDA, decode each block on a second CUDA stream while the transformer works on
                 the next one: block ``k`` is yielded once block ``k + 1``'s transformer work is queued (frames
-                in order, one block later than in line, the same values: the same kernels run). Elsewhere (CPU)
-                the decode runs in line, as with ``False``.
+                in order, one block later than in line, the same values: the same kernels run). Elsewhere (CPU,
+                or a VAE split over ranks, whose collectives stay on one stream) the decode runs in line.
+            guidance_scale: Classifier-free guidance ``v_u + g (v_c - v_u)`` when above 1: every step runs the
+                conditional and the unconditional branch, each with its own cache (the unconditional one keeps
+                its frames at a prompt switch: its prompt does not change). Under a ``cfg=2`` plan the two
+                halves of the ranks run one branch each and exchange their velocities. Distilled streaming
+                models run without guidance (the default 1: one branch).
+            negative_prompt_embeds: The unconditional branch's text embeddings ``[B, T', text_dim]`` (needed
+                when ``guidance_scale > 1``).
 
         Yields:
             :class:`StreamingOutput` per block, in order.
+
+        Raises:
+            ValueError: Bad arguments (on every rank alike, before any collective).
+            InputMismatchError: On several ranks, when the ranks were given different arguments (prompts,
+                generator states, sizes...), raised on every rank before anything runs.
         """
         schedule = _schedule(prompt_embeds)
         if not use_cache and len(schedule) > 1:
@@ -396,12 +553,34 @@ class StreamingWanPipeline:
             )
         if output_type not in ("pt", "latent"):
             raise ValueError(f"output_type must be 'pt' or 'latent', got {output_type!r}")
+        guidance = self._guidance(guidance_scale, negative_prompt_embeds, schedule[0][1])
         n = self.config.num_frame_per_block
         vae_cfg = self.vae.config
         p_h = self.transformer.config.patch_size[1]
         scale = vae_cfg.scale_factor_spatial
         if height % (scale * p_h) or width % (scale * p_h):
             raise ValueError(f"height and width must be multiples of {scale * p_h}, got {height}x{width}")
+        if self._world_group is not None:
+            # Every rank computes one stream together: the same prompts, sizes and noise (generator states).
+            check_same_inputs(
+                {
+                    "prompt_embeds": {str(b): p for b, p in schedule},
+                    "num_blocks": num_blocks,
+                    "height": height,
+                    "width": width,
+                    "denoising_step_list": [float(t) for t in denoising_step_list],
+                    "context_noise": context_noise,
+                    "generator": generator,
+                    "output_type": output_type,
+                    "use_cache": use_cache,
+                    "global_sink": global_sink,
+                    "guidance_scale": guidance_scale,
+                    "negative_prompt_embeds": negative_prompt_embeds,
+                },  # fmt: skip
+                self._world_group,
+                what="StreamingWanPipeline.stream",
+                hint="Seed the generator alike on every rank (torch.Generator().manual_seed(seed)).",
+            )
         batch = schedule[0][1].shape[0]
         shape = (batch, self.transformer.config.in_channels, n, height // scale, width // scale)
         dtype = self.transformer.dtype
@@ -410,11 +589,16 @@ class StreamingWanPipeline:
         mean = torch.tensor(vae_cfg.latents_mean).view(1, -1, 1, 1, 1).to(device, dtype)
         std = torch.tensor(vae_cfg.latents_std).view(1, -1, 1, 1, 1).to(device, dtype)
 
-        self.cache = self._fresh_cache(batch, shape, dtype)
+        self.cache = self._fresh_cache(self.cache, batch, shape, dtype)
+        sequential_cfg = guidance is not None and self._cfg_group is None
+        self.uncond_cache = (
+            self._fresh_cache(self.uncond_cache, batch, shape, dtype) if sequential_cfg else None
+        )
         decode = None
         if output_type == "pt":
-            runner = _decode_runner(device, overlap_decode)
-            decode = runner(StreamingWanDecoder(self.vae), self.vae.dtype, mean, std)
+            decoder = StreamingWanDecoder(self.vae)
+            runner = _decode_runner(device, overlap_decode and not decoder.split)
+            decode = runner(decoder, self.vae.dtype, mean, std)
         # Clean latents of earlier blocks: enough for the last cache_frames (recache), all without a cache.
         history: list[torch.Tensor] = []
         keep = None if not use_cache else -(-self.config.cache_frames // n)
@@ -424,23 +608,19 @@ class StreamingWanPipeline:
             offset = block * n
             if prompt_index + 1 < len(schedule) and schedule[prompt_index + 1][0] == block:
                 prompt_index += 1
-                self._recache(history, schedule[prompt_index][1], offset, context_noise, global_sink)
+                if self._cfg_rank == 0:  # the unconditional branch's prompt does not change
+                    self._recache(history, schedule[prompt_index][1], offset, context_noise, global_sink)
             prompt = schedule[prompt_index][1]
             # Drawn in float32 and cast, so that a bf16 model gets the fp32 model's noise.
             noise = randn_tensor(shape, generator, self.transformer.device, torch.float32).to(dtype)
             context = None if use_cache or not history else torch.cat(history, 2)
             x0 = self._denoise_block(
-                noise, prompt, offset, denoising_step_list, generator, context, context_noise
-            )
+                noise, prompt, negative_prompt_embeds, guidance, offset, denoising_step_list, generator,
+                context, context_noise,
+            )  # fmt: skip
             job = decode.submit(x0) if decode is not None else None  # before the context pass: it may overlap
             if use_cache:  # the context pass: clean x0 at timestep context_noise
-                self.transformer(
-                    x0,
-                    torch.full((batch,), float(context_noise), device=x0.device),
-                    prompt,
-                    kv_cache=self.cache,
-                    frame_offset=offset,
-                )
+                self._context_pass(x0, prompt, negative_prompt_embeds, guidance, offset, context_noise)
             history.append(x0)
             if keep is not None:
                 history = history[-keep:]
@@ -459,21 +639,40 @@ class StreamingWanPipeline:
             pending[0].frames = decode.result(pending[1])
             yield pending[0]
 
-    def _fresh_cache(self, batch: int, shape: tuple[int, ...], dtype: torch.dtype) -> StreamingKVCache:
-        """An empty cache for a new stream: the previous one reset when it has the layout (same buffers, so a
-        compiled or CUDA-graph forward keeps its addresses), else a new one."""
-        cache = self.cache
+    def _guidance(
+        self, guidance_scale: float, negative: torch.Tensor | None, prompt: torch.Tensor
+    ) -> float | None:
+        """The guidance scale to combine with (``None``: one branch), after checking it fits the plan."""
+        if not isinstance(guidance_scale, (int, float)) or isinstance(guidance_scale, bool):
+            raise ValueError(f"guidance_scale must be a number, got {guidance_scale!r}")
+        if guidance_scale <= 1:
+            if self.plan.cfg > 1:
+                raise ValueError(
+                    f"this stream runs CFG-parallel (plan {self.plan}), so it needs guidance: pass "
+                    "guidance_scale > 1 and negative_prompt_embeds, or build it with cfg=1"
+                )
+            return None
+        if negative is None:
+            raise ValueError("guidance_scale > 1 runs an unconditional branch: pass negative_prompt_embeds")
+        if negative.shape[0] != prompt.shape[0] or negative.shape[2:] != prompt.shape[2:]:
+            raise ValueError(
+                f"negative_prompt_embeds must be [B={prompt.shape[0]}, T', {prompt.shape[2]}] like the prompt, "
+                f"got {list(negative.shape)}"
+            )
+        return float(guidance_scale)
+
+    def _fresh_cache(
+        self, cache: StreamingKVCache | None, batch: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> StreamingKVCache:
+        """An empty cache for a new stream: ``cache`` reset when it has the layout (same buffers, so a compiled
+        or CUDA-graph forward keeps its addresses), else a new one."""
         if cache is not None and cache.config == self.config and cache.keys is not None:
             _, _, _, h, w = shape
             _, p_h, p_w = self.transformer.config.patch_size
             tokens = (h // p_h) * (w // p_w)
-            heads, head_dim = (
-                self.transformer.config.num_attention_heads,
-                self.transformer.config.attention_head_dim,
-            )
             buffer = cache.keys[0]
-            layout = (buffer.shape[0], cache.tokens_per_frame, *buffer.shape[2:], buffer.dtype, buffer.device)
-            if layout == (batch, tokens, heads, head_dim, dtype, self.transformer.device):
+            layout = (buffer.shape[0], cache.frame_tokens, buffer.dtype, buffer.device)
+            if layout == (batch, tokens, dtype, self.transformer.device):
                 cache.reset()
                 return cache
         return StreamingKVCache(self.config, len(self.transformer.blocks))

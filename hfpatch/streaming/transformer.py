@@ -19,13 +19,17 @@ keyword arguments to its ``forward``:
 denoises the frames of a chunk at different noise levels). Per-frame timesteps reuse the stock per-token
 modulation path of Wan 2.2 (``timestep.ndim == 2``), with the time embedding computed once per frame.
 
-Parallelism: none for the transformer yet. ``validate`` refuses any data, cfg, ring or ulysses degree above 1
-(the pipeline's data/CFG wrapper cannot split ``frame_offset``/``kv_cache`` calls, and one cache serves one
-guidance branch); only the VAE may split (``ParallelConfig(vae=N)``). For data-parallel training, wrap the
-patched transformer in DDP/FSDP yourself.
+Parallelism: ``parallel=N`` (or ``ParallelConfig(ring=, ulysses=)``) splits every call's tokens over the ``sp``
+ranks, caches included, and gives every rank the full output (:mod:`hfpatch.streaming.sequence_parallel`); every
+rank must pass the same arguments (checked at each call, with the state of the cache), and the sequence-parallel
+family of the DiT (``dit_usp``) is replaced by this one. ``data=D`` adds replicas that each stream their own
+sequence (the CFG branches of :class:`~hfpatch.streaming.StreamingWanPipeline`, or data-parallel training); cfg
+and PipeFusion degrees are refused (the pipeline runs CFG-parallel itself). For data-parallel training without a
+split, apply with ``parallel=1`` and wrap the patched transformer in DDP/FSDP yourself.
 
 What is patched (all reversible by ``patch.remove()``): the processors of every ``blocks[i].attn1`` and
-``attn2``, and the ``forward`` of ``rope``, ``condition_embedder`` and the transformer itself.
+``attn2``, and the ``forward`` of ``rope``, ``condition_embedder`` and the transformer itself (under a split also
+of ``patch_embedding``, which keeps this rank's tokens, and ``proj_out``, which gathers them).
 
 >>> import torch, hfpatch
 >>> from hfpatch.streaming import StreamingConfig
@@ -49,11 +53,21 @@ import torch
 import torch.nn.functional as F
 
 from ..core.compile import check_cuda_graphs, compiled_variant
-from ..core.config import ParallelConfig
+from ..core.config import ModelFacts, ParallelConfig
 from ..core.patch import Patch
 from ..core.registry import PatchFamily
+from ..distributed.agreement import check_same_inputs
+from ..distributed.gradients import average_input_gradients
 from ..patches.wan_attention import wan_self_attention_qkv
 from .kv_cache import StreamingConfig, StreamingKVCache, to_device, visible_frames, weights_version
+from .sequence_parallel import (
+    ShardedCall,
+    StreamShard,
+    cached_self_attention,
+    chunk_self_attention,
+    cross_attention,
+    shard_text,
+)
 
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
 
@@ -82,6 +96,8 @@ class _Call:
     cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # No-cache mode: per query block, (first token, end token, key token positions within the input).
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
+    # Under a sequence-parallel split: this rank's tokens and what its attention reads and writes.
+    sp: ShardedCall | None = None
 
 
 def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor:
@@ -91,10 +107,18 @@ def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device)
 
 
 class _CallState:
-    """The call in flight; shared by the patched methods and processors of one transformer."""
+    """The call in flight; shared by the patched methods and processors of one transformer.
 
-    def __init__(self) -> None:
+    ``shard``: this rank's place in a sequence-parallel split (``None``: one process); ``check_inputs``: run the
+    same-input check of the split at every call; ``modules``: the submodules whose ``forward`` the split wraps
+    (a call checks that they are still the model's).
+    """
+
+    def __init__(self, shard: StreamShard | None = None, check_inputs: bool = True) -> None:
         self.call: _Call | None = None
+        self.shard = shard
+        self.check_inputs = check_inputs
+        self.modules: dict[str, torch.nn.Module] = {}
 
     def current(self) -> _Call:
         if self.call is None:
@@ -138,7 +162,15 @@ class StreamingSelfAttnProcessor:
         call = self.state.current()
         q, k, v = wan_self_attention_qkv(attn, hidden_states, rotary_emb)
 
-        if call.write_index is None:
+        if call.sp is not None:
+            shard = self.state.shard
+            if call.sp.mask is not None:
+                out = chunk_self_attention(shard, call.sp, q, k, v)
+            else:
+                out = cached_self_attention(
+                    shard, call.sp, call.cache, self.layer, q, k, v, call.tokens_per_frame
+                )
+        elif call.write_index is None:
             out = self._block_causal(call, q, k, v)
         else:
             keys, values = self._buffers(call, k)
@@ -188,10 +220,15 @@ class StreamingSelfAttnProcessor:
         return torch.cat(outs, dim=1)
 
 
-def _text_keys_values(attn: Any, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-attention keys/values ``[B, T, H, D]`` of the embedded text, as the stock ``WanAttnProcessor``."""
+def _text_keys_values(
+    attn: Any, text: torch.Tensor, shard: StreamShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention keys/values ``[B, T, H, D]`` of the embedded text, as the stock ``WanAttnProcessor``;
+    under a split, this rank's part of them (:func:`~hfpatch.streaming.sequence_parallel.shard_text`)."""
     key = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))
     value = attn.to_v(text).unflatten(2, (attn.heads, -1))
+    if shard is not None:
+        key, value = shard_text(key, shard), shard_text(value, shard)
     return key, value
 
 
@@ -224,21 +261,26 @@ class StreamingCrossAttnProcessor:
         if call.cross is not None:
             k, v = call.cross[self.layer]
         else:
-            k, v = _text_keys_values(attn, encoder_hidden_states)
-        out = _attend(q, k, v).flatten(2, 3).type_as(q)
+            k, v = _text_keys_values(attn, encoder_hidden_states, self.state.shard)
+        if call.sp is not None:
+            out = cross_attention(self.state.shard, q, k, v, encoder_hidden_states.shape[1])
+        else:
+            out = _attend(q, k, v)
+        out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
 
 def _cached_text(
-    model: Any, cache: StreamingKVCache, prompt: torch.Tensor
+    model: Any, cache: StreamingKVCache, prompt: torch.Tensor, shard: StreamShard | None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's text keys/values for ``prompt``: the cached ones while they match, else computed now."""
+    """Every layer's text keys/values for ``prompt`` (this rank's part under a split): the cached ones while
+    they match, else computed now."""
     weights = weights_version(model)
     if not all(entry.matches(prompt, weights) for entry in cache.cross):
         text = model.condition_embedder.text_embedder(prompt)  # what the stock forward hands the blocks
         for block, entry in zip(model.blocks, cache.cross):
             with _whole_weights(block):
-                entry.store(*_text_keys_values(block.attn2, text), prompt, weights)
+                entry.store(*_text_keys_values(block.attn2, text, shard), prompt, weights)
     return [(entry.key, entry.value) for entry in cache.cross]
 
 
@@ -292,6 +334,9 @@ def _rope_forward(state: _CallState, rope: Any) -> Callable:
                 w_part[:width].view(1, 1, width, -1).expand(shape),
             ]
             tables.append(torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1))
+        sp = state.current().sp
+        if sp is not None:  # this rank's tokens
+            tables = [t.index_select(1, sp.local_index) for t in tables]
         return tables[0], tables[1]
 
     return forward
@@ -303,7 +348,8 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
     def forward(timestep, encoder_hidden_states, encoder_hidden_states_image=None, timestep_seq_len=None):
         if timestep_seq_len is None:
             return original(timestep, encoder_hidden_states, encoder_hidden_states_image)
-        tpf = state.current().tokens_per_frame
+        call = state.current()
+        tpf = call.tokens_per_frame
         per_frame = timestep.view(-1, timestep_seq_len)[:, ::tpf].flatten()
         temb, proj, text, image = original(
             per_frame,
@@ -311,9 +357,49 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
             encoder_hidden_states_image,
             timestep_seq_len=timestep_seq_len // tpf,
         )
+        if call.sp is not None:  # the embedding of each of this rank's tokens' frame
+            frames = call.sp.local_frames
+            return temb.index_select(1, frames), proj.index_select(1, frames), text, image
         return temb.repeat_interleave(tpf, dim=1), proj.repeat_interleave(tpf, dim=1), text, image
 
     return forward
+
+
+def _local_tokens_forward(state: _CallState, original: Callable) -> Callable:
+    """``patch_embedding.forward`` keeping this rank's tokens, ``[B, C, S_local]`` (the stock forward flattens and
+    transposes it into ``[B, S_local, C]``)."""
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        out = original(hidden_states)
+        call = state.call
+        if call is None or call.sp is None:
+            return out
+        return out.flatten(2).index_select(2, call.sp.local_index)
+
+    return forward
+
+
+def _gather_forward(state: _CallState, original: Callable) -> Callable:
+    """``proj_out.forward`` gathering every rank's tokens into the full sequence (identical on every rank)."""
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        out = original(hidden_states)
+        call = state.call
+        if call is None or call.sp is None:
+            return out
+        return state.shard.gather(out, call.sp)
+
+    return forward
+
+
+def _frame_visibility(config: StreamingConfig, frame_offset: int, frames: int) -> torch.Tensor:
+    """``[frames, frames]`` bool: query frame ``q`` of the call sees key frame ``k`` (block-causal rule)."""
+    n = config.num_frame_per_block
+    visible = torch.zeros(frames, frames, dtype=torch.bool)
+    for s in range(0, frames, n):
+        seen = [f - frame_offset for f in visible_frames(config, frame_offset, frame_offset + s + n)]
+        visible[s : s + n, seen] = True
+    return visible
 
 
 class _Runner:
@@ -371,8 +457,9 @@ def _transformer_forward(
     state: _CallState, config: StreamingConfig, model: Any, original: Callable
 ) -> Callable:
     """The transformer ``forward`` with ``frame_offset``, ``kv_cache`` and ``recache`` (cache mode runs block by
-    block, a recache as one chunk)."""
+    block, a recache as one chunk); under a split, checked over the ranks first."""
     runner = _Runner(config, original)
+    shard = state.shard
 
     def forward(
         hidden_states: torch.Tensor,
@@ -386,6 +473,44 @@ def _transformer_forward(
         kv_cache: StreamingKVCache | None = None,
         recache: bool = False,
     ):
+        if shard is not None and state.call is None:
+            # First, before anything that could raise on some ranks only or communicate: the ranks split ONE
+            # call, so they must be given the same arguments and hold the same cache state.
+            named = {
+                "hidden_states": hidden_states, "timestep": timestep,
+                "encoder_hidden_states": encoder_hidden_states,
+                "encoder_hidden_states_image": encoder_hidden_states_image, "return_dict": return_dict,
+                "attention_kwargs": attention_kwargs, "frame_offset": frame_offset, "recache": recache,
+                "kv_cache": None if kv_cache is None else torch.tensor([kv_cache.start or 0, *kv_cache.frames()]),
+            }  # fmt: skip
+            check_same_inputs(
+                named,
+                shard.group,
+                what=f"{type(model).__name__}.forward (streaming)",
+                enabled=state.check_inputs,
+                hint="Under sequence parallelism every rank of a stream passes the same latents, timesteps, "
+                "prompt and noise (seed the generators alike) and keeps the same cache.",
+            )
+            for name, module in state.modules.items():
+                if getattr(model, name) is not module:
+                    raise RuntimeError(
+                        f"{type(model).__name__}.{name} was replaced after hfpatch.apply (e.g. by a LoRA "
+                        "wrapper); the sequence split lives on the module it replaced. Load adapters before "
+                        "hfpatch.apply, or patch.remove() and apply again."
+                    )
+            # A trained module upstream (a text encoder) then gets the full gradient on every rank.
+            hidden_states, timestep, encoder_hidden_states = average_input_gradients(
+                (hidden_states, timestep, encoder_hidden_states), shard.group
+            )
+        return run(
+            hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image, return_dict,
+            attention_kwargs, frame_offset, kv_cache, recache,
+        )  # fmt: skip
+
+    def run(
+        hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image, return_dict,
+        attention_kwargs, frame_offset, kv_cache, recache,
+    ):  # fmt: skip
         batch, _, frames, height, width = hidden_states.shape
         n = config.num_frame_per_block
         if recache:
@@ -427,16 +552,17 @@ def _transformer_forward(
             for s in range(0, frames, n):
                 ts = timestep[:, s : s + n] if timestep.ndim == 2 else timestep
                 outs.append(
-                    forward(
+                    run(
                         hidden_states[:, :, s : s + n],
                         ts,
                         encoder_hidden_states,
                         encoder_hidden_states_image,
                         False,
                         attention_kwargs,
-                        frame_offset=frame_offset + s,
-                        kv_cache=kv_cache,
-                    )[0]
+                        frame_offset + s,
+                        kv_cache,
+                        False,
+                    )[0]  # fmt: skip
                 )
             output = torch.cat(outs, dim=2)
             return (output,) if not return_dict else _output(output)
@@ -450,17 +576,32 @@ def _transformer_forward(
         call = _Call(tokens_per_frame, positions)
         if kv_cache is not None:
             if kv_cache.keys is not None:  # the dtype is checked by the processors (autocast decides it)
-                kv_cache.check_layout(batch, tokens_per_frame, *_heads(model))
+                if shard is None:
+                    kv_cache.check_layout(batch, tokens_per_frame, *_heads(model))
+                else:
+                    heads, head_dim = _heads(model)
+                    kv_cache.check_layout(
+                        batch, shard.slot_tokens(tokens_per_frame), shard.heads(heads)[1], head_dim,
+                        shard=shard.describe(tokens_per_frame),
+                    )  # fmt: skip
             plan = kv_cache.plan_chunk if recache else kv_cache.plan_block
             read, write = plan(frame_offset, frames)
             call.cache, call.keys, call.values = kv_cache, kv_cache.keys, kv_cache.values
-            call.write_index = _token_index(write, tokens_per_frame, device)
-            if recache:
-                call.read_index = _token_index(read, tokens_per_frame, device)
+            if shard is not None:
+                call.sp = shard.cache_call(
+                    frames, tokens_per_frame, write, read + write, config.cache_frames, device
+                )
             else:
-                call.key_mask = kv_cache.key_mask(read + write, tokens_per_frame, device)
+                call.write_index = _token_index(write, tokens_per_frame, device)
+                if recache:
+                    call.read_index = _token_index(read, tokens_per_frame, device)
+                else:
+                    call.key_mask = kv_cache.key_mask(read + write, tokens_per_frame, device)
             if not torch.is_grad_enabled():
-                call.cross = _cached_text(model, kv_cache, encoder_hidden_states)
+                call.cross = _cached_text(model, kv_cache, encoder_hidden_states, shard)
+        elif shard is not None:
+            visible = _frame_visibility(config, frame_offset, frames)
+            call.sp = shard.chunk_call(frames, tokens_per_frame, visible, device)
         else:
             call.blocks = [
                 (
@@ -515,12 +656,22 @@ def _output(sample: torch.Tensor) -> Any:
 class WanStreamingPatch(PatchFamily):
     """Block-causal streaming (KV cache with window + sink, rope frame offset) for ``WanTransformer3DModel``.
 
-    Option ``streaming``: a :class:`StreamingConfig`, or ``None`` (default) to leave the model alone.
+    Options: ``streaming``, a :class:`StreamingConfig`, or ``None`` (default) to leave the model alone;
+    ``check_inputs`` (default ``True``), the same-input check of every call under a sequence-parallel split.
+    With ``streaming`` set this family runs the sequence split itself and replaces the DiT family
+    (``dit_usp``) of the transformer.
     """
 
     name = "wan_streaming"
-    options = {"streaming": None}
+    options = {"streaming": None, "check_inputs": True}
     role = "transformer"
+    split_axis = "sp"
+
+    def facts(self, target: Any) -> ModelFacts:
+        return ModelFacts(num_heads=target.config.num_attention_heads, name=type(target).__name__)
+
+    def supersedes(self, options: dict[str, Any]) -> frozenset[str]:
+        return frozenset({"dit_usp"}) if options["streaming"] is not None else frozenset()
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         streaming = options["streaming"]
@@ -530,14 +681,26 @@ class WanStreamingPatch(PatchFamily):
             raise TypeError(
                 f"streaming must be an hfpatch.streaming.StreamingConfig or None, got {type(streaming).__name__}"
             )
-        if config.data * config.cfg * config.pipefusion * config.sequence_parallel > 1:
-            # The pipeline's data/CFG wrapper splits the stock forward arguments only (no frame_offset or
-            # kv_cache), and a cache serves one guidance branch of one batch: no transformer parallelism yet.
+        if config.cfg > 1:
             raise ValueError(
-                f"streaming with a parallel transformer is not supported yet (got data={config.data}, "
-                f"cfg={config.cfg}, pipefusion={config.pipefusion}, ring={config.ring}, ulysses={config.ulysses}); apply streaming with "
-                "parallel=1 (or split only the VAE, ParallelConfig(vae=N)). For data-parallel training, "
-                "wrap the streaming transformer in torch DDP/FSDP yourself and give each rank its own batch"
+                f"streaming splits a transformer's tokens (ring/ulysses), not its guidance branches (got cfg="
+                f"{config.cfg}); StreamingWanPipeline runs CFG-parallel itself: "
+                "StreamingWanPipeline.from_pipe(pipe, config, parallel=ParallelConfig(cfg=2, ...))"
+            )
+        if config.pipefusion > 1:
+            raise ValueError(
+                f"streaming does not run under PipeFusion (got pipefusion={config.pipefusion}); split the tokens "
+                "with ring/ulysses instead"
+            )
+        if config.data > 1 and config.sequence_parallel == 1:
+            raise ValueError(
+                f"data={config.data} without ring/ulysses leaves nothing to split; apply streaming with parallel=1 "
+                "and wrap the streaming transformer in torch DDP/FSDP yourself, giving each rank its own batch"
+            )
+        if config.sequence_parallel > 1 and streaming.compile:
+            raise ValueError(
+                "StreamingConfig(compile=True) compiles the one-process streaming forward; with ring/ulysses > 1 "
+                "the streaming transformer runs eagerly (not yet compiled): set compile=False"
             )
         cfg = target.config
         if cfg.added_kv_proj_dim is not None or cfg.image_dim is not None:
@@ -564,7 +727,13 @@ class WanStreamingPatch(PatchFamily):
         config: StreamingConfig | None = options["streaming"]
         if config is None:
             return
-        state = _CallState()
+        shard = StreamShard.from_mesh(mesh) if mesh.config.sequence_parallel > 1 else None
+        state = _CallState(shard, bool(options["check_inputs"]))
+        if shard is not None:
+            for name, wrap in (("patch_embedding", _local_tokens_forward), ("proj_out", _gather_forward)):
+                module = getattr(target, name)
+                patch.set_attr(module, "forward", wrap(state, module.forward))
+                state.modules[name] = module
         for i, block in enumerate(target.blocks):
             patch.swap_processor(block.attn1, StreamingSelfAttnProcessor(state, config, i))
             patch.swap_processor(block.attn2, StreamingCrossAttnProcessor(state, i))

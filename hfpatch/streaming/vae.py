@@ -6,6 +6,11 @@ time and carries, per causal convolution, the last two input frames in a feature
 in pieces gives the same pixels as decoding it whole, with memory bounded by one frame of activations
 plus two frames per convolution. The VAE itself is not modified and its own cache is not touched.
 
+A VAE split over ranks by ``hfpatch.apply`` (:mod:`hfpatch.patches.vae.wan`) decodes each piece as one split
+session (:class:`hfpatch.training.video_vae.WanFrames`): every rank decodes its rows and keeps the causal cache
+of its rows, the output rows are gathered (or kept, with ``vae_output="shard"``), and every rank must pass the
+same latents (checked at each call). The halo rows of the two cached frames are exchanged again at each piece.
+
 >>> import torch
 >>> from hfpatch.streaming import StreamingWanDecoder
 >>> from hfpatch.testing import tiny_wan_vae
@@ -25,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..training.video_vae import WanFrames
+
 __all__ = ["StreamingWanDecoder"]
 
 
@@ -32,8 +39,8 @@ class StreamingWanDecoder:
     """Decode latents of one video piece by piece with the causal temporal cache kept between calls.
 
     Args:
-        vae: A stock ``AutoencoderKLWan`` (Wan 2.1 or 2.2). Tiling is not supported while streaming, nor a VAE
-            split over ranks by ``hfpatch.apply`` (the decoder is called directly, outside the split).
+        vae: A stock ``AutoencoderKLWan`` (Wan 2.1 or 2.2), split over ranks by ``hfpatch.apply`` or not.
+            Tiling is not supported while streaming.
 
     The first latent frame of a stream decodes to one pixel frame, each later one to
     ``vae.config.scale_factor_temporal`` frames. Call :meth:`reset` before a new video. A call that raises
@@ -41,61 +48,42 @@ class StreamingWanDecoder:
     """
 
     def __init__(self, vae: Any) -> None:
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
         if getattr(vae, "use_tiling", False):
             raise ValueError("StreamingWanDecoder does not support tiling; call vae.disable_tiling() first")
-        _check_not_split(vae)
         self.vae = vae
-        self._num_convs = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.reset()
+
+    @property
+    def split(self) -> bool:
+        """Whether the VAE is split over ranks (each call is then a collective of its ranks)."""
+        return WanFrames(self.vae).state is not None
 
     def reset(self) -> None:
         """Start a new video: drop the temporal cache."""
-        self._feat_map: list[Any] = [None] * self._num_convs
-        self._first = True
+        self._feat_map: list[Any] | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the temporal cache (two frames per causal convolution at most)."""
-        return sum(t.nbytes for t in self._feat_map if isinstance(t, torch.Tensor))
+        """Bytes held by the temporal cache (two frames per causal convolution at most; this rank's rows of
+        them on a split VAE)."""
+        return sum(t.nbytes for t in self._feat_map or () if isinstance(t, torch.Tensor))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Decode the next latent frames ``z`` ([B, C, f, h, w], unnormalised as for ``vae.decode``).
 
         Returns:
             Pixel frames ``[B, 3, f', H, W]`` clamped to ``[-1, 1]``, as ``vae.decode(...).sample`` would
-            give for these frames of the whole video.
-        """
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+            give for these frames of the whole video (this rank's rows with a split VAE's
+            ``vae_output="shard"``).
 
-        _check_not_split(self.vae)  # every rank would decode the whole frame: refuse rather than waste memory
-        x = self.vae.post_quant_conv(z)  # a 1x1x1 convolution: frame-local, no cache needed
-        outs = []
+        Raises:
+            InputMismatchError: With a split VAE, when the ranks passed different latents (on every rank).
+        """
+        frames = WanFrames(self.vae)  # read at each call: the VAE may have been split or unsplit since
+        z = frames.enter(z, "decode (streaming)")
         try:
-            for i in range(x.shape[2]):
-                outs.append(
-                    self.vae.decoder(
-                        x[:, :, i : i + 1], feat_cache=self._feat_map, feat_idx=[0], first_chunk=self._first
-                    )
-                )
-                self._first = False
+            out, self._feat_map = frames.decode(self._feat_map, z, first=self._feat_map is None)
         except BaseException:
             self.reset()  # a frame half-way through the convolutions: the cache is neither kept nor valid
             raise
-        out = torch.cat(outs, dim=2)
-        if self.vae.config.patch_size is not None:
-            out = unpatchify(out, patch_size=self.vae.config.patch_size)
-        return out.clamp(-1.0, 1.0)
-
-
-def _check_not_split(vae: Any) -> None:
-    from ..core.patch import get_patch
-
-    patch = get_patch(vae)
-    if patch is not None and getattr(patch.plan, "vae", 1) > 1:
-        raise ValueError(
-            f"StreamingWanDecoder does not support a VAE split over ranks (hfpatch plan {patch.plan}): it calls the "
-            "decoder frame by frame, outside the split, so every rank would decode the whole frame. Decode with "
-            "vae.decode(...) (split) or remove the VAE patch for streaming decode."
-        )
+        return out

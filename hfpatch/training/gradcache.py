@@ -56,6 +56,16 @@ Mixed precision and distribution:
   holds exactly the gradient of one process computing the loss on the concatenated batch. The returned
   loss is the global loss (the same on every rank).
 
+The loss stage. ``loss_fn`` sees the embeddings of the whole (global) batch at once, so a plain contrastive
+loss holds its ``B x B`` similarity matrix, softmax and their gradients: memory growing with the square of the
+batch, 4 GiB per matrix at a global batch of 32,768 in fp32, on every rank. The losses of
+:mod:`hfpatch.training.contrastive` (``InfoNCELoss``, ``CLIPLoss``, ``GISTLoss``, ``SigLIPLoss``) compute the
+value and the embedding gradients in row blocks instead (``O(B x block)``, the block from a memory budget).
+GradCache recognises them (:func:`~hfpatch.training.contrastive.takes_local_embeddings`): it hands them the
+local embeddings and, with ``cross_rank=True``, lets them gather the negatives themselves; each rank then
+computes only its own rows, with one all-gather of the embeddings, one reduce-scatter of their gradients and
+one all-reduce of the loss and the temperature's gradient per step, and the same gradient convention.
+
 >>> import torch
 >>> from hfpatch.training import GradCache
 >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -84,6 +94,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from .contrastive import cross_rank_world, takes_local_embeddings
 from .pooling import Pooling, default_rep
 from .vlm_split import VisionTokenSpec, has_grids, has_media, split_vlm_inputs, validate_vlm_chunk
 
@@ -294,24 +305,6 @@ def _batch_len(chunk: Any) -> int | None:
     return tensors[0].shape[0] if tensors else None
 
 
-def cross_rank_world(group: Any = None) -> int:
-    """Ranks whose embeddings ``cross_rank=True`` gathers: ``group``'s size, or 1 in a single process.
-
-    One process (no process group, no launcher) is a world of one: the same script runs unchanged before it
-    is launched on several. Launched on several without a process group is an error (nothing to gather with).
-    """
-    from hfpatch.distributed import runtime
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    if runtime.launched_world_size() > 1:
-        raise ValueError(
-            "cross_rank=True in a run launched on several processes needs the torch.distributed process group: "
-            "initialise it (torch.distributed.init_process_group, or let accelerate/Trainer do it) first."
-        )
-    return 1
-
-
 class _CompiledForwards:
     """The encoders' ``forward`` through ``torch.compile``, one compiled copy per kind of chunk call.
 
@@ -399,7 +392,8 @@ class GradCache:
         models: One encoder shared by all inputs, or a sequence with one encoder per input (the same module
             may appear several times). DDP/accelerate/peft wrappers are fine.
         loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; ``reps[k]`` is ``[B_k, D]`` for input ``k``
-            (the global batch with ``cross_rank=True``).
+            (the global batch with ``cross_rank=True``), or a row-blocked loss of
+            :mod:`hfpatch.training.contrastive` (given the local embeddings; it gathers the negatives itself).
         chunk_size: Most samples per chunk (the memory knob).
         split_fn: ``split_fn(inputs, chunk_size) -> list of chunks`` (default :func:`split_inputs`). Chunks
             of Qwen-VL inputs are validated whatever splits them.
@@ -653,8 +647,20 @@ class GradCache:
                 reps.append(model_reps)
                 states.append(model_states)
 
-        # 2. Loss on the (gathered) embeddings and its gradient with respect to each local embedding.
-        leaves, full, world = self._gather([torch.cat(r) for r in reps])
+        # 2. Loss on the (gathered) embeddings and its gradient with respect to each local embedding. The
+        # losses of hfpatch.training.contrastive gather the negatives themselves, compute only this rank's
+        # rows (in blocks) and hand back gradients that are already routed and scaled for DDP's average.
+        shapes = [[r.shape for r in model_reps] for model_reps in reps]
+        local = [torch.cat(r) for r in reps]
+        del reps  # the chunks' copies: one [B, D] per input fewer during the loss
+        if takes_local_embeddings(self.loss_fn):
+            leaves = [x.requires_grad_() for x in local]
+            full, world = leaves, 1
+            if self.cross_rank:
+                loss_kwargs = {**loss_kwargs, "cross_rank": True, "process_group": self.process_group}
+        else:
+            leaves, full, world = self._gather(local)
+        del local
         with self._autocast(models[0]):
             loss = self.loss_fn(*full, **loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -663,17 +669,16 @@ class GradCache:
             return loss.detach(), _no_backward
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         grads = []
-        for leaf, model_reps in zip(leaves, reps):
+        for leaf, model_shapes in zip(leaves, shapes):
             grad = leaf.grad
             if grad is None and (dist.is_available() and dist.is_initialized()):
                 grad = torch.zeros_like(leaf)  # every rank must run the same backwards (DDP/FSDP hooks)
             if grad is None:
                 # The loss ignores this input: its parameters keep .grad None, as after a plain step.
-                grads.append([None] * len(model_reps))
+                grads.append([None] * len(model_shapes))
                 continue
-            grads.append((grad * world if world > 1 else grad).split([r.shape[0] for r in model_reps]))
-        shapes = [[r.shape for r in model_reps] for model_reps in reps]
-        del reps, leaves, full, loss_kwargs
+            grads.append((grad * world if world > 1 else grad).split([s[0] for s in model_shapes]))
+        del leaves, full, loss_kwargs
         pending = {"kept_rep": kept_rep}
         del kept_rep
 

@@ -17,6 +17,13 @@ and hfpatch's extras apply: ``cross_rank=True`` all-gathers the embeddings of ev
 that each rank computes the loss of the global batch (see :class:`~hfpatch.training.GradCache`; guide
 embeddings are gathered too), ``autocast_dtype`` and ``split_fn``/``vision_spec`` pass through.
 
+Step 2 holds the loss of the whole batch: a plain MNRL/GIST keeps its ``B x B`` similarity matrix and
+gradients. ``MultipleNegativesRankingLoss`` (its symmetric variant too) and ``GISTEmbedLoss`` are therefore
+computed by their row-blocked equivalents of :mod:`hfpatch.training.contrastive` (:func:`row_blocked_equivalent`:
+same value and gradients, loss-stage memory ``O(B x block)``; ``row_blocked=False`` keeps their own code), as
+sentence-transformers' cached losses compute theirs in mini-batches; other losses run their own code on the
+cached embeddings.
+
 Frozen auxiliary sentence-transformers models inside the loss (``GISTEmbedLoss``'s ``guide``) run in
 mini-batches under ``torch.no_grad()``. Losses that need the model for something other than embedding the
 batch's columns (``MatryoshkaLoss``, ``AdaptiveLayerLoss``, losses that embed extra texts) are not supported.
@@ -46,10 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .contrastive import ContrastiveLoss, GISTLoss, InfoNCELoss
 from .gradcache import GradCache, _unwrap, cross_rank_world, is_sentence_transformer, split_inputs
 from .vlm_split import VisionTokenSpec
 
-__all__ = ["GradCacheLoss", "tiny_sentence_transformer"]
+__all__ = ["GradCacheLoss", "row_blocked_equivalent", "tiny_sentence_transformer"]
 
 _TINY_WORDS = "the a cat dog sat ran on mat log sun big red blue sky sea car road tree leaf".split()
 
@@ -173,6 +181,66 @@ def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
         return all_gather(x.contiguous(), 0, group, [int(c) for c in counts])
 
 
+def row_blocked_equivalent(
+    loss: nn.Module, *, block_size: int | None = None, block_bytes: int | None = None
+) -> tuple[ContrastiveLoss, nn.Module | None] | None:
+    """The loss of :mod:`hfpatch.training.contrastive` that computes a sentence-transformers loss in row blocks,
+    and the frozen guide model whose embeddings it needs (GIST); ``None`` where there is none.
+
+    - ``MultipleNegativesRankingLoss`` (and the deprecated ``MultipleNegativesSymmetricRankingLoss``) with
+      ``similarity_fct`` ``cos_sim`` or ``dot_score`` and no hardness weighting -> :class:`InfoNCELoss` with
+      the same scale, directions and partition mode;
+    - ``GISTEmbedLoss`` whose guide shares the model's tokenizer -> :class:`GISTLoss` with the same
+      temperature, margin and contrast settings, and the guide.
+
+    Anything else (other losses, subclasses, other similarity functions, hardness weighting, a guide that needs
+    retokenizing) keeps the wrapped loss's own code.
+
+    >>> import pytest
+    >>> _ = pytest.importorskip("sentence_transformers")  # this doctest needs the optional dependency
+    >>> from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    >>> blocked, guide = row_blocked_equivalent(MultipleNegativesRankingLoss(tiny_sentence_transformer()))
+    >>> blocked, guide
+    (InfoNCELoss(normalize=True, scale=20.0, directions=('query_to_doc',), partition_mode='joint', block_bytes=268435456), None)
+    """
+    if not type(loss).__module__.startswith("sentence_transformers."):
+        return None
+    from sentence_transformers.sentence_transformer import losses as st_losses
+    from sentence_transformers.util import cos_sim, dot_score
+
+    blocks = dict(block_size=block_size, block_bytes=block_bytes)
+    symmetric = getattr(st_losses, "MultipleNegativesSymmetricRankingLoss", None)
+    if type(loss) in (st_losses.MultipleNegativesRankingLoss, symmetric):
+        if getattr(loss, "hardness_mode", None) is not None and getattr(loss, "hardness_strength", 0.0) > 0:
+            return None
+        if loss.similarity_fct not in (cos_sim, dot_score):
+            return None
+        both = type(loss) is symmetric
+        directions = getattr(
+            loss, "directions", ("query_to_doc", "doc_to_query") if both else ("query_to_doc",)
+        )
+        partition = getattr(loss, "partition_mode", "per_direction" if both else "joint")
+        blocked = InfoNCELoss(
+            float(loss.scale),
+            directions=directions,
+            partition_mode=partition,
+            normalize=loss.similarity_fct is cos_sim,
+            **blocks,
+        )
+        return blocked, None
+    if type(loss) is st_losses.GISTEmbedLoss and not getattr(loss, "must_retokenize", True):
+        blocked = GISTLoss(
+            float(loss.temperature),
+            margin_strategy=loss.margin_strategy,
+            margin=float(loss.margin),
+            contrast_anchors=bool(loss.contrast_anchors),
+            contrast_positives=bool(loss.contrast_positives),
+            **blocks,
+        )
+        return blocked, loss.guide
+    return None
+
+
 class GradCacheLoss(nn.Module):
     """A sentence-transformers loss computed with GradCache: the exact gradient of ``loss`` on the whole batch,
     with the activation memory of ``mini_batch_size`` samples (see the module docstring).
@@ -193,6 +261,14 @@ class GradCacheLoss(nn.Module):
             ``SentenceTransformerTrainer(bf16=True)``: accelerate already autocasts the model's forward.
         replay_rng: Replay each mini-batch's RNG state in the second pass (exact gradients with dropout).
         split_fn, vision_spec: As for :class:`~hfpatch.training.GradCache` (custom splitting; Qwen-VL media).
+        row_blocked: Compute a ``MultipleNegativesRankingLoss``/``GISTEmbedLoss`` with its row-blocked
+            equivalent (:func:`row_blocked_equivalent`: the same value and gradients, loss-stage memory
+            ``O(B x block)`` instead of ``O(B^2)``); ``False`` runs the wrapped loss's own code. Losses without an
+            equivalent always run their own code.
+        loss_block_size, loss_block_bytes: Rows per block, or the loss stage's memory budget, of that
+            equivalent (default: :data:`~hfpatch.training.contrastive.DEFAULT_BLOCK_BYTES`).
+        guide: With a :class:`~hfpatch.training.contrastive.GISTLoss` as ``loss``: the frozen guide
+            ``SentenceTransformer``, which embeds every column in mini-batches without gradient.
 
     ``forward(sentence_features, labels)`` returns the loss; under ``torch.no_grad()`` (evaluation) the loss
     only. Labels are passed to a wrapped loss module (all-gathered with ``cross_rank``), not to a function.
@@ -214,6 +290,10 @@ class GradCacheLoss(nn.Module):
         replay_rng: bool = True,
         split_fn: Callable[[Any, int], Sequence[Any]] | None = None,
         vision_spec: VisionTokenSpec | None = None,
+        row_blocked: bool = True,
+        loss_block_size: int | None = None,
+        loss_block_bytes: int | None = None,
+        guide: nn.Module | None = None,
     ):
         super().__init__()
         if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
@@ -251,6 +331,21 @@ class GradCacheLoss(nn.Module):
         self.replay_rng = replay_rng
         self.split_fn = split_fn
         self.vision_spec = vision_spec
+        if isinstance(loss, GISTLoss) and guide is None:
+            raise TypeError(
+                "GradCacheLoss(GISTLoss(), ...) needs guide=<the frozen guide SentenceTransformer>."
+            )
+        if guide is not None and not isinstance(loss, GISTLoss):
+            raise TypeError(
+                "guide= is for a GISTLoss of hfpatch.training.contrastive; a sentence-transformers GISTEmbedLoss "
+                f"brings its own guide (got loss={type(loss).__name__})."
+            )
+        self.__dict__["guide"] = guide  # frozen and not trained: not a submodule of the loss
+        self.row_blocked = row_blocked
+        if is_st_loss and row_blocked:  # fail early on bad block settings
+            row_blocked_equivalent(loss, block_size=loss_block_size, block_bytes=loss_block_bytes)
+        self.loss_block_size = loss_block_size
+        self.loss_block_bytes = loss_block_bytes
 
     # sentence-transformers' cached losses set this; MatryoshkaLoss/AdaptiveLayerLoss read it.
     uses_gradient_cache = True
@@ -283,6 +378,20 @@ class GradCacheLoss(nn.Module):
             for parent, name, child, _ in slots:
                 setattr(parent, name, child)
 
+    def _guide_embeddings(self, guide: nn.Module, features: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The frozen guide's embeddings of every column, in mini-batches without gradient (local rows: a
+        row-blocked loss gathers them itself with ``cross_rank``)."""
+        with torch.no_grad():
+            return [
+                torch.cat(
+                    [
+                        guide(dict(chunk))["sentence_embedding"]
+                        for chunk in split_inputs(column, self.mini_batch_size)
+                    ]
+                )
+                for column in features
+            ]
+
     def _loss_parameters(self) -> list[nn.Parameter]:
         if not isinstance(self.loss, nn.Module):
             return []
@@ -300,7 +409,19 @@ class GradCacheLoss(nn.Module):
             labels: The batch labels (``None`` without a label column).
         """
         features = list(sentence_features)
-        if self.is_st_loss:
+        loss_kwargs: dict[str, Any] = {}
+        blocked = (
+            row_blocked_equivalent(
+                self.loss, block_size=self.loss_block_size, block_bytes=self.loss_block_bytes
+            )
+            if self.is_st_loss and self.row_blocked
+            else None
+        )
+        if blocked is not None:  # MNRL / GIST in row blocks: labels are unused by these losses
+            loss_fn, guide = blocked
+            if guide is not None:
+                loss_kwargs["guide"] = self._guide_embeddings(guide, features)
+        elif self.is_st_loss:
             if self.cross_rank and isinstance(labels, torch.Tensor) and labels.ndim > 0:
                 labels = _gather_rows(labels, self.process_group)
 
@@ -309,6 +430,8 @@ class GradCacheLoss(nn.Module):
                     return self.loss(features, labels)
         else:
             loss_fn = self.loss
+            if self.guide is not None:
+                loss_kwargs["guide"] = self._guide_embeddings(self.guide, features)
         cache = GradCache(
             self.model,
             loss_fn,
@@ -323,7 +446,7 @@ class GradCacheLoss(nn.Module):
             features_dict=True,
         )
         if not torch.is_grad_enabled():
-            return cache.prepare(*features)[0]
+            return cache.prepare(*features, **loss_kwargs)[0]
         # The loss's own parameters get their step-2 gradient now; hold it back so that the hook adds it times
         # the gradient the Trainer hands down (accumulation division, loss scale), like the model's.
         params = self._loss_parameters()
@@ -331,7 +454,7 @@ class GradCacheLoss(nn.Module):
         for p in params:
             p.grad = None
         try:
-            loss, finish = cache.prepare(*features)
+            loss, finish = cache.prepare(*features, **loss_kwargs)
         finally:
             own = [p.grad for p in params]
             for p, g in zip(params, held):

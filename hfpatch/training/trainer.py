@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .contrastive import takes_local_embeddings
 from .gradcache import GradCache, is_sentence_transformer
 from .pooling import Pooling, default_rep
 
@@ -79,7 +80,10 @@ class GradCacheTrainer(Trainer):
         *args: As for ``Trainer``.
         **kwargs: As for ``Trainer``. ``TrainingArguments(remove_unused_columns=False)`` is required (the
             batch holds nested model inputs, not model-signature columns).
-        loss_fn: ``loss_fn(*reps) -> scalar``, reps in ``input_keys`` order (default :func:`info_nce`).
+        loss_fn: ``loss_fn(*reps) -> scalar``, reps in ``input_keys`` order (default :func:`info_nce`), e.g. a
+            row-blocked loss of :mod:`hfpatch.training.contrastive` (``InfoNCELoss()``, ``CLIPLoss()``, ...; a
+            loss with parameters, such as CLIP's ``logit_scale``, trains when they are in the optimizer: pass
+            ``optimizers=`` or put the loss's parameters on the model).
         chunk_size: Most samples per chunk; ``chunk_patches`` also bounds Qwen-VL vision patches per chunk.
         input_keys: Batch entries fed to the model, in loss order.
         pooling: Pooling of ``last_hidden_state`` (``"last"``, ``"mean"``, ``"cls"``).
@@ -172,6 +176,9 @@ class GradCacheTrainer(Trainer):
 
         def loss_fn(*reps: torch.Tensor, **kw: Any) -> torch.Tensor:
             return self.gradcache_loss_fn(*reps, **kw) / steps
+
+        # A row-blocked loss (hfpatch.training.contrastive) gathers cross-rank negatives itself: keep it so.
+        loss_fn.gathers_across_ranks = takes_local_embeddings(self.gradcache_loss_fn)
 
         cache = GradCache(
             model,

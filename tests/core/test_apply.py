@@ -130,7 +130,10 @@ def test_apply_plan_is_readable(registry):
     vae = tiny_autoencoder_kl()
     with hfpatch.apply(vae, registry=registry) as patch:
         assert patch.plan == hfpatch.ParallelConfig()
-        assert "scale_decode" not in repr(patch) and "AutoencoderKL" in repr(patch)
+        text = repr(patch)  # one line: the object, the plan, the families that changed it
+        assert text.startswith("<hfpatch.Patch AutoencoderKL (active): one rank") and "\n" not in text, text
+        assert "scale_decode" in text and "factor" not in text, text  # options only when passed
+        assert "_toy_factor" in patch.describe() and "factor': 2.0" in patch.describe()
 
 
 def test_apply_many_ranks_without_launcher_explains_how_to_launch(registry, monkeypatch):

@@ -64,7 +64,7 @@ def test_module_primitives_remove_restores_identity_of_every_store():
     freed = []
     patch.on_remove(model, "cache", lambda: freed.append(True))
     assert not torch.equal(model(x), expected)
-    assert "Linear" in repr(patch) and "forward" in repr(patch)
+    assert "Linear" in patch.describe() and "forward" in patch.describe()
 
     patch.remove()
     _assert_same(before, _snapshot(model))
@@ -109,7 +109,7 @@ def test_children_are_undone_at_their_place_in_the_log():
     child.on_remove(layer, "child-step", lambda: order.append("child"))
     parent.wrap_method(layer, "forward", lambda orig: lambda x: orig(x) * 2)  # wraps the child's wrapper
     parent.on_remove(layer, "parent-after", lambda: order.append("parent-after"))
-    text = repr(parent)
+    text = parent.describe()
     assert "parent-after" in text and "child: Linear" in text
     parent.remove()
     assert order == ["parent-after", "child", "parent-before"]

@@ -15,16 +15,21 @@ of every gradient with ONE unpatched process that trains on the same global batc
   data axis and replicating over sp; full and LoRA.
 
 Errors are bounded by ``reassociation_tol`` of the unpatched fp32 run's own noise against fp64.
+
+And under ``shard_weights=True`` an in-place op on the model's output keeps FSDP2's pre-backward hook (the
+output is never a view; FSDP2 would warn, and the hook would be dropped): the in-place loss's gradients equal
+the out-of-place loss's, for a stock view (Wan's output reshaping) and hfpatch's gather (FLUX.3).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from pipe_helpers import wan_sample_loss
+from pipe_helpers import wan_sample, wan_sample_loss
 
 import hfpatch
 from hfpatch import ParallelConfig
@@ -163,3 +168,55 @@ def test_fsdp2_sequence_parallel_gradients_match_one_process(rank_pool, world):
         assert len(rank_results) == len(CASES[world]), rank_results
         for case, (error, noise) in rank_results.items():
             assert error <= reassociation_tol(noise), (world, rank, case, error, noise)
+
+
+def _in_place_on_sharded_outputs() -> dict[str, tuple[int, float, int]]:
+    """``shard_weights=True`` training: an in-place op on the model's output (``pred.mul_(w)``) gives the
+    gradients of the out-of-place loss, and FSDP2 never warns that the output is a view.
+
+    The root's output was a view in both ways one can be: Wan's stock output reshaping
+    (``unflatten``/``permute``/``flatten``) and hfpatch's sequence gather (FLUX.3's output is gathered last).
+    FSDP2 hooks its pre-backward on the output; an in-place op on a view drops that hook (Wan's backward then
+    fails in ``setStorage``; the gather's view refuses the in-place op). Returns per model: FSDP2 view warnings,
+    the largest gradient difference, the number of gradients compared."""
+    from hfpatch.testing.dits import tiny_dit, tiny_dit_inputs
+
+    latents, prompt = wan_sample(0)
+    models = {
+        "wan": (
+            tiny_wan_transformer(),
+            {"hidden_states": latents, "timestep": torch.tensor([500]), "encoder_hidden_states": prompt},
+        ),
+        "flux3": (tiny_dit("flux3"), tiny_dit_inputs("flux3")),
+    }
+    results = {}
+    for name, (model, kwargs) in models.items():
+        patch = hfpatch.apply(model, parallel=2, shard_weights=True)
+        grads = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for in_place in (False, True):
+                output = model(**kwargs)
+                pred = output.sample if hasattr(output, "sample") else output[0]
+                weight = torch.randn(pred.shape, generator=torch.Generator().manual_seed(7))
+                if in_place:
+                    pred.mul_(weight)
+                    loss = pred.sum()
+                else:
+                    loss = (pred * weight).sum()
+                loss.backward()
+                grads.append(_grads(model))
+                model.zero_grad()
+        views = sum("returned a view tensor" in str(w.message) for w in caught)
+        diff = max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0])
+        assert grads[0].keys() == grads[1].keys()
+        results[name] = (views, diff, len(grads[0]))
+        patch.remove()
+    return results
+
+
+def test_shard_weights_in_place_op_on_the_output_keeps_the_gradient(rank_pool):
+    for rank, results in enumerate(rank_pool(2).run(_in_place_on_sharded_outputs)):
+        for name, (views, diff, count) in results.items():
+            assert views == 0 and count > 0, (rank, name, views, count)
+            assert diff == 0.0, (rank, name, diff)  # the same ops on the same values

@@ -4,7 +4,8 @@ Run on a GPU machine with ``python -m pytest tests/gpu -q`` (a minute or two on 
 ranks on one GPU, so multi-rank paths stay on the CPU/gloo suite; what runs here is every per-rank CUDA path:
 the attention kernels (forward, Ring's block backward, every input layout), the ring-degree-1 SDPA path, the
 streaming pipeline and training seeded by CPU and CUDA generators, the chunked pixel loss (also a video chunked
-over time), GradCache, and the Wan VAE's frame cache after an out-of-memory error.
+over time), GradCache, the row-blocked contrastive losses, and the Wan VAE's frame cache after an
+out-of-memory error.
 
 Tolerances: fp32 results against fp64 within ``reassociation_tol`` of the fp32 computation's own noise, or a
 stated multiple of fp32 eps; bf16 results against fp64 attention of the same bf16 inputs within the bf16
@@ -270,6 +271,77 @@ def test_gradcache_step_equals_the_plain_step(dtype):
     plain = grads(model)
     GradCache(model, info_nce, chunk_size=2, rep_fn=pool, autocast_dtype=low).step(*inputs)
     assert rel_error(grads(model), plain) <= _order_tol(dtype, rel_error(plain, exact))
+
+
+def _clip_plain(i, t, logit_scale):
+    logits = logit_scale.exp() * F.normalize(i, dim=-1) @ F.normalize(t, dim=-1).T
+    labels = torch.arange(len(i), device=i.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _siglip_plain(x, y, logit_scale, logit_bias):
+    logits = logit_scale.exp() * F.normalize(x, dim=-1) @ F.normalize(y, dim=-1).T + logit_bias
+    labels = 2 * torch.eye(len(x), dtype=logits.dtype, device=x.device) - 1
+    return -F.logsigmoid(labels * logits).sum() / len(x)
+
+
+def _mnrl_plain(q, d, negative, scale=20.0):
+    logits = scale * F.normalize(q, dim=-1) @ F.normalize(torch.cat([d, negative]), dim=-1).T
+    return F.cross_entropy(logits, torch.arange(len(q), device=q.device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_blocked_losses_equal_the_unchunked_ones(dtype):
+    # 300 rows in blocks of 64 (a ragged last block of 44); embeddings in ``dtype``, the loss computes in fp32
+    # either way: against the unchunked loss on the same values upcast to fp32 (gradients rounded to ``dtype``
+    # alike), within reassociation_tol of the fp32 computation's noise against fp64. On CUDA the loss stage's
+    # peak at batch 8192 stays within its 16 MiB budget plus the O(B x D) embeddings (unchunked: 3 x 256 MiB).
+    from hfpatch.training import CLIPLoss, InfoNCELoss, SigLIPLoss
+
+    gen = torch.Generator().manual_seed(4)
+    embeddings = [torch.randn(300, 32, generator=gen).to(CUDA, dtype) for _ in range(3)]
+    clip, siglip = CLIPLoss(block_size=64).to(CUDA), SigLIPLoss(logit_bias=-2.0, block_size=64).to(CUDA)
+    cases = [
+        (clip, lambda i, t: _clip_plain(i, t, clip.logit_scale), 2),
+        (siglip, lambda x, y: _siglip_plain(x, y, siglip.logit_scale, siglip.logit_bias), 2),
+        (InfoNCELoss(block_size=64), _mnrl_plain, 3),
+    ]
+
+    def run(fn, n, params, inputs_dtype):
+        leaves = [x.detach().to(inputs_dtype, copy=True).requires_grad_() for x in embeddings[:n]]
+        value = fn(*leaves)
+        value.backward()
+        grads = [leaf.grad for leaf in leaves] + [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return torch.cat([value.detach().double().reshape(1), *(g.double().flatten() for g in grads)])
+
+    def upcast(fn):  # what the row-blocked losses do with bf16 embeddings: compute in fp32
+        return lambda *x: fn(*(v if v.dtype == torch.float64 else v.float() for v in x))
+
+    for loss, plain, n in cases:
+        params = list(loss.parameters())
+        got = run(loss, n, params, dtype)
+        reference = run(upcast(plain), n, params, dtype)
+        # the fp32 computation's noise, on the same (bf16-representable) values held in fp32
+        noise = rel_error(
+            run(upcast(plain), n, params, torch.float32), run(upcast(plain), n, params, torch.float64)
+        )
+        tol = reassociation_tol(noise) * reference.abs().max()
+        # bf16 embeddings get their gradients rounded to bf16 after the fp32 maths: a reassociation may flip one
+        # rounding, one bf16 ulp (at most eps(bf16) of the element); value and temperature gradients stay fp32.
+        ulp = eps(dtype) * reference.abs() if dtype != torch.float32 else 0
+        error = ((got - reference).abs() - ulp).max().item()
+        print(f"{type(loss).__name__} {dtype}: {error:.2e} beyond one rounding (tol {tol:.2e})")
+        assert error <= tol
+    if CUDA.type == "cuda" and dtype == torch.float32:
+        reps = [torch.randn(8192, 64, device=CUDA, requires_grad=True) for _ in range(2)]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        CLIPLoss(block_bytes=16 * 2**20).to(CUDA)(*reps).backward()
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= 16 * 2**20 + 24 * 8192 * 64 * 4
 
 
 @pytest.mark.skipif(CUDA.type != "cuda", reason="measures CUDA's allocator")

@@ -1,19 +1,28 @@
-"""``examples/integrations/lora_sp_accelerate.py`` under accelerate/DDP trains what the unpatched script trains
-on ONE process with the same global batch.
+"""``examples/integrations/lora_sp_accelerate.py`` under accelerate/DDP, several epochs, a resume, accumulation.
 
-Both runs accumulate gradients over 2 micro-steps with ``accelerator.accumulate`` given a LIST of models (as
-diffusers' scripts do: DDP then syncs at every micro-step), clip gradients, encode pixels with the VAE's
-posterior SAMPLE, and train a LoRA on the text encoder that feeds the patched transformer as well as on the
-transformer. No hfpatch line follows ``accelerator.prepare``.
+The DreamBooth-style example keeps its shuffled loader in ``accelerator.prepare`` (``hfpatch.
+data_parallel_loaders``), draws every micro-step's randomness in ``with rng:`` (``hfpatch.StepRNG``), accumulates
+over 2 micro-steps with ``accelerator.accumulate`` given a LIST of models (as diffusers' scripts do: DDP then
+syncs at every micro-step), clips gradients, encodes pixels with the VAE's posterior SAMPLE, trains a LoRA on
+the text encoder that feeds the patched transformer as well as on the transformer, and validates on the main
+process after every optimizer step (drawing from the main process's global RNG). Three epochs over 3 samples
+per replica: ``len(loader) % accumulation == 1``, so each epoch ends with a one-micro-step window.
 
-* world 2 (Ulysses 2, one replica), with validation on the main process after every step (it draws from the
-  main process's global RNG) and a ``save_state`` / ``load_state`` resume in the middle: two launches.
-* world 4 (2 data replicas x Ulysses 2): against one process that trains on both replicas' samples with the
-  draws each replica makes (``--replicas 2``).
+Each world size runs the patched script once (saving a checkpoint in the middle of epoch 1) and a second
+launch resumed from that checkpoint, and compares with:
 
-Each reference runs in fp32 and fp64; their gap is the rounding noise of this training run. The losses of
-every step and the LoRA weight updates (transformer and text encoder) must equal the fp32 reference within
-``reassociation_tol`` of that noise.
+* the recipe unpatched on ONE process with the same global batch (``--unpatched``, in fp32 and fp64; with
+  ``--replicas 2`` it trains on both replicas' samples with the draws each replica makes): losses, LoRA updates
+  of both models and the validation loss within ``reassociation_tol`` of that run's fp32-vs-fp64 noise, and
+  the same samples and random draws at every micro-step, bit for bit;
+* itself: every micro-step of the three epochs draws a new VAE sample, noise and timesteps, the same on the
+  ranks of a group (and per replica at world 4); the resumed launch trains on the same samples with the same
+  draws and ends with the same LoRA weights and validation loss as the uninterrupted one, bit for bit;
+* the STOCK script (``--stock``: no hfpatch line, one process; world 2): the same number of optimizer steps
+  (accelerate's end-of-epoch windows) and the first epoch's samples in its order; its own draws never repeat
+  either (the global RNG moves).
+
+The FSDP2 case runs the same script under ``accelerate launch --use_fsdp --fsdp_version 2`` over one sample.
 """
 
 from __future__ import annotations
@@ -31,10 +40,13 @@ from hfpatch.testing.tolerance import reassociation_tol, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "integrations" / "lora_sp_accelerate.py"
-STEPS, CHECKPOINT = 4, 2
+EPOCHS, STEPS_PER_EPOCH, CHECKPOINT = 3, 2, 3  # 3 batches per replica: windows of 2 and 1 micro-steps
 # SGD: AdamW's first updates are ~lr * sign(grad), which turns rounding noise on tiny gradients into
 # lr-sized weight differences (the script's default stays AdamW, as DreamBooth's).
-COMMON = ["--steps", str(STEPS), "--optimizer", "sgd", "--grad-accum", "2", "--train-text-encoder"]
+COMMON = [
+    *("--epochs", str(EPOCHS), "--grad-accum", "2", "--optimizer", "sgd"),
+    *("--train-text-encoder", "--validate-every", "1"),
+]
 
 
 def _fsdp2_launcher(world: int) -> list[str]:
@@ -55,6 +67,7 @@ def _fsdp2_launcher(world: int) -> list[str]:
 
 
 def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON, fsdp2: bool = False) -> dict:
+    """Launch the example; its main process's results, with ``traces``: every process's micro-steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "HFPATCH_TIMEOUT_S": "120"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -64,10 +77,14 @@ def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON,
     if fsdp2:
         launcher = _fsdp2_launcher(world)
     command = [sys.executable, *launcher, str(SCRIPT), *common, "--output-dir", str(out), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     name = args[args.index("--results-file") + 1] if "--results-file" in args else "results.json"
-    return json.loads((out / name).read_text()) if (out / name).exists() else {}
+    results = json.loads((out / name).read_text())
+    results["traces"] = [
+        json.loads((out / f"{name}.rank{r}.json").read_text())["trace"] for r in range(world)
+    ]
+    return results
 
 
 def _updates(result: dict) -> dict[str, torch.Tensor]:
@@ -81,14 +98,12 @@ def _updates(result: dict) -> dict[str, torch.Tensor]:
 
 
 def _compare(
-    losses: dict[str, float],
-    final: dict,
-    ref32: dict,
-    ref64: dict,
-    trained: tuple[str, ...] = ("transformer", "text_encoder"),
+    run: dict, ref32: dict, ref64: dict, trained: tuple[str, ...] = ("transformer", "text_encoder")
 ) -> str:
-    steps = [str(s) for s in range(STEPS)]
-    got = torch.tensor([losses[s] for s in steps])
+    """The patched run against the unpatched fp32 run, within ``reassociation_tol`` of its fp64 gap."""
+    steps = sorted(ref32["losses"], key=int)
+    assert sorted(run["losses"], key=int) == steps, (sorted(run["losses"]), steps)
+    got = torch.tensor([run["losses"][s] for s in steps])
     loss32 = torch.tensor([ref32["losses"][s] for s in steps])
     loss64 = torch.tensor([ref64["losses"][s] for s in steps], dtype=torch.float64)
     loss_noise, loss_error = rel_error(loss32, loss64), rel_error(got, loss32)
@@ -96,7 +111,7 @@ def _compare(
 
     # The LoRA updates (final - initial), each tensor relative to its fp64 update (at least 1% of the largest:
     # lora_B starts at zero, so a tensor's update can be tiny next to the others).
-    got_u, want, want64 = (_updates(r) for r in (final, ref32, ref64))
+    got_u, want, want64 = (_updates(r) for r in (run, ref32, ref64))
     assert got_u.keys() == want.keys() == want64.keys(), sorted(set(got_u) ^ set(want))
     assert all(any(k.startswith(f"{model}:") for k in want) for model in trained), sorted(want)
     floor = 0.01 * max(v.abs().max().item() for v in want64.values())
@@ -107,7 +122,7 @@ def _compare(
     assert errors[worst] <= reassociation_tol(weight_noise), (worst, errors[worst], weight_noise)
 
     val_noise = rel_error(torch.tensor(ref32["validation_loss"]), torch.tensor(ref64["validation_loss"]))
-    val_error = rel_error(torch.tensor(final["validation_loss"]), torch.tensor(ref32["validation_loss"]))
+    val_error = rel_error(torch.tensor(run["validation_loss"]), torch.tensor(ref32["validation_loss"]))
     assert val_error <= reassociation_tol(val_noise), (val_error, val_noise)
     return (
         f"loss {loss_error:.3g} <= {reassociation_tol(loss_noise):.3g}; LoRA updates {errors[worst]:.3g} <= "
@@ -115,29 +130,78 @@ def _compare(
     )
 
 
-def test_lora_sp_accelerate_world2_accumulation_text_encoder_resume(tmp_path):
-    ref32 = _run(["--no-hfpatch"], tmp_path / "ref32")
-    ref64 = _run(["--no-hfpatch", "--dtype", "float64"], tmp_path / "ref64")
+def _check_draws(traces: list[list[dict]], groups: list[list[int]]) -> None:
+    """Equal on the ranks of a group; a new VAE sample, noise and timestep at every micro-step of a rank (one
+    draw list per replica part of the micro-step); different across replicas; every epoch ran."""
+    for group in groups:
+        assert all(traces[r] == traces[group[0]] for r in group), group
+    for trace in traces:
+        assert {t["epoch"] for t in trace} == set(range(EPOCHS))
+        for k, what in enumerate(("VAE sample", "noise", "timesteps")):
+            values = [tuple(part[k]) for t in trace for part in t["draws"]]
+            assert len(set(values)) == len(values), (what, values)
+    if len(groups) > 1:
+        first, second = ({json.dumps(t["draws"]) for t in traces[g[0]]} for g in groups)
+        assert not first & second
+
+
+def _check_resumed(run: dict, resumed: dict) -> None:
+    """The resumed launch is the uninterrupted run's tail, bit for bit (samples, draws, losses, weights)."""
+    after = [s for s in run["losses"] if int(s) > CHECKPOINT]
+    assert sorted(resumed["losses"]) == sorted(after) and all(
+        resumed["losses"][s] == run["losses"][s] for s in after
+    )
+    assert resumed["optimizer_steps"] == len(after)
+    for trace, tail in zip(run["traces"], resumed["traces"]):
+        assert trace[-len(tail) :] == tail and trace[-len(tail) - 1]["step"] < CHECKPOINT
+    assert resumed["lora_final"] == run["lora_final"]
+    assert resumed["validation_loss"] == run["validation_loss"]
+    assert all(resumed["mid_run_validations"][s] == run["mid_run_validations"][s] for s in after)
+
+
+def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path):
+    data = ["--num-samples", "3"]
+    ref32 = _run([*data, "--unpatched"], tmp_path / "ref32")
+    ref64 = _run([*data, "--unpatched", "--dtype", "float64"], tmp_path / "ref64")
+    stock = _run([*data, "--stock"], tmp_path / "stock")
     sp = tmp_path / "sp"
-    # Validation after every step on the main process only, then a checkpoint, an exit and a resume.
-    patched = ["--validate-every", "1", "--checkpoint-at", str(CHECKPOINT)]
-    _run([*patched, "--stop-after-checkpoint", "--results-file", "first.json"], sp, world=2)
+    run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
     assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
-    first = json.loads((sp / "first.json").read_text())
-    resumed = _run(["--validate-every", "1", "--resume", "--results-file", "resumed.json"], sp, world=2)
-    assert first["world"] == resumed["world"] == 2 and "ulysses=2" in first["plan"], first["plan"]
-    assert sorted(first["losses"]) == ["0", "1"] and sorted(resumed["losses"]) == ["2", "3"]
-    assert sorted(first["mid_run_validations"]) == ["0", "1"]
-    print(_compare({**first["losses"], **resumed["losses"]}, resumed, ref32, ref64))
+    resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
+    assert run["world"] == 2 and "ulysses=2" in run["plan"], run["plan"]
+
+    # accelerate's step arithmetic: 3 batches, windows of 2 and 1 micro-steps, as in the stock script.
+    assert run["batches_per_epoch"] == stock["batches_per_epoch"] == 3
+    assert run["optimizer_steps"] == stock["optimizer_steps"] == EPOCHS * STEPS_PER_EPOCH
+    _check_draws(run["traces"], [[0, 1]])
+    _check_draws(stock["traces"], [[0]])  # the stock script's own draws never repeat either
+    samples = [t["samples"] for t in run["traces"][0]]
+    assert samples == [t["samples"] for t in ref32["traces"][0]]
+    assert samples[:3] == [t["samples"] for t in stock["traces"][0]][:3]  # later epochs: see the docstring
+    assert [t["draws"] for t in run["traces"][0]] == [t["draws"] for t in ref32["traces"][0]]
+    _check_resumed(run, resumed)
+    print(_compare(run, ref32, ref64))
 
 
-def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2(tmp_path):
-    reference = ["--no-hfpatch", "--replicas", "2"]
+def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path):
+    data = ["--num-samples", "6"]  # 3 per replica
+    reference = [*data, "--unpatched", "--replicas", "2"]
     ref32 = _run(reference, tmp_path / "ref32")
     ref64 = _run([*reference, "--dtype", "float64"], tmp_path / "ref64")
-    run = _run(["--ulysses", "2"], tmp_path / "sp", world=4)
+    sp = tmp_path / "sp"
+    run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
+    resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
     assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
-    print(_compare(run["losses"], run, ref32, ref64))
+
+    assert run["batches_per_epoch"] == ref32["batches_per_epoch"] == 3
+    assert run["optimizer_steps"] == ref32["optimizer_steps"] == EPOCHS * STEPS_PER_EPOCH
+    _check_draws(run["traces"], [[0, 1], [2, 3]])
+    for replica in (0, 1):  # the reference's replica parts: its samples and draws, bit for bit
+        want = [(t["samples"][replica], t["draws"][replica]) for t in ref32["traces"][0]]
+        got = [(t["samples"][0], t["draws"][0]) for t in run["traces"][2 * replica]]
+        assert got == want, replica
+    _check_resumed(run, resumed)
+    print(_compare(run, ref32, ref64))
 
 
 def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
@@ -145,19 +209,39 @@ def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
     transformer block by block (``fully_shard``), averages the gradients with FSDP2's reduce-scatter (no hfpatch
     line), clips them as DTensors, saves a sharded (DCP) checkpoint and resumes from it. FSDP2 in accelerate
     prepares one model, so only the transformer trains (its LoRA); validation runs on every rank (the weights
-    are sharded), patched."""
-    common = [a for a in COMMON if a != "--train-text-encoder"]
-    ref32 = _run(["--no-hfpatch"], tmp_path / "ref32", common=common)
-    ref64 = _run(["--no-hfpatch", "--dtype", "float64"], tmp_path / "ref64", common=common)
+    are sharded), patched. One sample: one window per epoch, closed at the epoch's end; the checkpoint falls
+    between two epochs (the resumed launch starts the next epoch in the uninterrupted run's order)."""
+    common = [a for a in COMMON if a != "--train-text-encoder"] + ["--num-samples", "1"]
+    ref32 = _run(["--unpatched"], tmp_path / "ref32", common=common)
+    ref64 = _run(["--unpatched", "--dtype", "float64"], tmp_path / "ref64", common=common)
     sp = tmp_path / "fsdp2"
-    patched = ["--validate-every", "1", "--checkpoint-at", str(CHECKPOINT)]
-    _run([*patched, "--stop-after-checkpoint", "--results-file", "first.json"], sp, 2, common, fsdp2=True)
-    assert (sp / f"checkpoint-{CHECKPOINT}" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
-    first = json.loads((sp / "first.json").read_text())
-    resumed = _run(
-        ["--validate-every", "1", "--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True
-    )
-    assert first["fsdp"] and resumed["fsdp"] and "ulysses=2" in first["plan"], first
-    assert sorted(first["losses"]) == ["0", "1"] and sorted(resumed["losses"]) == ["2", "3"]
-    assert sorted(first["mid_run_validations"]) == ["0", "1"]
-    print(_compare({**first["losses"], **resumed["losses"]}, resumed, ref32, ref64, trained=("transformer",)))
+    run = _run(["--checkpoint-at", "2"], sp, 2, common, fsdp2=True)
+    assert (sp / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
+    resumed = _run(["--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True)
+    assert run["fsdp"] and resumed["fsdp"] and "ulysses=2" in run["plan"], run
+    assert run["optimizer_steps"] == ref32["optimizer_steps"] == EPOCHS  # 1 batch, accumulation 2
+    _check_draws(run["traces"], [[0, 1]])
+    assert sorted(resumed["losses"], key=int) == ["3"] and resumed["losses"]["3"] == run["losses"]["3"]
+    assert [t["draws"] for t in resumed["traces"][0]] == [t["draws"] for t in run["traces"][0]][-1:]
+    print(_compare(run, ref32, ref64, trained=("transformer",)))
+
+
+def test_lora_sp_accelerate_under_torchrun_without_the_cpu_flag_refuses(tmp_path):
+    """Issue 33: on CPU without ``ACCELERATE_USE_CPU=true`` accelerate counts one process in each rank, so the
+    script trained twice on its own, silently. ``hfpatch.apply`` sees the launcher's ``WORLD_SIZE=2`` and
+    refuses on both ranks, naming the fix; nothing is written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HFPATCH_TIMEOUT_S": "120"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(var, None)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    out = tmp_path / "out"
+    command = [sys.executable, *launcher, str(SCRIPT), "--epochs", "1", "--output-dir", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout[-2000:]
+    for rank in (0, 1):
+        assert (
+            f"[rank{rank}]: RuntimeError: the launcher started WORLD_SIZE=2 processes, but accelerate sees 1"
+            in (done.stderr)
+        ), done.stderr[-4000:]
+    assert "set ACCELERATE_USE_CPU=true" in done.stderr
+    assert not (out / "results.json").exists()

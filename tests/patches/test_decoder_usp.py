@@ -214,7 +214,7 @@ def lifecycle_cases() -> dict[str, Any]:
         model(**kwargs)
         twin_during = twin(**kwargs).logits  # same class, same config object: not routed
     registered = set(AttentionInterface._global_mapping) - names_before[0]
-    text = repr(patch)
+    text = patch.describe()
     patch.remove()
     with torch.no_grad():
         restored = model(**kwargs).logits

@@ -353,7 +353,7 @@ def test_planned_usp_support_table_names_plan_source_per_class():
         "not supported (one forward attends over sequences of"
     ), rows["HeliosTransformer3DModel"]
     assert rows["SanaTransformer2DModel"].startswith("not supported (linear"), rows["SanaTransformer2DModel"]
-    assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines()
+    assert "  Flux2Transformer2DModel: dit_usp (plan: _cp_plan)" in info_lines(classes=True)
 
 
 def test_planned_usp_token_mask_is_a_key_mask_plus_masked_query_rows_or_refused():

@@ -40,6 +40,7 @@ def _stand_in(cls: type) -> torch.nn.Module:
 def _tiny_latte() -> torch.nn.Module:
     from diffusers import LatteTransformer3DModel
 
+    torch.manual_seed(0)  # the same weights on every rank (apply checks that they agree)
     return LatteTransformer3DModel(
         num_attention_heads=2,
         attention_head_dim=8,

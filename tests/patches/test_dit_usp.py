@@ -493,7 +493,7 @@ def lifecycle_cases(families: list[str]) -> dict[str, dict[str, Any]]:
             "again_is_patch": again is patch,
             "conflict": conflict,
             "swapped": swapped,
-            "repr": repr(patch),
+            "repr": patch.describe(),
         }
     return results
 

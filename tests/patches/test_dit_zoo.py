@@ -164,7 +164,7 @@ def test_zoo_mask_changes_the_stock_output(name):
 
 
 def test_zoo_every_diffusers_transformer_is_supported_or_has_a_reason():
-    """``hfpatch info``'s table: no class is left at "no plan"; the rows, PLANS and the registry agree."""
+    """``hfpatch info --classes``' table: no class is left at "no plan"; the rows, PLANS and the registry agree."""
     from hfpatch.cli import info_lines
     from hfpatch.patches import DIT_USP_CLASSES
     from hfpatch.patches.dit import PLANS, UNSUPPORTED
@@ -179,5 +179,5 @@ def test_zoo_every_diffusers_transformer_is_supported_or_has_a_reason():
         if name not in supported:
             assert how == f"not supported ({UNSUPPORTED[name]})", (name, how)
     assert not set(UNSUPPORTED) & supported
-    lines = info_lines()
+    lines = info_lines(classes=True)  # `hfpatch info --classes`: every class
     assert all(f"  {name}: {how}" in lines for name, how in rows.items())

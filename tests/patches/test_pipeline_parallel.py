@@ -6,6 +6,7 @@ families have their own tests), so these results isolate the batch/CFG splitting
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -26,6 +27,17 @@ from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noi
 # tiny random SD3 transformer, without qk-norm, amplifies rounding ~50x more than Wan: one fixed tolerance
 # would either fail on SD3 or hide a bug in Wan).
 EXACT = ("wan_cfg", "wan_cfg_no_guidance", "wan22_cfg", "wan_cfg_nested_forward")
+
+
+class _Notes(logging.Handler):
+    """Collects the messages logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _registry() -> Registry:
@@ -191,6 +203,18 @@ def _cases_two_ranks() -> dict[str, Any]:
     }
     results["nested_forward_calls"] = len(calls)
 
+    # A call without guidance on a cfg plan is exact ("wan_cfg_no_guidance") and says so once per patch.
+    notes = _Notes()
+    logger = logging.getLogger("hfpatch.patches.pipeline")
+    logger.addHandler(notes)
+    try:
+        with hfpatch.apply(wan, cfg2, registry=_registry()):
+            _wan(wan, guidance=1.0)
+            _wan(wan, guidance=1.0)
+    finally:
+        logger.removeHandler(notes)
+    results["unguided_notes"] = notes.messages
+
     # A direct transformer call with return_dict=True gets the stock output type back, batch split over data.
     inputs = dict(
         hidden_states=torch.randn(3, 4, 2, 4, 4, generator=torch.Generator().manual_seed(3)),
@@ -215,7 +239,7 @@ def _cases_two_ranks() -> dict[str, Any]:
     except ValueError as exc:
         results["conflict"] = str(exc)
     results["bar"] = dict(wan._progress_bar_config)
-    results["repr"] = repr(patch)
+    results["repr"] = patch.describe()
 
     # Call patterns other than cond-then-uncond raise instead of returning a placeholder.
     transformer = wan.transformer
@@ -371,6 +395,14 @@ def test_pipeline_parallel_cfg_sends_one_prediction_per_step(two_rank_results):
         assert results["wan_cfg_no_guidance"]["guard_calls"] == 2
 
 
+def test_pipeline_parallel_call_without_guidance_says_once_what_the_cfg_ranks_do(two_rank_results):
+    # Exactness: "wan_cfg_no_guidance" above (bit for bit). Two calls, one patch: one note, on rank 0 only.
+    rank0, rank1 = (results["unguided_notes"] for results in two_rank_results)
+    assert len(rank0) == 1 and rank1 == [], (rank0, rank1)
+    assert "does not guide" in rank0[0] and "both cfg ranks compute the same prediction" in rank0[0]
+    assert "parallel=hfpatch.ParallelConfig(ulysses=2)" in rank0[0], rank0[0]
+
+
 def test_pipeline_parallel_auto_plan_two_ranks_is_cfg(two_rank_results):
     for results in two_rank_results:
         assert results["wan_auto"]["plan"] == ParallelConfig(cfg=2)
@@ -387,7 +419,9 @@ def test_pipeline_parallel_direct_call_return_dict_keeps_output_type(two_rank_re
 def test_pipeline_parallel_apply_twice_is_noop_and_conflict_raises(two_rank_results):
     for results in two_rank_results:
         assert results["same_again"] is True
-        assert "already patched" in results["conflict"]
+        # Only what differs, not both option dicts whole
+        assert "already patched" in results["conflict"], results["conflict"]
+        assert "(plan: ParallelConfig(cfg=2) now, ParallelConfig(data=2) asked)" in results["conflict"]
         assert "WanTransformer3DModel" in results["repr"] and ".forward (was ABSENT)" in results["repr"]
 
 

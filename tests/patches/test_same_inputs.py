@@ -143,7 +143,8 @@ def _check(results: list[dict[str, Any]], expected: dict[str, str]) -> None:
         messages = [r[case] for r in results]
         assert all(m == messages[0] for m in messages), (case, messages)  # the same error on every rank
         assert messages[0].startswith("InputMismatchError: hfpatch: the ranks"), (case, messages[0])
-        assert f"{argument!r}: differs from rank 0" in messages[0], (case, argument, messages[0])
+        label = argument if argument.startswith("'") else repr(argument)  # a pipeline argument: its label
+        assert f"{label}: differs from rank 0" in messages[0], (case, argument, messages[0])
         assert f"on rank {odd}:" in messages[0] and "check_inputs=False" in messages[0], messages[0]
     assert all(r["after"] is True for r in results), [r["after"] for r in results]
 
@@ -175,17 +176,26 @@ def test_sequence_parallel_transformer_refuses_per_rank_inputs(rank_pool, world,
 )
 def test_parallel_pipeline_refuses_per_rank_inputs(rank_pool, world, config):
     results = rank_pool(world).run(_pipeline_cases, config)
-    expected = {f"prompt_embeds {c}": "encoder_hidden_states" for c in TENSOR_CASES if c != "dtype"}
+    # The arguments the user passed the pipeline come first, not the transformer's computed from them.
+    embeds = "'prompt_embeds' (WanPipeline argument)"
+    expected = {f"prompt_embeds {c}": embeds for c in TENSOR_CASES if c != "dtype"}
     expected.update(
         {
             "num_inference_steps": "pipeline scheduler timesteps",
             "guidance_scale": "pipeline guidance_scale",
             "no_guidance": "pipeline guidance_scale",
-            "height": "hidden_states",
-            "generator": "hidden_states",
+            "height": "'height' (WanPipeline argument)",
+            "generator": "'generator' (WanPipeline argument)",
         }
     )
     _check(results, expected)
+    for case, argument in expected.items():
+        if argument.startswith("'"):  # a pipeline argument is named first
+            first = results[0][case].splitlines()[1]
+            assert argument in first, (case, first)
+    generator = results[0]["generator"]
+    assert "(seed 0) on rank" in generator and "(seed 1)" in generator, generator
+    assert "(the arguments below are computed from those above)" in results[0]["prompt_embeds bit_first"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

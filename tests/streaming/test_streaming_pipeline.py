@@ -192,3 +192,47 @@ def test_stream_invalid_arguments_raise(stream):
 def test_from_pipe_two_transformers_raises():
     with pytest.raises(ValueError, match="transformer_2"):
         StreamingWanPipeline.from_pipe(tiny_wan_pipe(two_transformers=True), CONFIG)
+
+
+def test_guidance_with_negative_equal_to_prompt_is_the_unguided_stream_exactly(stream):
+    """``v_u + g (v_c - v_u)`` with an unconditional branch that computes what the conditional one does (its
+    own cache, the same values): exactly the unguided stream, however large ``g``."""
+    plain, _ = stream(wan_prompt_embeds(), 4, generator=_gen(), output_type="latent", **KWARGS)
+    guided, _ = stream(
+        wan_prompt_embeds(), 4, generator=_gen(), output_type="latent", guidance_scale=7.0,
+        negative_prompt_embeds=wan_prompt_embeds(), **KWARGS,
+    )  # fmt: skip
+    assert torch.equal(guided, plain)
+    assert stream.uncond_cache is not None and stream.uncond_cache is not stream.cache
+    assert stream.uncond_cache.frames() == stream.cache.frames()
+
+
+def test_guided_stream_with_cache_equals_uncached_recompute(stream, stream64):
+    """Both branches read their own cache; recomputing every earlier frame instead gives the same video."""
+    guided = dict(guidance_scale=4.0, negative_prompt_embeds=wan_prompt_embeds(seed=9))
+    cached, _ = stream(wan_prompt_embeds(), 4, generator=_gen(), output_type="latent", **guided, **KWARGS)
+    recomputed, _ = stream(
+        wan_prompt_embeds(), 4, generator=_gen(), output_type="latent", use_cache=False, **guided, **KWARGS
+    )
+    plain, _ = stream(wan_prompt_embeds(), 4, generator=_gen(), output_type="latent", **KWARGS)
+    exact, _ = _run_fp64(
+        stream64, 4, output_type="latent", use_cache=False, guidance_scale=4.0,
+        negative_prompt_embeds=wan_prompt_embeds(seed=9).double(),
+    )  # fmt: skip
+    tol = reassociation_tol(rounding_noise(recomputed, exact))
+    error = rel_error(cached, recomputed)
+    print(f"guided cache vs recompute: {error:.2e} / {tol:.2e}")
+    assert error <= tol
+    assert (cached - plain).abs().max() > 1e-2  # guidance changes the video, far beyond rounding
+
+
+def test_guidance_arguments_raise(stream):
+    with pytest.raises(ValueError, match="pass negative_prompt_embeds"):
+        next(stream.stream(wan_prompt_embeds(), 2, guidance_scale=3.0, **KWARGS))
+    with pytest.raises(ValueError, match="negative_prompt_embeds must be"):
+        next(
+            stream.stream(
+                wan_prompt_embeds(), 2, guidance_scale=3.0, negative_prompt_embeds=wan_prompt_embeds(batch=2),
+                **KWARGS,
+            )
+        )  # fmt: skip

@@ -374,17 +374,46 @@ def test_apply_wrong_streaming_type_raises_before_mutation(model):
 
 
 @pytest.mark.parametrize(
-    "parallel",
-    [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(data=2)],
+    ("parallel", "options", "message"),
+    [
+        (ParallelConfig(cfg=2), {}, "StreamingWanPipeline runs CFG-parallel itself"),
+        (ParallelConfig(pipefusion=2), {}, "does not run under PipeFusion"),
+        (ParallelConfig(data=2), {}, "leaves nothing to split"),
+        (ParallelConfig(ulysses=2), {"compile": True}, "runs eagerly"),
+    ],
 )
-def test_validate_streaming_with_parallel_transformer_raises(model, parallel):
-    # The pipeline's data/CFG wrapper cannot split frame_offset/kv_cache calls: refused with a clear message.
-    with pytest.raises(ValueError, match="streaming with a parallel transformer is not supported yet"):
-        WanStreamingPatch().validate(model, parallel, {"streaming": CONFIGS["global"]})
+def test_validate_streaming_with_unsupported_parallel_raises(model, parallel, options, message):
+    config = StreamingConfig(num_frame_per_block=2, **options)
+    with pytest.raises(ValueError, match=message):
+        WanStreamingPatch().validate(model, parallel, {"streaming": config, "check_inputs": True})
+
+
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(data=2, ring=2)]
+)
+def test_validate_streaming_with_sequence_parallel_passes(model, parallel):
+    WanStreamingPatch().validate(model, parallel, {"streaming": CONFIGS["global"], "check_inputs": True})
+
+
+def test_streaming_replaces_the_dit_family_and_refuses_its_options(model):
+    """With streaming= the streaming family runs the split itself: the DiT family is dropped, and an option only
+    it takes would do nothing, so it is refused (before any mutation)."""
+    assert WanStreamingPatch().supersedes({"streaming": CONFIGS["global"], "check_inputs": True}) == {
+        "dit_usp"
+    }
+    assert WanStreamingPatch().supersedes({"streaming": None, "check_inputs": True}) == frozenset()
+    before = dict(vars(model))
+    with pytest.raises(TypeError, match=r"'compile' .*wan_streaming replaces dit_usp"):
+        hfpatch.apply(model, streaming=CONFIGS["global"], compile=True)
+    assert dict(vars(model)) == before
+    with hfpatch.apply(model, streaming=CONFIGS["global"]) as patch:
+        assert "streaming" in patch.options and "compile" not in patch.options
 
 
 def test_validate_streaming_with_vae_parallel_only_passes(model):
-    WanStreamingPatch().validate(model, ParallelConfig(vae=2), {"streaming": CONFIGS["global"]})
+    WanStreamingPatch().validate(
+        model, ParallelConfig(vae=2), {"streaming": CONFIGS["global"], "check_inputs": True}
+    )
 
 
 def test_validate_image_to_video_transformer_raises():
@@ -405,7 +434,7 @@ def test_remove_restores_every_submodule_by_identity():
     before = {name: dict(vars(m)) for name, m in model.named_modules()}
     x, timestep, prompt = _inputs(frames=4)
     patch = hfpatch.apply(model, streaming=CONFIGS["window_sink"])
-    assert "streaming" in repr(patch) and "processor" in repr(patch)
+    assert "streaming" in repr(patch) and "processor" in patch.describe()
     with torch.no_grad():
         _cached(model, CONFIGS["window_sink"], x, timestep, prompt)
     patch.remove()

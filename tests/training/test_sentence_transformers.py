@@ -392,3 +392,86 @@ def test_gradcache_loss_cross_rank_world_2_matches_global_batch(rank_pool, model
                 "every rank returns the global-batch loss"
             )
             assert error <= grad_tol
+
+
+# -- row-blocked equivalents of sentence-transformers' losses ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+        {"directions": ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), "scale": 7.0},
+        {"similarity_fct": "dot_score", "scale": 0.5},
+    ],
+    ids=["mnrl", "symmetric", "gte_joint", "dot"],
+)
+def test_row_blocked_equivalent_equals_sentence_transformers_mnrl(models, settings):
+    """sentence-transformers' own ``compute_loss_from_embeddings`` on random embeddings (2 hard negatives,
+    batch 7) against the translated loss in blocks of 3: value and every input's gradient."""
+    from sentence_transformers import util
+
+    from hfpatch.training.sentence_transformers import row_blocked_equivalent
+
+    settings = dict(settings)
+    if "similarity_fct" in settings:
+        settings["similarity_fct"] = getattr(util, settings["similarity_fct"])
+    st_loss = MultipleNegativesRankingLoss(models[0], **settings)
+    blocked, guide = row_blocked_equivalent(st_loss, block_size=3)
+    assert guide is None
+
+    def run(fn, dtype):
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(7, 5, generator=gen).to(dtype).requires_grad_() for _ in range(4)]
+        value = fn(xs)
+        value.backward()
+        return [value.detach(), *(x.grad for x in xs)]
+
+    ref = run(lambda xs: st_loss.compute_loss_from_embeddings(xs, None), torch.float32)
+    with fp64_float():
+        exact = run(lambda xs: st_loss.compute_loss_from_embeddings(xs, None), torch.float64)
+    got = run(lambda xs: blocked(*xs), torch.float32)
+    noise = max(rel_error(r, e) for r, e in zip(ref, exact))
+    error = max(rel_error(g, r) for g, r in zip(got, ref))
+    print(
+        f"{settings}: row-blocked vs sentence-transformers {error:.2e} (tol {reassociation_tol(noise):.2e})"
+    )
+    assert error <= reassociation_tol(noise)
+
+
+def test_gradcache_loss_runs_mnrl_and_gist_in_row_blocks(models, monkeypatch):
+    """GradCacheLoss(MNRL / GISTEmbedLoss) computes the translated loss (blocks of 4 rows: ragged at batch 6)
+    and equals the plain loss; ``row_blocked=False`` keeps the wrapped loss's code; a GISTLoss of
+    hfpatch.training.contrastive takes the guide model directly."""
+    from hfpatch.training.contrastive import ContrastiveLoss, GISTLoss
+
+    model, guide = models
+    features = _features(model)
+    calls = []
+    forward = ContrastiveLoss.forward
+    monkeypatch.setattr(
+        ContrastiveLoss,
+        "forward",
+        lambda self, *a, **kw: calls.append(type(self).__name__) or forward(self, *a, **kw),
+    )
+    for kind in ("mnrl", "gist"):
+        ref_loss, ref = _plain_step(kind, model, features, guide)
+        loss_noise, noise = _noise(kind, model, features, ref_loss, ref, guide)
+        wrappers = [
+            GradCacheLoss(_make_loss(kind, model, guide), 2, loss_block_size=4),
+            GradCacheLoss(_make_loss(kind, model, guide), 2, row_blocked=False),
+        ]
+        if kind == "gist":
+            wrappers.append(GradCacheLoss(GISTLoss(block_size=4), 2, model=model, guide=guide))
+        expected = [["InfoNCELoss" if kind == "mnrl" else "GISTLoss"], [], ["GISTLoss"]]
+        for wrapped, names in zip(wrappers, expected):
+            calls.clear()
+            loss = wrapped([dict(f) for f in features], None)
+            loss.backward()
+            assert calls == names
+            assert rel_error(loss, ref_loss) <= reassociation_tol(loss_noise)
+            _assert_grads_close(_grads(model), ref, reassociation_tol(noise))
+    assert all(p.grad is None for p in guide.parameters()), "the guide stays frozen"
+    with pytest.raises(TypeError, match="needs guide="):
+        GradCacheLoss(GISTLoss(), 2, model=model)

@@ -189,57 +189,6 @@ def _models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-# ----------------------------------------------------------------------------------------------- agreement
-def _check_same_weights(models: list[tuple[str, torch.nn.Module]], group: Any) -> None:
-    """Raise ``ValueError`` on every rank unless every rank holds bit-identical parameters.
-
-    FSDP2 keeps each rank's slice of ITS OWN copy of a weight: ranks with different weights (a model
-    initialised without a common seed, another checkpoint) would compute with a silent mixture. One
-    all-gather of two 64-bit content digests per parameter
-    (:func:`hfpatch.distributed.agreement.content_digest`) over every rank of the plan.
-    """
-    from ...distributed.agreement import content_digest
-
-    names, rows = [], []
-    for model_name, model in models:
-        seen: set[int] = set()
-        for name, param in model.named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            names.append(f"{model_name}.{name}")
-            rows.append(content_digest(param.detach()))
-    world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    local = torch.tensor([[len(rows), 0], *rows], dtype=torch.int64, device=device)
-    counts = [torch.empty(1, 2, dtype=torch.int64, device=device) for _ in range(world)]
-    try:
-        dist.all_gather(counts, local[:1], group=group)
-        if any(int(c[0, 0]) != len(rows) for c in counts):
-            raise ValueError(
-                f"shard_weights: the ranks hold different numbers of parameters ({[int(c[0, 0]) for c in counts]}); "
-                "build the same model on every rank"
-            )
-        tables = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(tables, local, group=group)
-    except RuntimeError as exc:
-        if not runtime.is_peer_failure(exc):
-            raise
-        raise runtime.collective_error("the shard_weights same-weights check", group, exc) from exc
-    table = torch.stack(tables).cpu()[:, 1:]  # (world, params, 2)
-    differs = (table != table[0]).any(dim=-1)  # (world, params)
-    if bool(differs.any()):
-        first = int(differs.any(dim=0).nonzero()[0])
-        ranks = [dist.get_global_rank(group, r) for r in differs[:, first].nonzero().flatten().tolist()]
-        count = int(differs.any(dim=0).sum())
-        raise ValueError(
-            f"shard_weights: the ranks hold different weights ({count} parameter(s) differ; the first is "
-            f"{names[first]}, which differs from rank {dist.get_global_rank(group, 0)} on ranks {ranks}). FSDP2 "
-            "keeps each rank's slice of its own copy, so the sharded model would be a mixture. Load the same "
-            "checkpoint on every rank (or seed the initialisation alike); check_inputs=False skips this check"
-        )
-
-
 # ----------------------------------------------------------------------------------------------- shard / restore
 @dataclass
 class _Sharded:
@@ -362,6 +311,33 @@ def _release(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.d
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
 
 
+def _copy_views(value: Any) -> Any:
+    """``value`` (a tensor, or a model output: tuple, list, dict, ``BaseOutput``/``ModelOutput``, in place) with each
+    tensor that requires grad and is a VIEW replaced by a copy, while autograd records.
+
+    FSDP2 hooks its pre-backward (the all-gather of a unit's weights before its backward) on the root's output
+    tensors. Stock output reshaping returns views (Wan's ``unflatten``/``permute``/``flatten`` chain, and
+    hfpatch's sequence gather, a ``narrow``), and an in-place op on a view (``pred += x``) rebases it onto
+    its base and drops that hook without a word: torch only warns that it might happen. A copy is not a view,
+    so an in-place op on the output keeps the hook. Costs one output-sized copy per training forward (the
+    view's base is freed with it); nothing under ``no_grad``.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value._base is not None else value
+    if isinstance(value, dict):  # diffusers' BaseOutput and transformers' ModelOutput set the attribute too
+        for key, item in list(value.items()):
+            copied = _copy_views(item)
+            if copied is not item:
+                value[key] = copied
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_copy_views(item) for item in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
 def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, label: str) -> Any:
     """A wrapper of ``model.forward`` that runs FSDP2's root pre- and post-forward around it (what the root's
     module hooks did), refuses to run inside ``patch.disabled()``, resets FSDP2's per-call state when the
@@ -381,7 +357,7 @@ def _root_forward(model: torch.nn.Module, state: Any, group: Any, patch: Patch, 
             try:
                 args, kwargs = state._pre_forward(model, args, kwargs)
                 output = original(*args, **kwargs)
-                return state._post_forward(model, args, output)
+                return state._post_forward(model, args, _copy_views(output))
             except Exception as exc:
                 try:
                     model.reset_iter_state()  # free what this call gathered; the next call starts afresh
@@ -405,12 +381,13 @@ class WeightSharding(PatchFamily):
     Registered for ``DiffusionPipeline`` (before the CFG/data-parallel family, whose wrapper then calls the
     sharded forward only where the transformer computes) and for every DiT class hfpatch parallelises (a
     transformer applied on its own). Inside a pipeline, the pipeline's entry shards every denoiser and encoder
-    (one place, one same-weights check); the components' entries do nothing.
+    (one place); the components' entries do nothing. ``hfpatch.apply`` has compared every rank's weights
+    before (FSDP2 keeps each rank's slice of its own copy, so they must be equal).
 
     Options:
         shard_weights: ``False`` (default), ``True``, or the mesh axes to shard over (see :func:`shard_axes`).
         shard_weights_offload: Keep the shards in CPU memory (FSDP2 ``CPUOffloadPolicy``).
-        check_inputs: Also check, once at ``apply``, that every rank holds the same weights.
+        check_inputs: ``False`` also skips ``apply``'s same-weights check (shared with the other families).
     """
 
     name: ClassVar[str] = "shard_weights"
@@ -448,8 +425,8 @@ class WeightSharding(PatchFamily):
         if value is False or value is None or patch.part_of is not None:
             return  # off; or a pipeline's component: the pipeline's own entry shards it
         models = _models(target)
-        if options["check_inputs"]:
-            _check_same_weights(models, mesh.group("world"))
+        # Every rank's weights were compared by hfpatch.apply before any family applied (FSDP2 keeps each
+        # rank's slice of ITS OWN copy: different weights would make the sharded model a silent mixture).
         for name, model in models:
             axes = shard_axes(value, mesh.config, name=name)
             device_mesh = _shard_mesh(mesh, axes)

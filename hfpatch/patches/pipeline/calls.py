@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ...core.config import ParallelConfig
+from ...distributed import runtime
 from ...distributed.collectives import all_gather, even_sizes
 from ..denoisers import PER_SAMPLE_ARGS, _known
 from .cfg_data import _BATCHED_CONTEXTS, TWO_CALL_CFG_PIPELINES, _holds_tensor, _rows, generic_split
@@ -75,6 +77,8 @@ class _State:
     shapes: dict[int, tuple[torch.Size, torch.dtype]] = field(
         default_factory=dict
     )  # id(model) -> prediction's
+    noted_unguided: bool = False  # a call without guidance was reported (once per patch; not reset per call)
+    plan: ParallelConfig | None = None  # the patch's degrees (for that report)
 
     def reset(self) -> None:
         self.pending, self.phase, self.watched = None, "observe", None
@@ -284,6 +288,7 @@ class _ParallelForward:
         if batch < world:
             # Only the cfg axis gets here (data batches are checked in __call__, before any collective): a
             # call without guidance and batch 1. Every cfg rank computes it: redundant, still exact.
+            self._note_unguided("its batch holds no uncond half")
             return self._split_compute(bound, rest, names)
         sizes = even_sizes(batch, world)
         me = torch.distributed.get_rank(group)
@@ -334,6 +339,7 @@ class _ParallelForward:
         if not guiding:  # guidance_scale <= 1: a single call per step, computed on both cfg ranks
             if self.state.pending is not None:
                 raise self._pattern_error("a call without guidance while an uncond call was due")
+            self._note_unguided("do_classifier_free_guidance is False: one call per step")
             return self._split_compute(bound, data_only, names)
         cfg_rank = torch.distributed.get_rank(self.cfg_group)
         if self.context == "cond":
@@ -406,8 +412,9 @@ class _ParallelForward:
         if contexts == ["cond", "uncond"] and state.seen[0][1] is state.seen[1][1] and not state.watched.read:
             return "parallel"
         if contexts == ["cond"]:
-            reason = "it made one cond call per step (no guidance in this call)"
-        elif contexts == ["cond", "uncond"] and not state.watched.read:
+            self._note_unguided("it made one cond call per step")
+            return "off"
+        if contexts == ["cond", "uncond"] and not state.watched.read:
             reason = "its cond and uncond calls went to different transformers"
         elif contexts == ["cond", "uncond"]:
             reason = "it computed with the cond prediction before the uncond call"
@@ -420,6 +427,40 @@ class _ParallelForward:
             reason,
         )
         return "off"
+
+    def _note_unguided(self, why: str) -> None:
+        """Say once per patch (on global rank 0) that a call without guidance leaves the cfg axis idle.
+
+        Such a call is exact (every cfg rank computes the same prediction, the unpatched one) but gets nothing
+        from the cfg ranks. hfpatch does not re-plan them into sequence parallelism per call: the sequence split
+        is bound to the plan's groups at ``apply`` (processors, shard plans, caches), so the advice is to plan
+        without cfg for models that run without guidance (distilled checkpoints, guidance_scale=1).
+        """
+        if self.state.noted_unguided:
+            return
+        self.state.noted_unguided = True
+        if runtime.rank() != 0:
+            return
+        plan = self.state.plan
+        sp = 2 * (1 if plan is None else plan.ring * plan.ulysses)
+        data = 1 if plan is None else plan.data
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int):
+            ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and heads % d == 0)
+            degrees = [("data", data), ("ring", sp // ulysses), ("ulysses", ulysses)]
+            advice = "so that every rank joins sequence parallelism, e.g. parallel=hfpatch.ParallelConfig({})".format(
+                ", ".join(f"{k}={v}" for k, v in degrees if v > 1)
+            )
+        else:  # a denoiser without attention heads in its config (a UNet): no sequence parallelism
+            advice = f"and data={2 * data} to split several prompts over the ranks"
+        logger.warning(
+            "hfpatch: this %s call does not guide (%s), so the plan's cfg=2 has nothing to split: both cfg ranks "
+            "compute the same prediction, which is exact but gives no speed-up from the cfg axis. For calls "
+            "without guidance, apply with cfg=1 %s. (Said once per patch.)",
+            type(self.pipe).__name__,
+            why,
+            advice,
+        )
 
     def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int, names: tuple[str, ...]) -> torch.Tensor:
         pending = self.state.pending

@@ -5,6 +5,7 @@ and reversibly. The design notes are :mod:`hfpatch.patches.pipeline.cfg_data`'s.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -138,7 +139,7 @@ class PipelineParallel(PatchFamily):
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
             # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
             patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
-        state = _State()
+        state = _State(plan=config)
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
@@ -208,6 +209,16 @@ class PipelineParallel(PatchFamily):
             state.pending = None
             return pending.error
 
+        given = _record_pipeline_arguments(pipe, patch)
+
+        def sources() -> dict[str, Any]:
+            # The first transformer call of a pipeline call also compares what the user passed the pipeline
+            # (its check_inputs and prepare_latents arguments), so a mismatch names prompt_embeds or the
+            # generator, not the transformer arguments computed from them.
+            taken = dict(given)
+            given.clear()
+            return taken
+
         for model in _transformers(pipe):
 
             def settings() -> dict[str, Any]:
@@ -223,4 +234,64 @@ class PipelineParallel(PatchFamily):
                 }
 
             what = f"{type(pipe).__name__} call of {type(model).__name__}"
-            install_call_guard(patch, model, world_group, what, extra=settings, deferred_error=deferred_error)
+            install_call_guard(
+                patch,
+                model,
+                world_group,
+                what,
+                extra=settings,
+                deferred_error=deferred_error,
+                sources=sources,
+            )
+
+
+#: ``prepare_latents``/``check_inputs`` arguments that the pipeline computes itself (not the user's).
+_DERIVED_ARGUMENTS = frozenset({"self", "device", "dtype"})
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` as it is now: a generator's state is copied (the pipeline draws from it next)."""
+    if isinstance(value, torch.Generator):
+        copy = torch.Generator(device=value.device)
+        copy.set_state(value.get_state())
+        return copy
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+def _record_pipeline_arguments(pipe: Any, patch: Any) -> dict[str, Any]:
+    """Record the arguments of ``pipe.check_inputs`` and ``pipe.prepare_latents`` (every diffusers pipeline
+    calls them at the start of ``__call__`` with the user's prompt, embeddings, sizes, generator and latents)
+    into the returned dict, keyed ``"'prompt_embeds' (WanPipeline argument)"``; ``check_inputs`` starts a new
+    record. Pipelines without these methods record nothing (their transformer arguments are compared alone)."""
+    recorded: dict[str, Any] = {}
+    label = type(pipe).__name__
+
+    def recording(method: str) -> Callable[[Callable], Callable]:
+        def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            try:
+                signature = inspect.signature(original)
+            except (TypeError, ValueError):
+                return original
+
+            def record(*args: Any, **kwargs: Any) -> Any:
+                if method == "check_inputs":
+                    recorded.clear()
+                try:
+                    arguments = signature.bind(*args, **kwargs).arguments
+                except TypeError:  # diffusers raises its own error
+                    arguments = {}
+                for name, value in arguments.items():
+                    if name not in _DERIVED_ARGUMENTS:
+                        recorded[f"{name!r} ({label} argument)"] = _snapshot(value)
+                return original(*args, **kwargs)
+
+            return record
+
+        return wrapper
+
+    for method in ("check_inputs", "prepare_latents"):
+        if callable(getattr(pipe, method, None)):
+            patch.wrap_method(pipe, method, recording(method))
+    return recorded
