@@ -26,8 +26,9 @@ averaged: at worst a replicated tensor keeps the shares (the mean over the group
 only not the unpatched backward of the replicated part); a sharded tensor is never averaged. Each rank decides
 from its own graph, which is the same on every rank (the same code on the same shapes), so the ranks reduce alike.
 
-Not covered: ``compile=True`` (the compiled forward has no autograd history to walk; the joint attention's inputs
-are still averaged), reentrant checkpointing (its blocks' inputs are detached leaves) and the recomputation of
+Not covered: compiled code, ``compile=True`` or diffusers' ``compile_repeated_blocks`` (a trace has no autograd
+history to walk: the units' arguments keep the shares, the mean over the group is still the unpatched gradient;
+the routed attention's replicated inputs are still averaged), reentrant checkpointing (its blocks' inputs are detached leaves) and the recomputation of
 non-reentrant checkpointing (its graph is discarded; the forward's averages stand).
 
 >>> from hfpatch.patches.dit.streams import units
