@@ -94,6 +94,48 @@ def _vae_notes(target: Any, registry: Registry, config: ParallelConfig) -> list[
     return notes
 
 
+#: What to do with a class hfpatch cannot split (``apply``'s refusals).
+_RUN_WHOLE = (
+    "run it whole on every rank instead: apply hfpatch to its pipeline with a CFG/data-only plan, e.g. "
+    "parallel=ParallelConfig(cfg=2) or ParallelConfig(data=N); `hfpatch info` lists the classes it splits"
+)
+
+
+def _refusal_text(obj: Any, refused: tuple[str, str]) -> str:
+    name, reason = refused
+    shown = type(obj).__name__ if name == type(obj).__name__ else f"{type(obj).__name__} (a {name})"
+    return f"hfpatch does not split {shown} over ranks: {reason}"
+
+
+def _unsupported(target: Any, registry: Registry) -> TypeError:
+    """The error for a target no family patches: the reason when its class is refused, else the supported ones."""
+    refused = registry.refusal_for(target)
+    if refused is not None:
+        return TypeError(f"{_refusal_text(target, refused)}. To use several ranks, {_RUN_WHOLE}.")
+    supported = sorted(key.split(".", 1)[1] for key in registry.supported())
+    listed = ", ".join(supported) or "none registered"
+    # The built-in registry has dozens of classes: `hfpatch info` prints them with their families.
+    if len(listed) > 240:
+        listed = f"{len(supported)} classes, listed by `hfpatch info`"
+    return TypeError(f"hfpatch has no patch for {type(target).__name__}; supported classes: {listed}")
+
+
+def _refuse_split_components(target: Any, parallel: ParallelConfig, registry: Registry) -> None:
+    """Sequence parallelism asked of a pipeline whose transformers are all refused: say why (``ValueError``)."""
+    if not _is_pipeline(target):
+        return
+    for name, component in target.components.items():
+        # The denoisers only: a refused VAE or vocoder is run whole and named in the patch's notes instead.
+        if "transformer" not in name or not isinstance(component, torch.nn.Module):
+            continue
+        refused = registry.refusal_for(component)
+        if refused is not None:
+            raise ValueError(
+                f"ulysses={parallel.ulysses}, ring={parallel.ring} split {type(target).__name__}'s transformer, but "
+                f"{_refusal_text(component, refused)}; {_RUN_WHOLE}"
+            )
+
+
 def _drop_superseded(
     units: list[tuple[Any, list[PatchFamily]]], options: dict[str, Any]
 ) -> tuple[list[tuple[Any, list[PatchFamily]]], dict[str, str]]:
@@ -224,11 +266,7 @@ def _check(
     """Every local check of ``apply``: (units, plan, resolved options, the live identical patch or None)."""
     units = _units(target, registry)
     if not any(families for _, families in units):
-        refusal = registry.refusal(target)
-        if refusal is not None:
-            raise TypeError(f"hfpatch does not patch {type(target).__name__}: {refusal}")
-        supported = ", ".join(k.split(".", 1)[1] for k in registry.supported()) or "none registered"
-        raise TypeError(f"hfpatch has no patch for {type(target).__name__}; supported classes: {supported}")
+        raise _unsupported(target, registry)
 
     known: dict[str, Any] = {}
     for _, families in units:
@@ -256,6 +294,8 @@ def _check(
     resolved_options = {**live, **options}
 
     facts = _merge_facts(units, target)
+    if isinstance(parallel, ParallelConfig) and parallel.sequence_parallel > 1 and facts.num_heads is None:
+        _refuse_split_components(target, parallel, registry)
     requested = _requested_world(parallel)
     runtime.check_launchable(requested or 1)  # no process group and no launcher: say how to launch
     world = runtime.launched_world_size()  # reads the launcher's environment; initialises nothing
@@ -390,7 +430,8 @@ def apply(
         The live :class:`Patch`; ``patch.remove()`` (or leaving a ``with`` block) restores the originals.
 
     Raises:
-        TypeError: Unsupported target (the supported classes are listed) or an unknown option.
+        TypeError: Unsupported target (the reason when hfpatch refuses its class, else the supported classes) or
+            an unknown option.
         ValueError: Degrees that do not fit the world or the model, or a conflicting second apply.
         ApplyMismatchError: (a ``ValueError``) The ranks called ``apply`` with different targets, arguments
             or model configs, or its checks failed on some ranks only: raised alike on every rank, listing

@@ -81,7 +81,8 @@ PUBLIC: dict[str, str | None] = {
         "prepare_accelerator step_generator step_rng step_seed"
     ),
     "hfpatch.distributed.gradients": (
-        "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group register_ddp_hook"
+        "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group grads_averaged_over_group "
+        "register_ddp_hook"
     ),
     "hfpatch.distributed.runtime": (
         "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
@@ -100,6 +101,7 @@ PUBLIC: dict[str, str | None] = {
         "AttentionRoute DiTPlan PLANS PlannedDiTUSP UNSUPPORTED USPDispatchProcessor USPSDPAProcessor "
         "plan_from_cp plan_source"
     ),
+    "hfpatch.patches.dit.streams": "ReplicatedStreams install_streams units",  # added by issue 34
     "hfpatch.patches.fsdp": (
         "GatheredPeak SHARD_OPTIONS WeightSharding gathered_parameter_bytes parameter_bytes shard_axes "
         "shard_units sharded_models"

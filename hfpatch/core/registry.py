@@ -2,8 +2,11 @@
 
 Keys look like ``"diffusers.WanTransformer3DModel"``: the top-level package plus the class name, so a
 subclass of a supported class matches and no HF module is imported to build the registry. Families are
-given as ``"module:Class"`` strings and imported on first lookup. A registry also keeps the classes no family
-patches, with the reason (:meth:`Registry.register_refusals`), which ``hfpatch.apply`` states.
+given as ``"module:Class"`` strings and imported on first lookup.
+
+Classes no family patches can be *refused* with a reason (:meth:`Registry.register_refusals`): a table of class
+key -> reason, or of class name -> reason for one library (``"module:NAME"``, imported on the first lookup), so
+that :func:`hfpatch.apply` says why instead of only that nothing matched.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[str, list[type[PatchFamily] | str]] = {}
+        #: (library or None, table or "module:NAME"), loaded into ``_refusals`` (class key -> reason) on first use.
+        self._refusal_sources: list[tuple[str | None, Mapping[str, str] | str]] = []
         self._refusals: dict[str, str] = {}
-        self._refusal_sources: list[Mapping[str, str] | str] = []
 
     def register(self, key: str, family: type[PatchFamily] | str) -> None:
         """Register ``family`` (a class or ``"module:Class"``) for the class named ``key``."""
@@ -97,22 +101,6 @@ class Registry:
         finally:
             self.unregister(key, family)
 
-    def register_refusals(self, source: Mapping[str, str] | str) -> None:
-        """Classes no family patches, with the reason: a mapping of class keys to reasons, or ``"module:NAME"``
-        naming one (imported on the first :meth:`refusal` lookup). ``hfpatch.apply`` states the reason."""
-        self._refusal_sources.append(source)
-
-    def refusal(self, obj: Any) -> str | None:
-        """Why no family patches ``obj`` (its class or a base class was registered as refused), else ``None``."""
-        return self.refusal_for_class(type(obj))
-
-    def refusal_for_class(self, cls: type) -> str | None:
-        """:meth:`refusal` for a class."""
-        while self._refusal_sources:
-            source = self._refusal_sources.pop(0)
-            self._refusals.update(_load(source) if isinstance(source, str) else source)
-        return next((self._refusals[k] for k in map(class_key, cls.__mro__) if k in self._refusals), None)
-
     def families_for(self, obj: Any) -> list[PatchFamily]:
         """Instantiated families for ``obj``, most specific class first; empty when unsupported."""
         return self.families_for_class(type(obj))
@@ -128,6 +116,52 @@ class Registry:
                     seen.add(family_cls)
                     found.append(family_cls())
         return found
+
+    def register_refusals(self, reasons: Mapping[str, str] | str, library: str | None = None) -> None:
+        """Refuse classes with a reason: ``reasons`` maps a class key (``"diffusers.AutoencoderOobleck"``) to why
+        hfpatch does not patch it, or, with ``library`` (``"diffusers"``), a bare class name of that top-level
+        package; or it is ``"module:NAME"`` of such a mapping, imported on the first lookup."""
+        if library is not None and (not isinstance(library, str) or not library or "." in library):
+            raise ValueError(f"refusals are registered per top-level package ('diffusers'), got {library!r}")
+        self._refusal_sources.append((library, reasons))
+
+    def refusal_for(self, obj: Any) -> tuple[str, str] | None:
+        """``(class name, reason)`` when ``obj``'s class is refused, ``None`` otherwise.
+
+        Along the MRO, the first class that has families or a refusal decides: a subclass of a supported class is
+        not refused by its parent's neighbours, and a class with families is never refused.
+
+        >>> registry = Registry()
+        >>> registry.register_refusals({"dict": "a mapping, not a model"}, library="builtins")
+        >>> registry.refusal_for({})
+        ('dict', 'a mapping, not a model')
+        >>> registry.refusal_for([]) is None
+        True
+        """
+        return self._refused_class(type(obj))
+
+    def refusal(self, obj: Any) -> str | None:
+        """Why no family patches ``obj`` (:meth:`refusal_for`'s reason), else ``None``."""
+        refused = self._refused_class(type(obj))
+        return None if refused is None else refused[1]
+
+    def refusal_for_class(self, cls: type) -> str | None:
+        """:meth:`refusal` for a class."""
+        refused = self._refused_class(cls)
+        return None if refused is None else refused[1]
+
+    def _refused_class(self, klass: type) -> tuple[str, str] | None:
+        while self._refusal_sources:
+            library, source = self._refusal_sources.pop(0)
+            table = _load(source) if isinstance(source, str) else source
+            self._refusals.update({f"{library}.{k}" if library else k: v for k, v in table.items()})
+        for cls in klass.__mro__:
+            key = class_key(cls)
+            if key in self._entries:
+                return None
+            if key in self._refusals:
+                return key.split(".", 1)[1], self._refusals[key]
+        return None
 
     def supported(self) -> dict[str, list[str]]:
         """Class key -> family names (imports the families)."""

@@ -24,6 +24,7 @@ bounded waits and the byte counts of :func:`count_comm` hold in compiled code to
 from __future__ import annotations
 
 import contextvars
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -378,44 +379,108 @@ def _reduce_scatter(grad: torch.Tensor, dim: int, group, sizes: list[int]) -> to
     return recv.view(world, *shape).sum(0)
 
 
+def _gather_sequence(x: torch.Tensor, dim: int, group, valid: int) -> torch.Tensor:
+    """Every rank's equal shard of a sequence padded at its end, concatenated along ``dim`` and cut to ``valid``.
+
+    The result is contiguous (what the unpadded tensor would be) and holds no padding: the shards are received
+    into one buffer (``all_gather_single``: nothing is copied per destination), and either that buffer is the
+    result (nothing before ``dim`` but size-1 dims: the shards lie one after the other) or one ``cat`` of each
+    shard's valid rows writes it. Bytes sent: ``N - 1`` local shards, as :func:`_gather`.
+    """
+    world = _size(group)
+    send = x.contiguous()
+    recv = x.new_empty(world * send.numel())
+    before = _use_counts((recv, send))
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    try:
+        gather_single(recv, send.reshape(-1), group=group)
+    except RuntimeError as exc:
+        if not runtime.is_peer_failure(exc):
+            raise
+        raise runtime.collective_error("all_gather", group, exc) from exc
+    _await_release((recv, send), before)
+    _record("all_gather", (world - 1) * send.numel() * x.element_size())
+    local = x.shape[dim]
+    if math.prod(x.shape[:dim]) == 1:
+        full = list(x.shape)
+        full[dim] = world * local
+        return recv.view(full).narrow(dim, 0, valid)
+    shards = recv.view(world, *x.shape)
+    keep = [max(0, min(local, valid - p * local)) for p in range(world)]
+    return torch.cat([shards[p].narrow(dim, 0, n) for p, n in enumerate(keep) if n], dim=dim)
+
+
+def _gather_any(x: torch.Tensor, dim: int, group, sizes: list[int], valid: int | None) -> torch.Tensor:
+    return _gather(x, dim, group, sizes) if valid is None else _gather_sequence(x, dim, group, valid)
+
+
+def _slice_of(grad: torch.Tensor, dim: int, group, sizes: list[int], valid: int | None) -> torch.Tensor:
+    """This rank's part of the gathered tensor's gradient (zeros for its padding cut off by ``valid``)."""
+    me = _rank(group)
+    start = sum(sizes[:me])
+    kept = sizes[me] if valid is None else max(0, min(sizes[me], valid - start))
+    part = grad.narrow(dim, start, kept).contiguous()
+    if kept == sizes[me]:
+        return part
+    pad = list(grad.shape)
+    pad[dim] = sizes[me] - kept
+    return torch.cat([part, grad.new_zeros(pad)], dim=dim)
+
+
+def _padded_back(grad: torch.Tensor, dim: int, sizes: list[int], valid: int | None) -> torch.Tensor:
+    """The gradient of the whole concatenation: ``grad`` with zeros for the padding ``valid`` cut off."""
+    if valid is None or valid == sum(sizes):
+        return grad.contiguous()
+    pad = list(grad.shape)
+    pad[dim] = sum(sizes) - valid
+    return torch.cat([grad, grad.new_zeros(pad)], dim=dim)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes, backward):
-        ctx.args = (dim, group, sizes, backward)
-        return _gather(x, dim, group, sizes)
+    def forward(ctx, x, dim, group, sizes, backward, valid):
+        ctx.args = (dim, group, sizes, backward, valid)
+        return _gather_any(x, dim, group, sizes, valid)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, group, sizes, backward = ctx.args
+        dim, group, sizes, backward, valid = ctx.args
         if backward == "slice":
-            me = _rank(group)
-            start = sum(sizes[:me])
-            return grad.narrow(dim, start, sizes[me]).contiguous(), None, None, None, None
-        return _reduce_scatter(grad, dim, group, sizes), None, None, None, None
+            return _slice_of(grad, dim, group, sizes, valid), None, None, None, None, None
+        full = _padded_back(grad, dim, sizes, valid)
+        return _reduce_scatter(full, dim, group, sizes), None, None, None, None, None
 
 
 @torch.library.custom_op("hfpatch::all_gather", mutates_args=())
-def _all_gather_op(x: torch.Tensor, dim: int, group: str, sizes: list[int], backward: str) -> torch.Tensor:
-    return _gather(x, dim, resolve_group(group), sizes)
+def _all_gather_op(
+    x: torch.Tensor, dim: int, group: str, sizes: list[int], backward: str, valid: int | None = None
+) -> torch.Tensor:
+    return _gather_any(x, dim, resolve_group(group), sizes, valid)
 
 
 @_all_gather_op.register_fake
-def _(x, dim, group, sizes, backward):
+def _(x, dim, group, sizes, backward, valid=None):
     shape = list(x.shape)
-    shape[dim] = sum(sizes)
+    shape[dim] = sum(sizes) if valid is None else valid
     return x.new_empty(shape)
 
 
 def _all_gather_setup(ctx, inputs, output) -> None:
-    _, ctx.dim, ctx.group, ctx.sizes, ctx.backward = inputs
+    _, ctx.dim, ctx.group, ctx.sizes, ctx.backward, ctx.valid = inputs
 
 
 def _all_gather_backward(ctx, grad):
     if ctx.backward == "slice":
-        me = _rank(resolve_group(ctx.group))
-        start = sum(ctx.sizes[:me])
-        return grad.narrow(ctx.dim, start, ctx.sizes[me]).contiguous(), None, None, None, None
-    return _reduce_scatter_op(grad.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None, None
+        return (
+            _slice_of(grad, ctx.dim, resolve_group(ctx.group), ctx.sizes, ctx.valid),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+    full = _padded_back(grad, ctx.dim, ctx.sizes, ctx.valid)
+    return _reduce_scatter_op(full, ctx.dim, ctx.group, ctx.sizes), None, None, None, None, None
 
 
 _all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
@@ -439,6 +504,7 @@ def all_gather(
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
     backward: str = "slice",
+    valid: int | None = None,
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (uneven ``sizes`` allowed); differentiable.
 
@@ -450,9 +516,16 @@ def all_gather(
         backward: ``"slice"`` when every rank computes the *same* loss from the gathered tensor (replicated
             downstream; the gradient of the local shard is its slice of the gradient, no communication), or
             ``"reduce_scatter"`` when ranks compute different losses whose sum is the objective.
+        valid: Keep only the first ``valid`` elements of the concatenation along ``dim``: the shards (equal
+            ``sizes``) are a sequence zero-padded at its end (:mod:`hfpatch.attention.layout`) and the padding is
+            never copied into the result, which is contiguous like the unpadded tensor. Its gradient is zero.
 
     Returns:
         The full tensor, identical on every rank.
+
+    >>> import torch
+    >>> all_gather(torch.ones(2, 3), dim=1, valid=2).shape  # one rank: the shard, cut to its valid part
+    torch.Size([2, 2])
     """
     if backward not in ("slice", "reduce_scatter"):
         raise ValueError(f"backward must be 'slice' or 'reduce_scatter', got {backward!r}")
@@ -463,11 +536,13 @@ def all_gather(
         raise ValueError(
             f"sizes[{_rank(group)}]={sizes[_rank(group)]} != local size {x.shape[dim]} along dim {dim}"
         )
+    if valid is not None and (len(set(sizes)) > 1 or not 0 < valid <= sum(sizes)):
+        raise ValueError(f"valid={valid} needs equal sizes adding up to at least it, got sizes={sizes}")
     if world == 1:
-        return x
+        return x if valid is None or valid == x.shape[dim] else x.narrow(dim, 0, valid).contiguous()
     if torch.compiler.is_compiling():
-        return _all_gather_op(x, dim, group_name(group), sizes, backward)
-    return _AllGather.apply(x, dim, group, sizes, backward)
+        return _all_gather_op(x, dim, group_name(group), sizes, backward, valid)
+    return _AllGather.apply(x, dim, group, sizes, backward, valid)
 
 
 def reduce_scatter(

@@ -8,6 +8,19 @@ gradient. Floating inputs that require grad (text embeddings from a trained text
 generator) have their gradient averaged over the group at the model's input (:func:`grad_averaged_over_group`),
 so whatever feeds the split model receives the full gradient on every rank.
 
+Replicated streams. A split model also computes some tensors whole on every rank (the text stream, the
+timestep embedding, image conditions, refiners) and hands them to the split computation (joint or cross
+attention, modulation of the sharded tokens). What comes back to such a tensor is this rank's share of its
+gradient, ``N`` times over; running the replicated part's backward on each share and averaging the results
+afterwards is the unpatched gradient only in exact arithmetic: a model that rounds inside the replicated part
+(Kandinsky 5's rotary rounds q/k to bf16 even in fp32) rounds each share instead of their sum. So the tensor
+enters the split computation through :func:`grads_averaged_over_group` (Megatron's "copy to the parallel region":
+identity forward, all-reduce of the gradient backward): the MEAN of the ``N`` shares, which is the full gradient,
+reaches the replicated part on every rank, and each rank runs the unpatched backward of it. The convention holds
+unchanged (a replicated parameter's gradient is then the full one on every rank, whose mean is itself), and every
+later mean is one of equal values. Cost: one all-reduce of the stream's activation gradient per boundary, in
+backward; what it buys is that the replicated part's backward sees exactly the unpatched gradient.
+
 Why a mean and not a sum of shares: a mean is what DDP and FSDP2 already compute, and it is idempotent, so
 every training-script setup is right with no extra line:
 
@@ -46,6 +59,7 @@ __all__ = [
     "all_reduce_gradients",
     "grad_averaged_over_group",
     "grad_scaled_by_group",
+    "grads_averaged_over_group",
     "register_ddp_hook",
 ]
 
@@ -102,6 +116,66 @@ def grad_averaged_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     if _group_size(group) == 1 or not x.requires_grad:
         return x
     return _AverageGrad.apply(x, group)
+
+
+class _AverageGrads(torch.autograd.Function):
+    """Identity on several tensors; backward: ONE all-reduce (mean) of their gradients, flattened together."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        ctx.shapes = [(x.shape, x.dtype) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from .collectives import all_reduce_mean
+
+        # A gradient autograd leaves out (an output no path used) is zeros here: every rank sends the same buffer.
+        full = [
+            torch.zeros(shape, dtype=dtype, device=_device(grads)) if g is None else g
+            for g, (shape, dtype) in zip(grads, ctx.shapes)
+        ]
+        out: list[torch.Tensor] = [None] * len(full)  # type: ignore[list-item]
+        for dtype in dict.fromkeys(
+            g.dtype for g in full
+        ):  # one collective per dtype (in order of appearance)
+            index = [i for i, g in enumerate(full) if g.dtype == dtype]
+            flat = all_reduce_mean(torch.cat([full[i].reshape(-1) for i in index]), ctx.group)
+            for i, part in zip(index, flat.split([full[i].numel() for i in index])):
+                out[i] = part.view(full[i].shape)
+        return (None, *out)
+
+
+def _device(tensors: Any) -> torch.device:
+    return next(t.device for t in tensors if t is not None)
+
+
+def grads_averaged_over_group(tensors: Iterable[torch.Tensor], group: Any) -> tuple[torch.Tensor, ...]:
+    """:func:`grad_averaged_over_group` on several tensors at once: ONE all-reduce of their gradients in backward.
+
+    Where replicated tensors (the same value on every rank of ``group``) enter a split computation: each rank's
+    backward hands back its share of their gradient, and the mean over the group, the full gradient, is what the
+    replicated computation that made them then runs its backward on (module docstring, "Replicated streams").
+    Tensors that do not require grad pass through as they are.
+
+    >>> import torch
+    >>> text, temb = torch.ones(2, requires_grad=True), torch.zeros(3)
+    >>> out = grads_averaged_over_group([text, temb], None)   # no group (one rank): the tensors themselves
+    >>> out[0] is text and out[1] is temb
+    True
+    """
+    tensors = tuple(tensors)
+    if _group_size(group) == 1 or not torch.is_grad_enabled():
+        return tensors
+    index = [i for i, t in enumerate(tensors) if t.requires_grad]
+    if not index:
+        return tensors
+    averaged = _AverageGrads.apply(group, *(tensors[i] for i in index))
+    out = list(tensors)
+    for i, t in zip(index, averaged):
+        out[i] = t
+    return tuple(out)
 
 
 def average_input_gradients(tree: Any, group: Any) -> Any:

@@ -13,9 +13,10 @@ A family imports the core, distributed and attention layers and the shared modul
 self-attention arithmetic). The block-causal streaming patch lives with the rest of streaming
 (:mod:`hfpatch.streaming.transformer`).
 
-Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``, each of :data:`BUILTIN_REFUSALS` a
-``"module:NAME"`` of the classes refused with their reason; :func:`default_registry` (the registry
-``hfpatch.apply`` uses) reads these tables, so ``import hfpatch`` imports no diffusers or transformers module.
+Each entry of :data:`BUILTIN_FAMILIES` is ``(class key, "module:Family")``, each of :data:`BUILTIN_REFUSALS`
+``(library or None, "module:TABLE")`` (class name, or class key without a library -> why it is not patched, read
+when such a class is looked up); :func:`default_registry` (the registry ``hfpatch.apply`` uses) reads both tables,
+so ``import hfpatch`` imports no diffusers or transformers module.
 """
 
 from __future__ import annotations
@@ -135,9 +136,14 @@ BUILTIN_FAMILIES += [
 ]
 
 
-#: Classes hfpatch does not patch, with the reason: ``"module:NAME"`` of a mapping ``class key -> reason``, read on
-#: the first lookup (``hfpatch.apply``'s error, a pipeline patch's notes, ``hfpatch info``).
-BUILTIN_REFUSALS: list[str] = ["hfpatch.patches.vae.support:REFUSED"]
+#: Classes hfpatch does not patch, with the reason (``hfpatch.apply``'s error, a pipeline patch's notes,
+#: ``hfpatch info``): ``(library, "module:NAME")`` of a mapping class name -> reason, or ``(None, ...)`` of class
+#: key -> reason; read on the first lookup.
+BUILTIN_REFUSALS: list[tuple[str | None, str]] = [
+    ("diffusers", "hfpatch.patches.dit.plans:UNSUPPORTED"),
+    (None, "hfpatch.patches.vae.support:REFUSED"),
+]
+
 
 _default: Registry | None = None
 
@@ -149,7 +155,7 @@ def default_registry() -> Registry:
         registry = Registry()
         for key, family in BUILTIN_FAMILIES:
             registry.register(key, family)
-        for source in BUILTIN_REFUSALS:
-            registry.register_refusals(source)
+        for library, reasons in BUILTIN_REFUSALS:
+            registry.register_refusals(reasons, library)
         _default = registry
     return _default

@@ -85,6 +85,33 @@ def _case_all_gather(length, backward):
     }
 
 
+def _case_all_gather_valid(length, batch, backward):
+    """A sequence zero-padded at its end to equal shards (``hfpatch.attention.layout``), gathered with ``valid``:
+    the unpadded tensor, contiguous (batch 1: the receive buffer itself; batch > 1: one cat of the valid rows)."""
+    from hfpatch.attention.layout import shard_len, shard_sequence
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x_full = _full(batch, length, 5)
+    x = shard_sequence(x_full, 1, world, rank).clone().requires_grad_(True)
+    with count_comm() as counter:
+        out = all_gather(x, dim=1, backward=backward, valid=length)
+    weight = _full(batch, length, 5, seed=1)
+    (out * weight).sum().backward()
+    expected_grad = shard_sequence(weight, 1, world, rank)  # zeros on the padding rows
+    tol = 0.0  # the backward slices the weight: exact
+    if (
+        backward == "reduce_scatter"
+    ):  # every rank's loss is the same here: the sum over ranks is world times it
+        expected_grad = expected_grad * world
+        tol = summation_tol(world) * world * weight.abs().max().item()
+    return {
+        "fwd": torch.equal(out, x_full) and out.is_contiguous(),
+        "bwd_err": (x.grad - expected_grad).abs().max().item(),
+        "bwd_tol": tol,
+        "bytes": (counter.by_op["all_gather"], (world - 1) * batch * shard_len(length, world) * 5 * 4),
+    }
+
+
 def _case_halo(length, before, after):
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = even_sizes(length, world)
@@ -135,6 +162,13 @@ def _all_cases():
     for length in (8, 11):
         for backward in ("slice", "reduce_scatter"):
             results[f"ag_{length}_{backward}"] = _case_all_gather(length, backward)
+    for length, batch, backward in [
+        (11, 3, "slice"),
+        (11, 1, "slice"),
+        (12, 2, "slice"),
+        (11, 2, "reduce_scatter"),
+    ]:
+        results[f"ag_valid_{length}_{batch}_{backward}"] = _case_all_gather_valid(length, batch, backward)
     for length, before, after in [(12, 1, 1), (11, 2, 0), (13, 0, 1), (10, 1, 2)]:
         results[f"halo_{length}_{before}_{after}"] = _case_halo(length, before, after)
     results["ring"] = _case_ring_shift()

@@ -68,7 +68,8 @@ def test_apply_to_a_refused_vae_states_the_reason():
         decoder_input_channels=2, audio_channels=1,
     )  # fmt: skip
     with pytest.raises(
-        TypeError, match=r"hfpatch does not patch AutoencoderOobleck: an audio VAE .* no image height"
+        TypeError,
+        match=r"hfpatch does not split AutoencoderOobleck over ranks: an audio VAE .* no image height",
     ):
         hfpatch.apply(vae)
 

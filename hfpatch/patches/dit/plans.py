@@ -25,6 +25,7 @@ from .vocabulary import (
     DiTPlan,
     GatherOutput,
     MeasureInput,
+    ReplicatedInput,
     ReplicatedOutput,
     SplitInput,
     SplitOutput,
@@ -181,7 +182,8 @@ PLANS: dict[str, DiTPlan] = {
     # self-attention and text cross-attention local. Video self-attention (attn1) is routed; the audio-to-video
     # attention (video queries, audio keys) is local and exact; the video-to-audio attention (audio queries,
     # video keys) is routed as joint="queries" (exact merge over the video shards). The audio output is
-    # replicated: rank 0 takes its (N-scaled) gradient (ReplicatedOutput), so the group's mean counts it once.
+    # replicated on every rank (ReplicatedOutput), and so is the audio entering every block, with its rotary table
+    # (ReplicatedInput): its gradient is averaged there, so the audio stream runs the unpatched backward.
     "diffusers.LTX2VideoTransformer3DModel": DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn1", ("LTX2AudioVideoAttnProcessor",)),
@@ -197,6 +199,11 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "rope": (SplitOutput(dim=2, ndim=4),),  # split rope: (cos, sin), each [B, H, S, D/2]
             "cross_attn_rope": (SplitOutput(dim=1, ndim=3), SplitOutput(dim=2, ndim=4)),
+            "transformer_blocks.*": (
+                ReplicatedInput("audio_hidden_states"),
+                ReplicatedInput("audio_rotary_emb"),
+                ReplicatedInput("ca_audio_rotary_emb"),
+            ),
             "audio_proj_out": (ReplicatedOutput(),),
         },
         refuse={
@@ -604,7 +611,7 @@ PLANS: dict[str, DiTPlan] = {
     ),
     # Kandinsky 6 (video + audio): LTX-2's layout. The video tokens are cut entering the first fused block (their
     # rotary table at every block) and gathered from the last block's (video, audio) output before the stock code
-    # reshapes them to the grid; the audio stream stays replicated (its output's gradient taken by sp rank 0). The
+    # reshapes them to the grid; the audio stream stays replicated (entering every block and leaving the model). The
     # video self-attention is routed, and so is the audio-to-video cross-attention (audio queries over the sharded
     # video keys: exact merge over the shards); the video-to-audio and text cross-attentions are local.
     "diffusers.Kandinsky6Transformer3DModel": DiTPlan(
@@ -620,7 +627,11 @@ PLANS: dict[str, DiTPlan] = {
         ),
         plan={
             "visual_transformer_blocks.0": (SplitInput("vis", dim=1),),
-            "visual_transformer_blocks.*": (SplitInput("vis_rope", dim=0),),
+            "visual_transformer_blocks.*": (
+                SplitInput("vis_rope", dim=0),
+                ReplicatedInput("aud"),
+                ReplicatedInput("aud_rope"),
+            ),
             "visual_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
             "audio_out_layer": (ReplicatedOutput(),),
         },

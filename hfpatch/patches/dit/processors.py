@@ -420,9 +420,13 @@ class USPDispatchProcessor:
                 f"{self.state.local_len}: the model ran without its sequence split. Call model(...), not "
                 "model.forward(...)."
             )
-        return sharded_keys_attention(
+        # The queries are replicated: the full gradient reaches their backward (.streams); the output is too.
+        (query,) = self.state.streams.average(query)
+        out = sharded_keys_attention(
             query, key, value, group=self.state.group, valid_len=self.state.valid_len, scale=scale
         )
+        self.state.streams.replicated(out)
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where}, joint={self.joint}, {self.state!r})"

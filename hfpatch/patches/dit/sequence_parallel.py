@@ -58,9 +58,11 @@ from ...core.registry import PatchFamily
 from ...distributed.agreement import check_same_inputs, named_arguments
 from ...distributed.collectives import all_gather
 from ...distributed.gradients import average_input_gradients, grad_scaled_by_group
+from .streams import ReplicatedStreams, install_streams
 from .vocabulary import (
     GatherOutput,
     MeasureInput,
+    ReplicatedInput,
     ReplicatedOutput,
     SequencePlan,
     Spec,
@@ -109,6 +111,8 @@ class SequenceShard:
         #: (attention path, call index) -> replicated text tokens its joint attention took in this call (a
         #: stand-in that splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
         self.text_len: dict[Any, int] = {}
+        #: What this call computes whole on every rank, and where it enters the shard (:mod:`.streams`).
+        self.streams = ReplicatedStreams(group)
 
     def begin(self) -> None:
         """Forget the previous call's geometry (a new forward may have another sequence length)."""
@@ -139,7 +143,9 @@ class SequenceShard:
                 f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
             )
         # A copy, not a view: the full tensor (patch embedding output, rotary tables) must be freeable.
-        return shard_sequence(x, dim, self.world, self.rank).clone()
+        shard = shard_sequence(x, dim, self.world, self.rank).clone()
+        self.streams.sharded(shard)
+        return shard
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full, unpadded sequence from every rank's shard (identical on every rank)."""
@@ -147,8 +153,13 @@ class SequenceShard:
             raise RuntimeError(
                 "sequence-parallel gather before any split: the plan has no split on this path"
             )
-        full = all_gather(x.contiguous(), dim, self.group, backward="slice")
-        return grad_scaled_by_group(full.narrow(dim, 0, self.valid_len), self.group)
+        # Contiguous and unpadded, as the stock code expects its output (AnyFlow .view()s it): the padding at the end
+        # of the last shards is left out as the shards are assembled, never copied in and then cut off.
+        full = grad_scaled_by_group(
+            all_gather(x, dim, self.group, backward="slice", valid=self.valid_len), self.group
+        )
+        self.streams.replicated(full)
+        return full
 
     def _joint_parts(self, length: int, sharded: int, joint: str, where: str) -> list[int]:
         if joint not in ("front", "back"):
@@ -173,8 +184,11 @@ class SequenceShard:
         sizes = self._joint_parts(x.shape[dim], self.valid_len or 0, joint, where)
         first, second = x.split(sizes, dim)
         if joint == "front":
-            return torch.cat([first, shard_sequence(second, dim, self.world, self.rank)], dim)
-        return torch.cat([shard_sequence(first, dim, self.world, self.rank), second], dim)
+            shard = torch.cat([first, shard_sequence(second, dim, self.world, self.rank)], dim)
+        else:
+            shard = torch.cat([shard_sequence(first, dim, self.world, self.rank), second], dim)
+        self.streams.sharded(shard)
+        return shard
 
     def gather_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
         """Gather the shards of a ``[replicated, shard]`` / ``[shard, replicated]`` sequence (the inverse of
@@ -182,8 +196,11 @@ class SequenceShard:
         sizes = self._joint_parts(x.shape[dim], self.local_len or 0, joint, where)
         first, second = x.split(sizes, dim)
         if joint == "front":
-            return torch.cat([first, self.gather(second, dim)], dim)
-        return torch.cat([self.gather(first, dim), second], dim)
+            full = torch.cat([first, self.gather(second, dim)], dim)
+        else:
+            full = torch.cat([self.gather(first, dim), second], dim)
+        self.streams.replicated(full)
+        return full
 
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
@@ -201,17 +218,8 @@ class SequenceShard:
 
 
 # ----------------------------------------------------------------------------------------------- interpreter
-class _FirstRankGrad(torch.autograd.Function):
-    """Identity whose gradient only one rank keeps (:class:`ReplicatedOutput`)."""
-
-    @staticmethod
-    def forward(ctx, x, keep):
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
+#: The specs that act on a submodule's arguments (a forward pre-hook).
+_INPUT_SPECS = (SplitInput, MeasureInput, ReplicatedInput)
 
 
 def _map_tensors(value: Any, fn) -> Any:
@@ -223,6 +231,17 @@ def _map_tensors(value: Any, fn) -> Any:
     if type(value) is dict and value and all(isinstance(v, torch.Tensor) for v in value.values()):
         return {k: fn(v) for k, v in value.items()}  # AnyFlow's rotary {"query": ..., "key": ...}
     return value
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a tensor or of a tuple/list/dict of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _flat_tensors(v)]
+    return []
 
 
 def _cut_element(value: Any, fn, index: int | None) -> Any:
@@ -256,7 +275,9 @@ def _resolve(root: torch.nn.Module, path: str) -> torch.nn.Module:
         ) from exc
 
 
-def _positions(module: torch.nn.Module, specs: list[SplitInput], path: str) -> dict[str, int]:
+def _positions(
+    module: torch.nn.Module, specs: list[SplitInput | MeasureInput | ReplicatedInput], path: str
+) -> dict[str, int]:
     params = list(inspect.signature(module.forward).parameters)
     for spec in specs:
         if spec.name not in params:
@@ -321,19 +342,28 @@ def expand_plan(model: torch.nn.Module, plan: SequencePlan) -> dict[str, tuple[S
 def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
     """Raise ``ValueError`` if ``plan`` names a submodule or an argument ``model`` does not have. Pure."""
     for path, specs in expand_plan(model, plan).items():
-        _positions(
-            _resolve(model, path), [s for s in specs if isinstance(s, (SplitInput, MeasureInput))], path
-        )
+        _positions(_resolve(model, path), [s for s in specs if isinstance(s, _INPUT_SPECS)], path)
 
 
 def _input_hook(
-    module: torch.nn.Module, specs: list[SplitInput | MeasureInput], state: SequenceShard, path: str
+    module: torch.nn.Module,
+    specs: list[SplitInput | MeasureInput | ReplicatedInput],
+    state: SequenceShard,
+    path: str,
 ):
     positions = _positions(module, specs, path)
 
     def split_inputs(_module, args, kwargs):
         args = list(args)
         for spec in specs:
+            if isinstance(
+                spec, ReplicatedInput
+            ):  # averaged by the unit's own hook (.streams), which runs next
+                value = kwargs.get(
+                    spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
+                )
+                state.streams.replicated(*_flat_tensors(value), force=True)
+                continue
             if isinstance(spec, MeasureInput):
                 value = kwargs.get(
                     spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
@@ -358,8 +388,8 @@ def apply_sequence_plan(
     state: SequenceShard,
     patch: Patch,
     check_inputs: bool = True,
-) -> None:
-    """Install ``plan`` on ``model`` as hooks logged in ``patch``.
+) -> set[str]:
+    """Install ``plan`` on ``model`` as hooks logged in ``patch``; returns the submodule paths it hooked.
 
     Checks the whole plan first (:func:`check_plan`), then registers: a pre-hook on the model that starts
     a new call (:meth:`SequenceShard.begin`) after checking that every rank of the ``sp`` group was given
@@ -378,7 +408,7 @@ def apply_sequence_plan(
     def install(path: str, specs: tuple[Spec, ...]) -> None:
         module = _resolve(model, path)
         handles = []
-        inputs = [s for s in specs if isinstance(s, (SplitInput, MeasureInput))]
+        inputs = [s for s in specs if isinstance(s, _INPUT_SPECS)]
         if inputs:
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
@@ -423,10 +453,9 @@ def apply_sequence_plan(
             elif isinstance(spec, ReplicatedOutput):
 
                 def replicated_output(_m, _args, _kwargs, out):
-                    return _map_tensors(
-                        out,
-                        lambda x: grad_scaled_by_group(_FirstRankGrad.apply(x, state.rank == 0), state.group),
-                    )
+                    # Every rank computes the same loss from it: its gradient is the full one on every rank, on
+                    # which the replicated stream runs its backward (:mod:`.streams`); nothing to change.
+                    state.streams.replicated(*(t for t in _flat_tensors(out)))
 
                 handles.append(patch.add_forward_hook(module, replicated_output))
         installed[path] = (module, handles)
@@ -446,11 +475,18 @@ def apply_sequence_plan(
                 install(path, specs)
         state.begin()
         # A trained module upstream (text encoder, adapter) then gets the full gradient on every rank.
-        return average_input_gradients((args, kwargs), state.group)
+        args, kwargs = average_input_gradients((args, kwargs), state.group)
+        state.streams.begin((args, kwargs))
+        return args, kwargs
+
+    def end_call(_module, _args, _kwargs, _output):
+        state.streams.end()  # the call's autograd nodes are not held past it
 
     patch.add_forward_pre_hook(model, begin_call)
+    patch.add_forward_hook(model, end_call, always_call=True)
     for path, specs in plan.items():
         install(path, specs)
+    return set(plan)
 
 
 # ----------------------------------------------------------------------------------------------- family base
@@ -564,12 +600,15 @@ class SequenceParallelFamily(PatchFamily):
             mesh.group("ring"),
             ExchangeConfig.parse(options["exchange"]),
         )
-        apply_sequence_plan(
+        hooked = apply_sequence_plan(
             target, self.plan_for(target), state, patch, check_inputs=bool(options["check_inputs"])
         )
         swapped = self.make_processors(target, state)
         for _, attention, processor in swapped:
             patch.swap_processor(attention, processor)
+        # Replicated streams entering the shard get their gradient averaged before their backward (.streams).
+        routed = {path for path, _, _ in swapped}
+        install_streams(target, state.streams, (hooked | routed) - {""}, routed, patch)
 
         def check_attention_swaps(_module, args, kwargs):
             # fuse_qkv_projections() / set_attn_processor() after apply would install stock processors that
@@ -624,7 +663,11 @@ def usp_attention_call(
             f"{state.local_len}: the model ran without its sequence split. Call model(...), not model.forward(...)."
         )
     joint_query, joint_key, joint_value = joint if joint is not None else (None, None, None)
-    return (usp_attention_joined if joined else usp_attention)(
+    if (
+        joint is not None
+    ):  # replicated on every rank (the plan says so): the full gradient reaches their backward
+        joint_query, joint_key, joint_value = state.streams.average(*joint)
+    result = (usp_attention_joined if joined else usp_attention)(
         query,
         key,
         value,
@@ -641,3 +684,13 @@ def usp_attention_call(
         dense=dense,
         exchange=state.exchange,
     )
+    if (
+        joined
+    ):  # the shard's tokens with the text in one tensor: sharded (as a concatenation of the two would be)
+        state.streams.sharded(result)
+        return result
+    out, joint_out = result
+    state.streams.sharded(out)
+    if joint_out is not None:
+        state.streams.replicated(joint_out)
+    return out, joint_out

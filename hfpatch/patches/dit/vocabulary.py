@@ -24,6 +24,7 @@ __all__ = [
     "DiTPlan",
     "GatherOutput",
     "MeasureInput",
+    "ReplicatedInput",
     "ReplicatedOutput",
     "SequencePlan",
     "SplitInput",
@@ -103,13 +104,28 @@ class GatherOutput:
 class ReplicatedOutput:
     """A submodule output every rank computes in full (a replicated stream's output: LTX-2's audio).
 
-    Every rank returns the same tensor, and the attention couples it with the sharded stream, whose
-    gradients are per-rank shares: rank 0 of the ``sp`` group takes its gradient (scaled by ``N``, as at a
-    gather), the others get none, so the replicated stream's gradients are shares too (forward: identity).
+    Every rank returns the same tensor and computes the same loss from it, so its gradient is the full one on
+    every rank, which the replicated stream runs its backward on; where the stream meets the sharded one, the
+    shares coming back are averaged first (:mod:`hfpatch.patches.dit.streams`). Forward and backward: identity;
+    the output is marked replicated for the per-call proof of :mod:`~hfpatch.patches.dit.streams`.
     """
 
 
-Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput
+@dataclass(frozen=True)
+class ReplicatedInput:
+    """The argument ``name`` of a submodule's ``forward`` is a replicated stream: the same on every rank (LTX-2's
+    audio entering each block, with its rotary table).
+
+    hfpatch proves most streams replicated by itself (:mod:`hfpatch.patches.dit.streams`); this says it for one
+    whose proof the model's code hides (a stream interleaved with the sharded one, whose positions the stock code
+    builds outside any module). A tensor that requires grad is averaged (its gradient, once per call) on its way
+    into the submodule, with the others it takes; one that does not is marked replicated for the proof.
+    """
+
+    name: str
+
+
+Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput | ReplicatedInput
 #: Submodule path (``""`` = the model) -> the specs applied there.
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
