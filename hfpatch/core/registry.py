@@ -142,8 +142,7 @@ class Registry:
 
     def refusal(self, obj: Any) -> str | None:
         """Why no family patches ``obj`` (:meth:`refusal_for`'s reason), else ``None``."""
-        refused = self._refused_class(type(obj))
-        return None if refused is None else refused[1]
+        return self.refusal_for_class(type(obj))
 
     def refusal_for_class(self, cls: type) -> str | None:
         """:meth:`refusal` for a class."""
