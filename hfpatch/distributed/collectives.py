@@ -97,11 +97,12 @@ def _record(op: str, nbytes: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _size(group: ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
+    # One process without a default group is a world of one: nothing to communicate.
+    return 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
 
 
 def _rank(group: ProcessGroup | None) -> int:
-    return dist.get_rank(group)
+    return 0 if group is None and not dist.is_initialized() else dist.get_rank(group)
 
 
 def _global(group: ProcessGroup | None, group_rank: int) -> int:

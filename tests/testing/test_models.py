@@ -59,7 +59,7 @@ CASES = {
     "tiny_bert": lambda: T.tiny_bert(),
     "tiny_clip_text_model": lambda: T.tiny_clip_text_model(),
     "tiny_t5_encoder": lambda: T.tiny_t5_encoder(),
-    # The video VAEs split by height (issue 36), rows of TINY_MODELS without a factory of their own.
+    # The VAEs split by height (issue 36), rows of TINY_MODELS without a factory of their own.
     **{
         f"tiny_model({row!r})": (lambda r: lambda: T.models.tiny_model(r))(row)
         for row in (
@@ -69,6 +69,11 @@ CASES = {
             "mochi_vae",
             "allegro_vae",
             "cosmos_vae",
+            "flux2_vae",
+            "qwenimage21_vae",
+            "hunyuanimage_vae",
+            "hunyuanimage_refiner_vae",
+            "autoencoder_dc",
         )
     },
     **{f"tiny_dit({name!r})": (lambda n: lambda: dits.tiny_dit(n))(name) for name in dits.TINY_DITS},
@@ -126,6 +131,11 @@ PINNED = {
     "tiny_model('mochi_vae')": "d04187ea949b9ce2",
     "tiny_model('allegro_vae')": "0e69c46625dd641e",
     "tiny_model('cosmos_vae')": "5ea805acc3f88bad",
+    "tiny_model('flux2_vae')": "4037c7dec892199a",
+    "tiny_model('qwenimage21_vae')": "7058cc4e8f4b91b8",
+    "tiny_model('hunyuanimage_vae')": "f7f82792eec6c204",
+    "tiny_model('hunyuanimage_refiner_vae')": "aeade2f1483edce2",
+    "tiny_model('autoencoder_dc')": "de6b99ea5e58a99d",
     "tiny_dit('chroma')": "fc75eb5ffdb2b07e",
     "tiny_dit('bria')": "69e08eca20ef01e5",
     "tiny_dit('bria_fibo')": "5520d7b029c42f8d",
