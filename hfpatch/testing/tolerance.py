@@ -13,6 +13,10 @@ and too tight for an ill-conditioned one. So the suite measures the rounding sca
   (both fp32 results sit within about one noise of the fp64 one, so their distance is about two; ten leaves
   room for the tail of the error distribution) and never below ``FLOOR_ULPS`` units of roundoff of the
   output scale (where both are single roundings, e.g. a model with few reductions).
+* :func:`perturbation_noise` -- for a model that rounds to a lower precision *inside* even in fp32 (Kandinsky
+  5's rotary rounds q/k to bf16): the largest change of its fp32 output when its inputs move by one fp32 ulp. A
+  reassociation-sized change just before such a rounding can move a value by one ulp of the lower precision;
+  the fp64 twin rounds the same way, so :func:`rounding_noise` shows that amplification only by chance.
 * :func:`low_precision_tol` -- for two bf16/fp16 results that differ in summation order: they share most
   roundings, so their gap is bounded by the reduced-precision result's own noise against fp64 (factor 1).
 * :func:`summation_tol` -- for a single reduction of ``terms`` values: two summation orders differ by at
@@ -39,6 +43,7 @@ True
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -50,6 +55,7 @@ __all__ = [
     "attention_tol",
     "eps",
     "low_precision_tol",
+    "perturbation_noise",
     "reassociation_tol",
     "rel_error",
     "rounding_noise",
@@ -85,6 +91,53 @@ def rel_error(actual: torch.Tensor, reference: torch.Tensor, scale: float | None
 def rounding_noise(fp32: torch.Tensor, fp64: torch.Tensor, scale: float | None = None) -> float:
     """The relative error fp32 rounding alone causes: the fp32 result against the fp64 one (same inputs)."""
     return rel_error(fp32, fp64, fp64.detach().abs().max().item() if scale is None else scale)
+
+
+def perturbation_noise(
+    fn: Callable[[dict[str, Any]], torch.Tensor | Mapping[str, torch.Tensor]],
+    inputs: Mapping[str, Any],
+    *,
+    ulps: float = 1.0,
+    trials: int = 4,
+    scales: Mapping[str, float] | None = None,
+    seed: int = 0,
+) -> float:
+    """The largest relative change of ``fn(inputs)`` when every floating tensor in ``inputs`` moves by up to
+    ``ulps`` fp32 ulps (random, ``trials`` draws): how far a reassociation-sized change moves this computation.
+
+    For a smooth fp32 computation this is about its :func:`rounding_noise`. One that rounds to a lower precision
+    inside (a cast to bf16 between fp32 operations) turns some of those tiny changes into one ulp of that
+    precision: every draw moves a few such roundings, so the result shows the amplification that the fp64
+    twin's noise shows only by chance. Use it as a noise: ``reassociation_tol(max(noise, perturbation_noise))``.
+    ``fn`` returns a tensor, or a dict of tensors compared each relative to ``scales[name]`` (default: its own
+    largest magnitude).
+
+    >>> import torch
+    >>> from hfpatch.testing.tolerance import perturbation_noise
+    >>> w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) / 16
+    >>> x = {"x": torch.randn(64, 256, generator=torch.Generator().manual_seed(1))}
+    >>> smooth = perturbation_noise(lambda i: i["x"] @ w, x)
+    >>> rounded = perturbation_noise(lambda i: (i["x"] @ w).bfloat16().float(), x)  # some roundings flip
+    >>> smooth < 1e-6 < rounded
+    True
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            noise = torch.rand(value.shape, generator=generator, dtype=value.dtype) * 2 - 1
+            return value + value * noise * (
+                ulps * eps(value.dtype) / 2
+            )  # eps / 2: one ulp of a value in [1, 2)
+        return value
+
+    def compare(got: Any, ref: Any) -> float:
+        if isinstance(ref, torch.Tensor):
+            return rel_error(got, ref)
+        return max(rel_error(got[k], ref[k], None if scales is None else scales[k]) for k in ref)
+
+    reference = fn(dict(inputs))
+    return max(compare(fn({k: moved(v) for k, v in inputs.items()}), reference) for _ in range(trials))
 
 
 def reassociation_tol(
