@@ -168,8 +168,8 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.testing.runner": "RankError RankPool run_ranks",
     "hfpatch.testing.tolerance": (
-        "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol reassociation_tol rel_error "
-        "rounding_noise summation_tol to_fp64"
+        "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol perturbation_noise "
+        "reassociation_tol rel_error rounding_noise summation_tol to_fp64"
     ),
     "hfpatch.training": (
         "CLIPLoss ContrastiveLoss GISTLoss GradCache GradCacheLoss GradCacheTrainer InfoNCELoss RngState SigLIPLoss "
