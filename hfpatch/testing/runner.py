@@ -79,6 +79,11 @@ def _worker(
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # Every result is in the parent already: skip the interpreter's teardown of a heap of models and modules
+    # (about 10 s per pool on a 2-core machine).
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class RankPool:
@@ -173,12 +178,13 @@ class RankPool:
         """Stop the ranks (politely, or by terminating them when ``force``)."""
         if not self._procs:
             return
+        started = [p for p in self._procs if p.pid is not None]  # a failed start leaves some unstarted
         if not force:
             for q in self._tasks:
                 q.put(None)
-            for p in self._procs:
+            for p in started:
                 p.join(timeout=10)
-        for p in self._procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
