@@ -26,9 +26,28 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryTracker", "measure_peak", "track_memory"]
+
+
+#: Tensor types that are no wrapper subclass (the hot path skips ``is_traceable_wrapper_subclass``).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Appends the tensors in an op's arguments or results to ``out``: tensors in (nested) lists, tuples and
+    dicts, what ATen schemas hold. ``tree_flatten`` finds the same leaves, at several times the cost of the
+    tiny ops of a test model (the tracker runs on every op)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, (torch.Tensor, list, tuple, dict)):
+                _tensors(item, out)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, out)
+    return out
 
 
 def _plain_tensors(values: list[Any]) -> Iterator[torch.Tensor]:
@@ -36,10 +55,17 @@ def _plain_tensors(values: list[Any]) -> Iterator[torch.Tensor]:
     for value in values:
         if not isinstance(value, torch.Tensor) or value.is_sparse:
             continue
-        if is_traceable_wrapper_subclass(value):
+        if type(value) not in _PLAIN and is_traceable_wrapper_subclass(value):
             yield from _plain_tensors([getattr(value, n) for n in value.__tensor_flatten__()[0]])
         else:
             yield value
+
+
+def _data_ptrs(tensors: list[torch.Tensor]) -> set[int]:
+    """The data pointers of ``tensors``' storages (of a wrapper subclass's inner tensors)."""
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors if type(t) in _PLAIN and not t.is_sparse}
+    wrapped = [t for t in tensors if type(t) not in _PLAIN]
+    return ptrs.union(t.untyped_storage().data_ptr() for t in _plain_tensors(wrapped)) if wrapped else ptrs
 
 
 @dataclass
@@ -53,35 +79,49 @@ class MemoryTracker(TorchDispatchMode):
 
     live_bytes: int = 0
     peak_bytes: int = 0
-    _seen: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    #: ``id(storage)`` -> (a weak reference whose callback releases its bytes, the bytes) of each tracked storage
+    #: alive (storages keep their Python object while they live: the id is theirs until they are freed).
+    _seen: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         super().__init__()
 
-    def _track(self, tensor: torch.Tensor, input_ptrs: set[int]) -> None:
-        if is_traceable_wrapper_subclass(tensor):  # a DTensor (FSDP2's parameters): its local tensors
+    def _track(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor], ptrs: set[int] | None
+    ) -> set[int] | None:
+        """Counts ``tensor``'s storage if new; returns the inputs' data pointers ``ptrs`` (computed once per op,
+        when first needed). A wrapper subclass (a DTensor: FSDP2's parameters) counts its local tensors."""
+        if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
             for inner in _plain_tensors([getattr(tensor, n) for n in tensor.__tensor_flatten__()[0]]):
-                self._track(inner, input_ptrs)
-            return
+                ptrs = self._track(inner, inputs, ptrs)
+            return ptrs
         storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._seen or storage.device.type == "meta":
+            return ptrs
         # A view or in-place result of an untracked (pre-existing) tensor shares its storage: no new memory.
-        if storage in self._seen or storage.device.type == "meta" or storage.data_ptr() in input_ptrs:
-            return
+        if ptrs is None:
+            ptrs = _data_ptrs(inputs)
+        if storage.data_ptr() in ptrs:
+            return ptrs
         nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
+        self._seen[key] = (weakref.ref(storage, lambda _, key=key: self._release(key)), nbytes)
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._release, nbytes)
+        return ptrs
 
-    def _release(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self._seen.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        input_ptrs = {t.untyped_storage().data_ptr() for t in _plain_tensors(tree_flatten((args, kwargs))[0])}
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and not leaf.is_sparse:
-                self._track(leaf, input_ptrs)
+        results = _tensors(out, [])
+        if results:
+            inputs = _tensors(kwargs, _tensors(args, [])) if kwargs else _tensors(args, [])
+            ptrs = None
+            for leaf in results:
+                if not leaf.is_sparse:
+                    ptrs = self._track(leaf, inputs, ptrs)
         return out
 
     def reset_peak(self) -> None:

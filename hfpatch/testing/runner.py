@@ -54,6 +54,9 @@ def _worker(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         HFPATCH_TIMEOUT_S=str(timeout_s),
+        # Libraries size their thread pools from it when it is unset: accelerate's PartialState on CPU
+        # calls torch.set_num_threads(physical cores / LOCAL_WORLD_SIZE), i.e. all cores in every rank.
+        OMP_NUM_THREADS=str(threads),
     )
     from datetime import timedelta
 
@@ -74,6 +77,10 @@ def _worker(
         if task is None:
             break
         fn, args, kwargs = task
+        # Each task starts with the pool's thread count, whatever an earlier task (or a library it called) set:
+        # results that a test expects bit-identical to its own process's depend on it (a reduction split over
+        # threads sums in another order), and so does the speed of oversubscribed ranks.
+        torch.set_num_threads(threads)
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
@@ -92,7 +99,9 @@ class RankPool:
     Args:
         world_size: Number of ranks.
         timeout_s: Collective timeout inside the ranks and the longest a call may take.
-        threads: torch intra-op threads per rank (1 avoids oversubscribing small CI machines).
+        threads: torch intra-op threads per rank (1 avoids oversubscribing small CI machines), set again
+            before every call: a call that changes it (accelerate's ``PartialState`` on CPU does) leaves no
+            trace in the next.
 
     After a failure or a timeout the ranks are torn down (a rank may be stuck in a collective) and the
     next :meth:`run` starts fresh ones.

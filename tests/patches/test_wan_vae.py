@@ -65,7 +65,10 @@ def _fidelity(cases: list[tuple[str, str, int]]) -> list[tuple[float, float]]:
     return errors
 
 
-FIDELITY_CASES = [(v, k, f) for v in ("2.1", "2.2") for k in ("decode", "encode") for f in (1, 9, 13)]
+# Pixel frames 1 (the first chunk alone) and 9: encode chunks of 1, 4, 4 pixel frames and decode 3 latent frames,
+# so a chunk's frame cache comes from a chunk that had a cache itself (the steady state). 13 frames (a fourth
+# chunk) ran the same code once more at a third more exchanges, every one a round trip of all ranks: not kept.
+FIDELITY_CASES = [(v, k, f) for v in ("2.1", "2.2") for k in ("decode", "encode") for f in (1, 9)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -293,7 +293,7 @@ def _error(fn: Any) -> str:
 
 def contract_case(refs: dict[str, Any]) -> dict[str, Any]:
     """World 2: tiled and framewise decodes, approx mode, refusals, and patch removal restores every attribute."""
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"threads": torch.get_num_threads()}
     with torch.no_grad():
         for name, (_, shape) in TILED.items():
             with tiling(name) as model, hfpatch.apply(model):

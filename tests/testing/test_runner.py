@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -43,3 +44,28 @@ def test_failing_rank_is_reported_and_others_do_not_hang():
         assert pool.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
     finally:
         pool.close()
+
+
+def _set_threads(n: int) -> int:
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _threads_under_accelerate() -> tuple[int, str | None]:
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    try:
+        PartialState(cpu=True)  # on CPU, with OMP_NUM_THREADS unset: torch.set_num_threads(all cores)
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    finally:
+        PartialState._reset_state()
+
+
+def test_pool_ranks_keep_their_thread_count(rank_pool):
+    # A rank left with more threads than the pool's made a later test's bit-exact comparison with the test
+    # process fail by one ulp (Mochi's tiled decode at 2 threads), and oversubscribed the cores.
+    pool = rank_pool(2)
+    assert pool.run(_threads_under_accelerate) == [(1, "1"), (1, "1")]
+    assert pool.run(_set_threads, 2) == [2, 2]
+    assert pool.run(torch.get_num_threads) == [1, 1]  # reset before every call

@@ -253,15 +253,16 @@ def _pixel_step(vae, latents, targets, **kwargs) -> tuple[dict, int]:
     return {"output": loss.detach(), "input": leaf.grad}, memory.peak_bytes
 
 
-def _split_cases(version: str, trained: str) -> dict:
+def _split_cases(version: str, trained: str, pixel_reference: tuple[dict, dict]) -> dict:
     """The split cases of ``version`` on this rank: {case: (error, noise)} and {frames: step peak bytes}.
 
-    The pixel loss with default settings (frozen VAE, one video of 4 and 16 latent frames), and the
-    ``trained`` call ("decode" or "encode") with a trainable VAE, weight gradients averaged over the ranks.
+    The pixel loss with default settings (frozen VAE, one video of 4 and 16 latent frames; ``pixel_reference``
+    the unpatched step of 16 frames and its fp64 twin), and the ``trained`` call ("decode" or "encode") with a
+    trainable VAE, weight gradients averaged over the ranks.
     """
     results, peaks = {}, {}
     frozen = tiny_wan_vae(version).requires_grad_(False)
-    ref, exact = _from_rank0(_pixel_reference, frozen, *_pixel_case(version, 16))
+    ref, exact = pixel_reference
     with hfpatch.apply(frozen):
         for frames in (4, 16):
             step, peaks[frames] = _pixel_step(frozen, *_pixel_case(version, frames))
@@ -285,7 +286,11 @@ def _split_cases(version: str, trained: str) -> dict:
     return {"results": results, "peaks": peaks, "mismatch": mismatch}
 
 
-def _pixel_reference(vae, latents, targets) -> tuple[dict, dict]:
+@functools.cache
+def _pixel_reference(version: str) -> tuple[dict, dict]:
+    """The unpatched pixel-loss step of 16 latent frames and its fp64 twin, computed once in this process for
+    both world sizes (the ranks build the same frozen VAE from the same seed)."""
+    vae, (latents, targets) = tiny_wan_vae(version).requires_grad_(False), _pixel_case(version, 16)
     fp32 = _pixel_step(vae, latents, targets, reference=True)[0]
     with fp64_float():
         return fp32, _pixel_step(to_fp64(vae), latents.double(), targets.double(), reference=True)[0]
@@ -320,7 +325,8 @@ def test_split_wan_vae_time_segments_equal_unpatched_and_bounded(rank_pool, worl
     # and latent gradient equal the unpatched one-shot step, and each rank's step peak grows at most 2x from 4
     # to 16 latent frames with default settings (measured 1.21-1.30x). Decode and encode with a trainable VAE
     # (weights averaged over the ranks) are each checked at one world size.
-    for rank, out in enumerate(rank_pool(world).run(_split_cases, version, trained)):
+    reference = _pixel_reference(version)
+    for rank, out in enumerate(rank_pool(world).run(_split_cases, version, trained, reference)):
         assert len(out["results"]) == 2
         assert out["mismatch"] is not None and "targets_0" in out["mismatch"], out["mismatch"]
         for case, (error, noise) in out["results"].items():
