@@ -8,9 +8,14 @@ import torch
 from hfpatch.testing.runner import RankPool
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
-    """Tiny models on a 2-core machine that also hosts the rank processes: one intra-op thread is fastest."""
+    """Tiny models on a 2-core machine that also hosts the rank processes: one intra-op thread is fastest.
+
+    Set again before every test: a library may change it (accelerate's ``PartialState`` on CPU sets all
+    physical cores when ``OMP_NUM_THREADS`` is unset), and references computed here must sum in the same order
+    as the pool ranks, which :class:`RankPool` keeps at one thread too.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
