@@ -697,7 +697,7 @@ TINY_DITS: dict[str, TinyDiT] = {
             pooled_embeds=Randn((1, 16)),
         ),
     ),
-    "kandinsky5": TinyDiT(  # 1 x 5 x 5 = 25 video tokens, 6 text tokens
+    "kandinsky5": TinyDiT(  # batch 2, 2 x 5 x 5 = 50 video tokens, 6 text tokens
         "Kandinsky5Transformer3DModel",
         dict(
             in_visual_dim=4,
@@ -713,18 +713,19 @@ TINY_DITS: dict[str, TinyDiT] = {
             axes_dims=(2, 2, 4),
         ),
         dict(
-            hidden_states=Randn((1, 1, 10, 10, 4)),
-            encoder_hidden_states=Randn((1, 6, 16)),
-            timestep=Tensor([300.0]),
-            pooled_projections=Randn((1, 16)),
+            hidden_states=Randn((2, 2, 10, 10, 4)),
+            encoder_hidden_states=Randn((2, 6, 16)),
+            timestep=Tensor([300.0, 700.0]),
+            pooled_projections=Randn((2, 16)),
             visual_rope_pos=(
-                Tensor([0], "long"),
+                Tensor([0, 1], "long"),
                 Tensor(list(range(5)), "long"),
                 Tensor(list(range(5)), "long"),
             ),
             text_rope_pos=Tensor(list(range(6)), "long"),
             scale_factor=(1.0, 1.0, 1.0),
         ),
+        tokens=50,
         rounds_inside="bfloat16",  # its stock rotary rounds q/k to bf16 even in fp32
     ),
     "hunyuanvideo_framepack": TinyDiT(  # 25 current + 38 history tokens (clean, 2x, 4x) = 63, padded text
