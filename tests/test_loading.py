@@ -184,8 +184,11 @@ def _storage(param: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
 
 
-def _shard_case(folder: str, call: Any, parallel: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """``from_pretrained(shard_weights=True)`` against ``DiffusionPipeline.from_pretrained`` + ``apply``."""
+def _shard_case(
+    folder: str, call: Any, parallel: Any, dtype: torch.dtype | None = None, keep_expected: bool = False
+) -> dict[str, Any]:
+    """``from_pretrained(shard_weights=True)`` against ``DiffusionPipeline.from_pretrained`` + ``apply``;
+    ``keep_expected``: the latter's output in ``"expected"`` too (the hub case compares with it)."""
     from diffusers import DiffusionPipeline
 
     from hfpatch.patches.fsdp import parameter_bytes
@@ -213,6 +216,8 @@ def _shard_case(folder: str, call: Any, parallel: Any, dtype: torch.dtype | None
     }
     if expected is not None:
         result["output_equal"] = torch.equal(call(pipe), expected)
+    if keep_expected:
+        result["expected"] = expected
     differ = []
     for name, model in models.items():
         mine = dict(getattr(pipe, name).named_parameters())
@@ -344,14 +349,13 @@ def _cases_two(paths: dict[str, str]) -> dict[str, Any]:
 
 
 def _cases_four(paths: dict[str, str]) -> dict[str, Any]:
-    from diffusers import DiffusionPipeline
-
-    reference = DiffusionPipeline.from_pretrained(paths["wan"])
-    with hfpatch.apply(reference, 4, shard_weights=True):
-        expected = _wan_call(reference)
+    # The hub case's expected output is the shard case's load-then-shard output (the same load, plan and call):
+    # computed once.
+    wan = _shard_case(paths["wan"], _wan_call, 4, keep_expected=True)
+    expected = wan.pop("expected")
     hub = _hub_case(paths)
     hub["output_equal"] = torch.equal(hub.pop("output"), expected)
-    return {"wan": _shard_case(paths["wan"], _wan_call, 4), "hub": hub}
+    return {"wan": wan, "hub": hub}
 
 
 def _cases_three(paths: dict[str, str]) -> dict[str, Any]:
