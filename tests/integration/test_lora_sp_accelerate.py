@@ -66,25 +66,74 @@ def _fsdp2_launcher(world: int) -> list[str]:
     ]
 
 
-def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON, fsdp2: bool = False) -> dict:
-    """Launch the example; its main process's results, with ``traces``: every process's micro-steps."""
+def _env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "HFPATCH_TIMEOUT_S": "120"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
-    )
-    if fsdp2:
-        launcher = _fsdp2_launcher(world)
-    command = [sys.executable, *launcher, str(SCRIPT), *common, "--output-dir", str(out), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return env
+
+
+def _results(args: list[str], out: Path, world: int) -> dict:
+    """A launch's main-process results, with ``traces``: every process's micro-steps."""
     name = args[args.index("--results-file") + 1] if "--results-file" in args else "results.json"
     results = json.loads((out / name).read_text())
     results["traces"] = [
         json.loads((out / f"{name}.rank{r}.json").read_text())["trace"] for r in range(world)
     ]
     return results
+
+
+def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON, fsdp2: bool = False) -> dict:
+    """Launch the example; its main process's results, with ``traces``: every process's micro-steps."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    )
+    if fsdp2:
+        launcher = _fsdp2_launcher(world)
+    command = [sys.executable, *launcher, str(SCRIPT), *common, "--output-dir", str(out), *args]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return _results(args, out, world)
+
+
+#: Several one-process runs of the example in ONE Python process, one ``main(argv)`` after the other: each
+#: builds its own Accelerator, models, loader and optimizer and seeds every RNG it draws from, so its files are
+#: byte for byte those of a launch of its own (checked for the unpatched fp32/fp64 and stock runs). Starting a
+#: process (torch, diffusers, transformers, peft, accelerate) costs ~8 s of CPU; a tiny run ~0.5 s.
+_ONE_PROCESS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("lora_sp_accelerate", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+for argv in sys.argv[2:]:
+    module.main(json.loads(argv))
+"""
+
+
+class _OneProcessRuns:
+    """The one-process runs (references, stock) started at once in one process, in the background while the
+    test launches the patched ones (2 cores: a one-process run leaves one idle); :meth:`results` waits."""
+
+    def __init__(self, runs: list[tuple[list[str], Path]], common: list[str] = COMMON) -> None:
+        self.runs = runs
+        argvs = [json.dumps([*common, "--output-dir", str(out), *args]) for args, out in runs]
+        self.command = [sys.executable, "-c", _ONE_PROCESS, str(SCRIPT), *argvs]
+        self.process = subprocess.Popen(
+            self.command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def results(self) -> list[dict]:
+        stdout, stderr = self.process.communicate(timeout=400)
+        assert self.process.returncode == 0, f"{' '.join(self.command)}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        return [_results(args, out, 1) for args, out in self.runs]
+
+    def __enter__(self) -> _OneProcessRuns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:  # a failed launch: do not leave it running
+            self.process.kill()
+            self.process.communicate()
 
 
 def _updates(result: dict) -> dict[str, torch.Tensor]:
@@ -161,13 +210,17 @@ def _check_resumed(run: dict, resumed: dict) -> None:
 
 def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path):
     data = ["--num-samples", "3"]
-    ref32 = _run([*data, "--unpatched"], tmp_path / "ref32")
-    ref64 = _run([*data, "--unpatched", "--dtype", "float64"], tmp_path / "ref64")
-    stock = _run([*data, "--stock"], tmp_path / "stock")
-    sp = tmp_path / "sp"
-    run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
-    assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
-    resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
+    one_process = [
+        ([*data, "--unpatched"], tmp_path / "ref32"),
+        ([*data, "--unpatched", "--dtype", "float64"], tmp_path / "ref64"),
+        ([*data, "--stock"], tmp_path / "stock"),
+    ]
+    with _OneProcessRuns(one_process) as references:
+        sp = tmp_path / "sp"
+        run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
+        assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
+        resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
+        ref32, ref64, stock = references.results()
     assert run["world"] == 2 and "ulysses=2" in run["plan"], run["plan"]
 
     # accelerate's step arithmetic: 3 batches, windows of 2 and 1 micro-steps, as in the stock script.
@@ -186,11 +239,12 @@ def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path):
 def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path):
     data = ["--num-samples", "6"]  # 3 per replica
     reference = [*data, "--unpatched", "--replicas", "2"]
-    ref32 = _run(reference, tmp_path / "ref32")
-    ref64 = _run([*reference, "--dtype", "float64"], tmp_path / "ref64")
-    sp = tmp_path / "sp"
-    run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
-    resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
+    one_process = [(reference, tmp_path / "ref32"), ([*reference, "--dtype", "float64"], tmp_path / "ref64")]
+    with _OneProcessRuns(one_process) as references:
+        sp = tmp_path / "sp"
+        run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
+        resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
+        ref32, ref64 = references.results()
     assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
 
     assert run["batches_per_epoch"] == ref32["batches_per_epoch"] == 3
@@ -212,12 +266,16 @@ def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
     are sharded), patched. One sample: one window per epoch, closed at the epoch's end; the checkpoint falls
     between two epochs (the resumed launch starts the next epoch in the uninterrupted run's order)."""
     common = [a for a in COMMON if a != "--train-text-encoder"] + ["--num-samples", "1"]
-    ref32 = _run(["--unpatched"], tmp_path / "ref32", common=common)
-    ref64 = _run(["--unpatched", "--dtype", "float64"], tmp_path / "ref64", common=common)
-    sp = tmp_path / "fsdp2"
-    run = _run(["--checkpoint-at", "2"], sp, 2, common, fsdp2=True)
-    assert (sp / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
-    resumed = _run(["--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True)
+    one_process = [
+        (["--unpatched"], tmp_path / "ref32"),
+        (["--unpatched", "--dtype", "float64"], tmp_path / "ref64"),
+    ]
+    with _OneProcessRuns(one_process, common) as references:
+        sp = tmp_path / "fsdp2"
+        run = _run(["--checkpoint-at", "2"], sp, 2, common, fsdp2=True)
+        assert (sp / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
+        resumed = _run(["--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True)
+        ref32, ref64 = references.results()
     assert run["fsdp"] and resumed["fsdp"] and "ulysses=2" in run["plan"], run
     assert run["optimizer_steps"] == ref32["optimizer_steps"] == EPOCHS  # 1 batch, accumulation 2
     _check_draws(run["traces"], [[0, 1]])

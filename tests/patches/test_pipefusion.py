@@ -13,6 +13,7 @@ group=None)``), and differ from the exact output by the measured, bounded error 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -86,13 +87,21 @@ def _run(
     ).frames
 
 
-def _reference(pipe: Any, per_prompt: int = 1) -> tuple[torch.Tensor, float]:
+# The unpatched outputs and the one-process simulations depend only on their arguments (seeded weights and
+# inputs, one thread, the same kernels): each process computes each of them once (cached for the life of the
+# process, a pool rank's included) instead of once per case. Every case still builds and patches its own
+# pipeline. The cached tensors are only compared, never written.
+@functools.cache
+def _reference(per_prompt: int = 1) -> tuple[torch.Tensor, float]:
+    """The unpatched output of ``_pipe()`` and its fp32-vs-fp64 rounding noise."""
+    pipe = _pipe()
     reference = _run(pipe, per_prompt=per_prompt)
     return reference, rounding_noise(
         reference, _run(to_fp64(pipe), dtype=torch.float64, per_prompt=per_prompt)
     )
 
 
+@functools.cache
 def _simulated(patches: int, warmup: int) -> torch.Tensor:
     """The approximate mode computed in one process (every block in one stage)."""
     pipe = _pipe()
@@ -111,7 +120,7 @@ def _exact_case(parallel: ParallelConfig, patches: int = 2, per_prompt: int = 1)
     """Warm-up = every step: patched vs unpatched, and the bytes sent against the analytic count (the batch
     of ``per_prompt`` videos is split over the data ranks: one video per rank here)."""
     pipe = _pipe()
-    reference, noise = _reference(pipe, per_prompt)
+    reference, noise = _reference(per_prompt)
     patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=STEPS)
     with count_comm() as counter:
         out = _run(pipe, per_prompt=per_prompt)
@@ -136,7 +145,7 @@ def _exact_case(parallel: ParallelConfig, patches: int = 2, per_prompt: int = 1)
 def _approx_case(parallel: ParallelConfig, patches: int = 4, warmup: int = 1) -> dict[str, Any]:
     """Pipelined after the warm-up: equal to the one-process simulation, deterministic, a bounded error."""
     pipe = _pipe()
-    reference = _run(pipe)
+    reference = _reference()[0]
     patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
     with count_comm() as counter:
         out = _run(pipe)
@@ -173,11 +182,7 @@ def _sp_case(
     steps = FLUX_STEPS if flux else STEPS
     warmup = steps if warmup is None else warmup
     pipe, run = (_flux_pipe(), _flux_run) if flux else (_pipe(), _run)
-    if flux:
-        reference = run(pipe)
-        noise = rounding_noise(reference, run(to_fp64(pipe)))
-    else:
-        reference, noise = _reference(pipe)
+    reference, noise = _flux_reference() if flux else _reference()
     patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
     with count_comm() as counter:
         out = run(pipe)
@@ -374,6 +379,16 @@ def _flux_run(pipe: Any, guide: bool = False) -> torch.Tensor:
     ).images
 
 
+@functools.cache
+def _flux_reference(guide: bool = False) -> tuple[torch.Tensor, float]:
+    """The unpatched output of ``_flux_pipe(guide)`` and its fp32-vs-fp64 rounding noise (cached as
+    ``_reference``)."""
+    pipe = _flux_pipe(guide)
+    reference = _flux_run(pipe, guide)
+    return reference, rounding_noise(reference, _flux_run(to_fp64(pipe), guide))
+
+
+@functools.cache
 def _flux_simulated(patches: int, warmup: int, guide: bool = False) -> torch.Tensor:
     pipe = _flux_pipe(guide)
     with Patch("simulation") as patch:
@@ -387,8 +402,7 @@ def _flux_exact_case(parallel: ParallelConfig | int, guide: bool = False, **opti
     cfg=2 the pipeline family computes both CFG calls of the first step on every cfg rank (it learns the
     two-call pattern from it), then one call per step: ``steps + 1`` transformer calls per rank."""
     pipe = _flux_pipe(guide)
-    reference = _flux_run(pipe, guide)
-    noise = rounding_noise(reference, _flux_run(to_fp64(pipe), guide))
+    reference, noise = _flux_reference(guide)
     patch = hfpatch.apply(pipe, parallel, pipefusion_warmup=FLUX_STEPS, **options)
     with count_comm() as counter:
         out = _flux_run(pipe, guide)
@@ -417,7 +431,7 @@ def _flux_approx_case(
 ) -> dict[str, Any]:
     """Pipelined after the warm-up: equal to the one-process simulation, deterministic, a bounded error."""
     pipe = _flux_pipe(guide)
-    reference = _flux_run(pipe, guide)
+    reference = _flux_reference(guide)[0]
     patch = hfpatch.apply(pipe, parallel, pipefusion_patches=patches, pipefusion_warmup=warmup)
     with count_comm() as counter:
         out = _flux_run(pipe, guide)
@@ -513,7 +527,7 @@ def _planner_cases() -> dict[str, Any]:
     PipeFusion options are then moot); Flux without true CFG gets pipefusion=2. ``parallel=2`` alone never
     plans PipeFusion."""
     pipe = _pipe()
-    reference, noise = _reference(pipe)
+    reference, noise = _reference()
     with hfpatch.apply(pipe, 2, pipefusion=True, pipefusion_warmup=STEPS) as patch:
         out = _run(pipe)
         wan_plan = (patch.plan.cfg, patch.plan.pipefusion, patch.plan.vae)
