@@ -27,13 +27,13 @@ and none raises before ``0.5 * TIMEOUT_S``: a survivor freed by another survivor
 call a little later); a rank that exits makes its direct peers raise at once (closed
 connection) and the others by the timeout. Measured on the 2-core machine (printed by the fixture with ``-s``):
 10.0-10.4 s for every timeout path, 0.1-0.3 s for the direct peers of an exited rank; ``apply`` on some ranks
-only raises within ``TIMEOUT_S + APPLY_MARGIN_S`` (9 s): 10.7-10.8 s with a user-initialised group (handshake),
+only raises within ``TIMEOUT_S + APPLY_MARGIN_S`` (5 s): 10.7-10.8 s with a user-initialised group (handshake),
 11.5-12.4 s with hfpatch initialising it (rank 0 absent: the other ranks poll its port, bounded, before torch's
 store client connects; rank 1 absent: rank 0's store waits the timeout for it). Before issue 33 the rank-0-absent
 case took about three timeouts (torch's store client retries a refused connection with the whole timeout per
-try). On the CI machine, with every scenario's ranks starting at once, the same paths took 14.7-16.4 s (the
-ranks wait the timeout, then get the CPU late); the margin stays under one more timeout, so a path that waits
-twice (>= 20 s) still fails. All 22 scenarios in ~40 s of wall time.
+try). On the CI machine, with the ranks of all 22 scenarios started at once, the same paths took 14.7-16.4 s
+(they waited the timeout, then got the CPU late), so these 4 scenarios run in a batch of their own after the
+others. All 22 scenarios in ~40 s of wall time, and ~12 s more for the second batch.
 
 What hfpatch cannot bound: the faulty rank itself. A rank that sleeps or loops in local computation cannot be
 interrupted from outside; its peers raise, and it raises ``CollectiveError`` at its next collective (the peers'
@@ -77,9 +77,8 @@ PROCESS_GROUPS = ("hfpatch", "user")
 #: meets at (``MASTER_PORT``), so its absence is a case of its own (issue 33: torch's store client retries a
 #: refused connection with the whole timeout per try, 42 s for a 15 s timeout).
 ABSENT = {"apply_on_rank0_only": FAULTY_RANK, "apply_without_rank0": 0}
-#: ``apply`` on some ranks only raises within the timeout plus this (it waits, it computes nothing): under one
-#: more timeout, so a second wait fails; above the 6.4 s of scheduling delay the loaded CI machine showed.
-APPLY_MARGIN_S = 9.0
+#: ``apply`` on some ranks only raises within the timeout plus this (it waits, it computes nothing).
+APPLY_MARGIN_S = 5.0
 SCENARIOS = [(t, f, g) for t in TOPOLOGIES for f in FAULTS for g in PROCESS_GROUPS] + [
     ("world2_ulysses2", fault, g) for fault in ABSENT for g in PROCESS_GROUPS
 ]
@@ -381,9 +380,13 @@ def _run_all(scenarios: list[tuple[str, str, str]]) -> tuple[dict[tuple, dict[in
 def fault_reports() -> dict[tuple, dict[int, dict]]:
     if sys.platform != "linux":
         pytest.skip("forkserver ranks: Linux only")
-    reports, summary = _run_all(SCENARIOS)
-    print(summary)
-    return reports
+    # ``apply`` on some ranks only is timed against a tighter bound (the timeout + APPLY_MARGIN_S): its ranks run
+    # in a batch of their own, after the 18 collective faults (54 processes) whose load delayed them by 6 s on CI.
+    absent = [s for s in SCENARIOS if s[1] in ABSENT]
+    reports, summary = _run_all([s for s in SCENARIOS if s not in absent])
+    absent_reports, absent_summary = _run_all(absent)
+    print(summary, absent_summary, sep="\n")
+    return reports | absent_reports
 
 
 # ----------------------------------------------------------------------------------------------- checks
