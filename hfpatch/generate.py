@@ -39,13 +39,28 @@ import inspect
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .generate_arguments import (
+    _CALL_OPTIONS,
+    _DEGREES,
+    _FRAME_ARGUMENTS,
+    _RESERVED,
+    CACHES,
+    DTYPES,
+    IMAGE_SUFFIXES,
+    RAW_SUFFIX,
+    VIDEO_SUFFIXES,
+    add_arguments,
+    parse_cache,
+    requested_ranks,
+)
+from .generate_outputs import _device_name, _output_tensor, _peak_memory, _versions, run_report, write_outputs
 
 __all__ = [
     "CACHES",
@@ -64,253 +79,12 @@ __all__ = [
     "write_outputs",
 ]
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-VIDEO_SUFFIXES = (".mp4", ".gif")
-RAW_SUFFIX = ".pt"
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Components that denoise (diffusers' own CLI finds them by the same prefixes).
 DENOISER_PREFIXES = ("transformer", "unet")
-#: ``--cache`` kinds: (diffusers config class, the argument VALUE sets, its type, its default).
-CACHES: dict[str, tuple[str, str, type, float | int]] = {
-    "first-block": ("FirstBlockCacheConfig", "threshold", float, 0.05),
-    "taylorseer": ("TaylorSeerCacheConfig", "cache_interval", int, 5),
-    "pab": ("PyramidAttentionBroadcastConfig", "spatial_attention_block_skip_range", int, 2),
-}
-#: Pipeline ``__call__`` arguments the command sets itself (``--pipeline-kwargs`` may not).
-_RESERVED = (
-    "generator",
-    "output_type",
-    "return_dict",
-    "callback_on_step_end",
-    "callback_on_step_end_tensor_inputs",
-)
-#: Dedicated option -> the ``__call__`` argument it sets (``--frames`` is resolved per pipeline).
-_CALL_OPTIONS = {
-    "prompt": "prompt",
-    "negative_prompt": "negative_prompt",
-    "steps": "num_inference_steps",
-    "height": "height",
-    "width": "width",
-    "guidance_scale": "guidance_scale",
-}
-_FRAME_ARGUMENTS = ("num_frames", "video_length")
-_DEGREES = ("cfg", "ulysses", "ring", "pipefusion")
 
 
 class UsageError(ValueError):
     """A request ``hfpatch generate`` refuses before loading any weight: exit status 2 on every rank."""
-
-
-# ----------------------------------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(
-            f"must be a JSON object like '{{\"max_sequence_length\": 256}}', got {text!r}"
-        )
-    return value
-
-
-def parse_cache(text: str) -> tuple[str, float | int]:
-    """``KIND[:VALUE]`` of ``--cache`` -> ``(kind, value)``; VALUE defaults per kind (:data:`CACHES`).
-
-    >>> parse_cache("taylorseer"), parse_cache("pab:3")
-    (('taylorseer', 5), ('pab', 3))
-    """
-    kind, _, value = text.partition(":")
-    if kind not in CACHES:
-        raise argparse.ArgumentTypeError(f"unknown cache {kind!r}; known: {', '.join(CACHES)}")
-    _, name, kind_type, default = CACHES[kind]
-    if not value:
-        return kind, default
-    try:
-        parsed = kind_type(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{kind}:{value}: {name} must be a {kind_type.__name__}") from None
-    if not (math.isfinite(parsed) and parsed > 0):
-        raise argparse.ArgumentTypeError(f"{kind}:{value}: {name} must be > 0")
-    return kind, parsed
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hfpatch generate`` (imports no torch: ``--help`` and usage errors are instant)."""
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help="a local diffusers pipeline folder (with model_index.json) or a Hugging Face hub id, loaded with "
-        "diffusers' DiffusionPipeline.from_pretrained",
-    )
-    parser.add_argument(
-        "--out",
-        action="append",
-        required=True,
-        metavar="FILE",
-        help="output file, written once by rank 0; repeat it to write several formats from one run. Images: "
-        ".png, .jpg; videos: .mp4 (needs imageio and imageio-ffmpeg, or opencv), .gif; any pipeline: .pt, the "
-        "raw output tensor (output_type='pt'). A batch of several writes NAME-0.png, NAME-1.png, ... "
-        "(required, no default)",
-    )
-    call = parser.add_argument_group(
-        "the pipeline call (an option left out keeps the pipeline's own default)"
-    )
-    call.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (required, no default)")
-    call.add_argument(
-        "--negative-prompt",
-        metavar="TEXT",
-        help="the negative prompt (default: the pipeline's, usually none)",
-    )
-    call.add_argument(
-        "--steps",
-        type=_positive_int,
-        metavar="N",
-        help="denoising steps, num_inference_steps (default: the pipeline's)",
-    )
-    call.add_argument(
-        "--height", type=_positive_int, metavar="PIXELS", help="height in pixels (default: the pipeline's)"
-    )
-    call.add_argument(
-        "--width", type=_positive_int, metavar="PIXELS", help="width in pixels (default: the pipeline's)"
-    )
-    call.add_argument(
-        "--frames",
-        type=_positive_int,
-        metavar="N",
-        help="frames of a video pipeline, num_frames or video_length (default: the pipeline's)",
-    )
-    call.add_argument(
-        "--guidance-scale",
-        type=_finite_float,
-        metavar="SCALE",
-        help="guidance_scale (default: the pipeline's)",
-    )
-    call.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the CPU generator every rank draws the same noise from (default: %(default)s)",
-    )
-    call.add_argument(
-        "--pipeline-kwargs",
-        type=_json_object,
-        metavar="JSON",
-        help='more arguments of the pipeline call as a JSON object, e.g. \'{"max_sequence_length": 256, '
-        '"true_cfg_scale": 4.0}\' (default: none)',
-    )
-    call.add_argument(
-        "--fps",
-        type=_positive_int,
-        default=16,
-        metavar="N",
-        help="frames per second of .mp4/.gif outputs (default: %(default)s)",
-    )
-    plan = parser.add_argument_group(
-        "parallelism (their product must equal the launched world size, e.g. torchrun --nproc-per-node N)"
-    )
-    plan.add_argument(
-        "--parallel",
-        type=_positive_int,
-        metavar="N",
-        help="ranks to plan automatically, as hfpatch.apply(pipe, parallel=N): CFG parallel when the pipeline "
-        "guides, then Ulysses up to the head count, the rest Ring (default: every launched rank)",
-    )
-    for name, what in (
-        ("cfg", "CFG parallel: cond and uncond on different ranks, 1 or 2"),
-        ("ulysses", "Ulysses degree"),
-        ("ring", "Ring-attention degree"),
-        ("pipefusion", "PipeFusion stages (Wan, Flux; approximate after its warm-up step)"),
-    ):
-        plan.add_argument(
-            f"--{name}",
-            type=_positive_int,
-            metavar=name[0].upper(),
-            help=f"{what}; explicit degrees replace --parallel (default: 1 when another degree is given)",
-        )
-    plan.add_argument(
-        "--vae",
-        type=_positive_int,
-        metavar="V",
-        help="ranks the VAE decode splits over, 1 or the product of the degrees (default: all ranks)",
-    )
-    plan.add_argument(
-        "--shard-weights",
-        action="store_true",
-        help="shard the transformers and text encoders over the ranks with FSDP2, hfpatch.apply(..., "
-        "shard_weights=True); bit-identical to the same plan unsharded (default: off)",
-    )
-    speed = parser.add_argument_group("speed and memory")
-    speed.add_argument(
-        "--cache",
-        type=parse_cache,
-        metavar="KIND[:VALUE]",
-        help="a diffusers step cache on each denoiser, enabled before hfpatch.apply (every rank then takes the "
-        "same skip decision): first-block[:THRESHOLD] (FirstBlockCacheConfig, threshold 0.05), "
-        "taylorseer[:INTERVAL] (TaylorSeerCacheConfig, cache_interval 5), pab[:RANGE] "
-        "(PyramidAttentionBroadcastConfig, spatial_attention_block_skip_range 2) (default: none)",
-    )
-    speed.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        metavar="BACKEND",
-        help="torch.compile each denoiser after hfpatch.apply: its repeated blocks (compile_repeated_blocks, "
-        "fullgraph) or, without them, the whole module; the bare flag uses the inductor backend, eager and "
-        "aot_eager run the traced ops unchanged, to debug (default: off)",
-    )
-    speed.add_argument(
-        "--dtype",
-        choices=tuple(DTYPES),
-        help="weights and compute dtype (default: bf16 with CUDA, fp32 on CPU)",
-    )
-    speed.add_argument(
-        "--lora",
-        metavar="PATH",
-        help="LoRA weights loaded with pipe.load_lora_weights(PATH) before hfpatch.apply: a file, a folder or a "
-        "hub id (default: none)",
-    )
-    parser.add_argument(
-        "--report",
-        metavar="FILE.json",
-        help="write a JSON report (rank 0): plan, time per denoising step, VAE and end-to-end time, peak memory "
-        "and bytes sent per rank, versions and device names (default: none)",
-    )
-
-
-def requested_ranks(args: argparse.Namespace) -> tuple[int | None, str]:
-    """``(ranks, how they were asked for)``: ``--parallel N``, the product of explicit degrees, or ``None``."""
-    explicit = [name for name in (*_DEGREES, "vae") if getattr(args, name) is not None]
-    degrees = [name for name in _DEGREES if getattr(args, name) is not None]
-    if args.parallel is not None:
-        return args.parallel, f"--parallel {args.parallel}"
-    if not explicit:
-        return None, ""
-    if not degrees:  # --vae alone: the VAE-only plan, over --vae ranks
-        return args.vae, f"--vae {args.vae}"
-    return math.prod(getattr(args, name) for name in degrees), " ".join(
-        f"--{n} {getattr(args, n)}" for n in degrees
-    )
 
 
 def _writable(path: Path) -> bool:
@@ -750,132 +524,6 @@ class _Clock:
             result["steps"] = [b - a for a, b in zip(marks, marks[1:])]
             result["vae_decode"] = self.end - self.steps[-1]
         return result
-
-
-def _output_tensor(output: Any) -> Any:
-    """The payload of a pipeline output (``images``, ``frames``, ``audios`` or ``audio``) as a tensor."""
-    import numpy as np
-    import torch
-
-    for name in ("images", "frames", "audios", "audio"):
-        value = getattr(output, name, None)
-        if value is None:
-            continue
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(value)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{type(output).__name__}.{name} is a {type(value).__name__}, not a tensor, with output_type='pt'"
-            )
-        return value
-    raise TypeError(f"{type(output).__name__} has none of images, frames, audios, audio")
-
-
-def _numbered(path: Path, index: int, count: int) -> Path:
-    return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix}")
-
-
-def write_outputs(tensor: Any, kind: str, outputs: list[str], fps: int = 16) -> list[str]:
-    """Write ``tensor`` (the pipeline's ``output_type="pt"`` payload) to every path of ``outputs``; returns the
-    files written. Images ``[B, C, H, W]`` and videos ``[B, F, C, H, W]`` hold values in ``[0, 1]``; their
-    ``.png``/``.jpg`` and video frames are what the pipeline's ``output_type="pil"`` gives (diffusers'
-    ``pt_to_numpy`` and ``numpy_to_pil``). A batch of several writes ``NAME-0``, ``NAME-1``, ...
-
-    >>> import tempfile, torch
-    >>> from PIL import Image
-    >>> folder = tempfile.mkdtemp()
-    >>> written = write_outputs(torch.rand(1, 3, 8, 8), "image", [f"{folder}/a.png", f"{folder}/a.pt"])
-    >>> Image.open(written[0]).size, tuple(torch.load(written[1]).shape)
-    ((8, 8), (1, 3, 8, 8))
-    """
-    import torch
-    from diffusers.image_processor import VaeImageProcessor
-    from diffusers.utils import export_to_gif, export_to_video
-
-    written = []
-    for out in outputs:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        suffix = path.suffix.lower()
-        if suffix == RAW_SUFFIX:
-            torch.save(tensor.detach().cpu(), path)
-            written.append(str(path))
-            continue
-        expected = 4 if kind == "image" else 5
-        if tensor.dim() != expected:
-            raise ValueError(f"cannot write {out}: the {kind} output has shape {tuple(tensor.shape)}")
-        for index, item in enumerate(tensor):
-            target = _numbered(path, index, len(tensor))
-            frames = VaeImageProcessor.numpy_to_pil(
-                VaeImageProcessor.pt_to_numpy(item if kind == "video" else item[None])
-            )
-            if suffix in IMAGE_SUFFIXES:
-                frames[0].save(target)
-            elif suffix == ".gif":
-                export_to_gif(frames, str(target), fps=fps)
-            else:
-                export_to_video(VaeImageProcessor.pt_to_numpy(item), str(target), fps=fps)
-            written.append(str(target))
-    return written
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for package in ("hfpatch", "torch", "diffusers", "transformers", "accelerate", "peft"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = "not installed"
-    return found
-
-
-def _device_name(device: Any) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _peak_memory(device: Any) -> tuple[int, str]:
-    """``(bytes, what was measured)`` for the pipeline call on this rank."""
-    import torch
-
-    if device.type == "cuda":
-        return (
-            torch.cuda.max_memory_allocated(device),
-            "torch.cuda.max_memory_allocated during the pipeline call (weights, activations, buffers)",
-        )
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (
-        rss if sys.platform == "darwin" else rss * 1024,
-        "peak resident set size of the process since it started (resource.getrusage: weights, activations, "
-        "Python and torch themselves; the CPU has no allocator peak counter)",
-    )
-
-
-def run_report(shared: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``--report`` JSON: ``shared`` (the command, plan, call, versions, outputs) and every rank's measures.
-
-    ``times_s`` at the top is rank 0's; ``ranks`` has each rank's ``times_s``, ``peak_memory_bytes`` (with
-    ``memory_measure`` saying what it is), ``bytes_sent`` by hfpatch's collectives (``bytes_sent_by_op``) and
-    ``device``.
-
-    >>> report = run_report({"plan": "ParallelConfig(cfg=2)"}, [{"rank": 0, "times_s": {"end_to_end": 1.5}}])
-    >>> report["times_s"], report["world_size"]
-    ({'end_to_end': 1.5}, 1)
-    """
-    return {
-        "hfpatch_generate_report": 1,
-        **shared,
-        "world_size": len(ranks),
-        "times_s": ranks[0].get("times_s"),
-        "ranks": ranks,
-    }
 
 
 def _launched_world_size() -> int:

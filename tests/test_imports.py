@@ -262,6 +262,25 @@ def test_core_and_distributed_import_no_hf_library_at_module_level():
     assert not wrong, wrong
 
 
+#: The longest a module of ``hfpatch/`` may be (issue 35): past it, a module holds more than one thing to read.
+MAX_MODULE_LINES = 700
+#: Exempt: data tables, one row per model or class, read row by row and not as a whole.
+TABLE_MODULES = ("hfpatch.testing.models", "hfpatch.testing.dits", "hfpatch.patches.dit.plans")
+
+
+def test_no_module_is_longer_than_700_lines_except_the_data_tables():
+    """Every module of ``hfpatch/`` except the data tables (:data:`TABLE_MODULES`) is at most
+    :data:`MAX_MODULE_LINES` lines; a module that grows past it is split into cohesive siblings."""
+    modules = module_names()
+    assert set(TABLE_MODULES) <= set(modules)  # a table renamed or gone is an edit here, not a silent pass
+    long = {
+        name: count
+        for name, path in modules.items()
+        if name not in TABLE_MODULES and (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them): {long}"
+
+
 if __name__ == "__main__":  # python tests/test_imports.py: print the graph's cycles and layer breaks
     graph = import_graph()[0]
     for found in find_cycles(graph):

@@ -49,6 +49,9 @@ import torch.distributed as dist
 from ..core.config import ModelFacts, ParallelConfig, resolve_parallel
 from ..distributed.agreement import check_same_inputs
 from ..distributed.collectives import all_gather
+from .block_decode import _decode_runner
+from .block_decode import _InlineDecode as _InlineDecode  # the decode runners stay reachable here
+from .block_decode import _SideStreamDecode as _SideStreamDecode
 from .kv_cache import StreamingConfig, StreamingKVCache
 from .vae import StreamingWanDecoder
 
@@ -213,62 +216,6 @@ def _schedule(prompts: PromptSchedule) -> list[tuple[int, torch.Tensor]]:
     return schedule
 
 
-def _pixel_frames(decoder: StreamingWanDecoder, vae_dtype, x0, mean, std) -> torch.Tensor:
-    """Decoded frames ``[B, f, 3, H, W]`` in ``[0, 1]`` of a block's clean latents."""
-    z = x0.to(vae_dtype) * std.to(x0) + mean.to(x0)
-    return (decoder.decode(z) / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
-
-
-class _InlineDecode:
-    """Decode a block when it is done, on the current stream (CPU, or ``overlap_decode=False``)."""
-
-    deferred = False
-
-    def __init__(self, decoder: StreamingWanDecoder, vae_dtype: torch.dtype, mean, std) -> None:
-        self.decoder, self.vae_dtype, self.mean, self.std = decoder, vae_dtype, mean, std
-
-    def submit(self, x0: torch.Tensor) -> Any:
-        return _pixel_frames(self.decoder, self.vae_dtype, x0, self.mean, self.std)
-
-    def result(self, job: Any) -> torch.Tensor:
-        return job
-
-
-class _SideStreamDecode(_InlineDecode):
-    """Decode on a second CUDA stream, so the VAE runs while the transformer works on the next block.
-
-    The side stream waits for the block's latents (an event recorded on the current stream), and the
-    current stream waits for the decode before the frames are handed out; ``record_stream`` tells the
-    caching allocator which stream uses each tensor (the latents on the side stream, the frames on the
-    current one), so neither is reused while the other stream may still read it. The decoder's causal frame
-    cache lives on the side stream only.
-    """
-
-    deferred = True
-
-    def __init__(self, decoder: StreamingWanDecoder, vae_dtype: torch.dtype, mean, std) -> None:
-        super().__init__(decoder, vae_dtype, mean, std)
-        self.side = torch.cuda.Stream(device=decoder.vae.device)
-
-    def submit(self, x0: torch.Tensor) -> Any:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(x0.device))
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
-            x0.record_stream(self.side)
-            frames = super().submit(x0)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        return frames, done
-
-    def result(self, job: Any) -> torch.Tensor:
-        frames, done = job
-        current = torch.cuda.current_stream(frames.device)
-        current.wait_event(done)
-        frames.record_stream(current)
-        return frames
-
-
 def _stream_plan(parallel: int | ParallelConfig | None, transformer: Any) -> ParallelConfig:
     """The degrees of a stream on the launched world: an int plans Ulysses up to the head count and Ring for the
     rest (no CFG-parallel: guidance is a choice of :meth:`StreamingWanPipeline.stream`); an explicit
@@ -298,11 +245,6 @@ def _mesh_plan(plan: ParallelConfig) -> ParallelConfig:
     """The mesh whose ``data`` axis is the CFG group and whose ``world`` group checks a stream's inputs (the
     transformer's own mesh when it is split)."""
     return ParallelConfig(data=plan.cfg, ring=plan.ring, ulysses=plan.ulysses, vae=plan.vae)
-
-
-def _decode_runner(device: torch.device, overlap_decode: bool) -> type[_InlineDecode]:
-    """How a stream decodes its blocks: on a side CUDA stream (``overlap_decode`` on CUDA) or in line."""
-    return _SideStreamDecode if overlap_decode and device.type == "cuda" else _InlineDecode
 
 
 class StreamingWanPipeline:

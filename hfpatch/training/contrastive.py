@@ -73,12 +73,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .contrastive_blocks import _BlockwiseLoss, _Piece, _Rows, _sigmoid_rows, _softmax_rows, _times
+from .contrastive_ranks import _DTYPES, _HEADER, _MAX_INPUTS, _gather_columns, _problem, _route_back
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -94,11 +96,6 @@ __all__ = [
 #: Working memory of the loss stage per rank when neither ``block_size`` nor ``block_bytes`` is given.
 DEFAULT_BLOCK_BYTES = 256 * 2**20
 
-#: Inputs (embeddings and guide embeddings together) described in the metadata row every rank exchanges.
-_MAX_INPUTS = 32
-_HEADER = 6  # n_reps, n_guides, working dtype, settings digest, too many inputs, with gradients
-_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPES.items()}
 _CLIP_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature 0.07
 _SIGLIP_LOGIT_SCALE = math.log(10.0)  # SigLIP's initial t = 10 (bias -10)
 
@@ -135,186 +132,6 @@ def takes_local_embeddings(loss_fn: Any) -> bool:
     return getattr(loss_fn, "gathers_across_ranks", False) is True
 
 
-# ----------------------------------------------------------------------------------------------- the maths
-@dataclass(frozen=True)
-class _Piece:
-    """One block of a row's logits: row ``i`` of input ``anchor`` against every row of the inputs ``candidates``
-    (concatenated, global). ``group`` is the softmax partition it belongs to; ``positive``: column ``i`` (global
-    index) is the row's positive, whose logit the loss subtracts; ``mask_self``: column ``i`` is excluded (an
-    anchor against its own input); ``mask_own``: column ``i`` of every candidate input is excluded (a row's own
-    documents); ``guide``: GIST's false-negative mask from the guide's similarities (the positive kept)."""
-
-    anchor: int
-    candidates: tuple[int, ...]
-    group: int = 0
-    positive: bool = False
-    mask_self: bool = False
-    mask_own: bool = False
-    guide: bool = False
-
-
-@dataclass
-class _Rows:
-    """Where this rank's rows sit in the global batch: ``offset`` of its first row, ``total`` rows globally."""
-
-    offset: int
-    total: int
-
-
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # no copy of a single input
-
-
-def _row_slices(rows: int, block: int) -> list[slice]:
-    return [slice(s, min(s + block, rows)) for s in range(0, rows, block)]
-
-
-def _softmax_rows(
-    anchors: Sequence[torch.Tensor],
-    columns: Sequence[torch.Tensor],
-    pieces: Sequence[_Piece],
-    scale: torch.Tensor,
-    where: _Rows,
-    block: int,
-    grad: bool,
-    guides: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
-    """Softmax losses in row blocks: ``sum_i (sum_g lse_g(i) / n_groups - pos(i)) / total`` over this rank's rows.
-
-    Args:
-        anchors: Local rows of every input (``[b, D]``, normalized if the loss normalizes).
-        columns: Every input's rows of the global batch (``[total, D]``; the same tensors in one process).
-        pieces: The logit pieces of a row (see :class:`_Piece`); piece 0 holds the positive.
-        scale: The logits' scale (0-dim).
-        where: This rank's rows in the global batch.
-        block: Rows per block.
-        grad: Also compute the gradients.
-        guides: GIST: (local guide rows, global guide rows, per-row threshold ``[b]``).
-
-    Returns:
-        ``(partial loss, d anchors (local), d columns (global), d scale)``, the gradients of anchors and columns
-        still to be multiplied by ``scale``; in one process (``columns`` are ``anchors``) every gradient is in
-        d anchors and d columns is all ``None``. The gradients are ``None`` without ``grad``.
-    """
-    rows = anchors[0].shape[0]
-    dtype, device = anchors[0].dtype, anchors[0].device
-    n_groups = 1 + max(p.group for p in pieces)
-    candidates = {p.candidates: _concat([columns[k] for k in p.candidates]) for p in pieces}
-    guide_candidates = (
-        {p.candidates: _concat([guides[1][k] for k in p.candidates]) for p in pieces if p.guide}
-        if guides is not None
-        else {}
-    )
-    # Gradients per input: of its local rows as anchors, of its global rows as candidates. In one process the
-    # two are the same rows, so they share one buffer (``columns`` are ``anchors``).
-    shared = all(c is a for c, a in zip(columns, anchors) if c is not None)
-    d_anchor: list[torch.Tensor | None] = [None] * len(anchors)
-    d_columns: list[torch.Tensor | None] = [None] * len(columns)
-    if grad:
-        for p in pieces:
-            if d_anchor[p.anchor] is None:
-                d_anchor[p.anchor] = torch.zeros_like(anchors[p.anchor])
-            for k in p.candidates:
-                if d_columns[k] is None:
-                    if shared and d_anchor[k] is None:
-                        d_anchor[k] = torch.zeros_like(anchors[k])
-                    d_columns[k] = d_anchor[k] if shared else torch.zeros_like(columns[k])
-    value = torch.zeros((), dtype=dtype, device=device)
-    d_scale = torch.zeros((), dtype=dtype, device=device) if grad else None
-    for rows_ in _row_slices(rows, block):
-        b = rows_.stop - rows_.start
-        arange = torch.arange(b, device=device)
-        own = arange + (where.offset + rows_.start)  # global index of each row of the block
-        logits, lses = [], []
-        for p in pieces:
-            cand = candidates[p.candidates]
-            piece = anchors[p.anchor][rows_] @ cand.T  # [b, N_p]
-            piece.mul_(scale)
-            if p.mask_self:
-                piece[arange, own] = -math.inf
-            if p.mask_own:
-                for k in range(len(p.candidates)):
-                    piece[arange, own + k * where.total] = -math.inf
-            if p.guide:
-                local_guides, _, threshold = guides
-                similar = local_guides[p.anchor][rows_] @ guide_candidates[p.candidates].T
-                mask = similar > threshold[rows_, None]
-                del similar
-                if p.positive:
-                    mask[arange, own] = False
-                piece.masked_fill_(mask, -math.inf)
-                del mask
-            logits.append(piece)
-            lses.append(torch.logsumexp(piece, dim=1))
-        group_lse = [
-            torch.logsumexp(torch.stack([lse for lse, p in zip(lses, pieces) if p.group == g]), dim=0)
-            for g in range(n_groups)
-        ]
-        positive = logits[0][arange, own]
-        value = value + (sum(group_lse) / n_groups - positive).sum()
-        if not grad:
-            continue
-        for p, piece in zip(pieces, logits):
-            # dL/dlogits = (softmax over the piece's group / n_groups - onehot(positive)) / total, in place
-            piece.sub_(group_lse[p.group][:, None]).exp_().mul_(1.0 / (n_groups * where.total))
-            if p.positive:
-                piece[arange, own] -= 1.0 / where.total
-            anchor = anchors[p.anchor][rows_]
-            grad_rows = piece @ candidates[p.candidates]  # [b, D] = G c (times scale: dL/d anchor)
-            d_scale += (anchor * grad_rows).sum()  # sum_ij G_ij a_i . c_j = dL/d scale
-            d_anchor[p.anchor][rows_] += grad_rows
-            for j, k in enumerate(p.candidates):  # G^T a, per candidate input's columns
-                d_columns[k].addmm_(piece[:, j * where.total : (j + 1) * where.total].T, anchor)
-        del logits, piece
-    if shared:
-        d_columns = [None] * len(columns)  # all in d_anchor
-    return value / where.total, d_anchor, d_columns, d_scale
-
-
-def _sigmoid_rows(
-    images: torch.Tensor,
-    texts: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    where: _Rows,
-    block: int,
-    grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """SigLIP in row blocks: ``sum_ij softplus(-z_ij (t x_i . y_j + b)) / total`` over this rank's image rows
-    ``i`` and every text ``j``; ``z_ij = 1`` for the pair (``j`` = the global index of ``i``), -1 otherwise.
-
-    Returns ``(partial loss, d images (local, unscaled: times t), d texts (global, unscaled), dt, db)``.
-    """
-    rows = images.shape[0]
-    dtype, device = images.dtype, images.device
-    value = torch.zeros((), dtype=dtype, device=device)
-    d_images = torch.zeros_like(images) if grad else None
-    d_texts = torch.zeros_like(texts) if grad else None
-    d_scale = torch.zeros((), dtype=dtype, device=device) if grad else None
-    d_bias = torch.zeros((), dtype=dtype, device=device) if grad else None
-    for rows_ in _row_slices(rows, block):
-        b = rows_.stop - rows_.start
-        arange = torch.arange(b, device=device)
-        own = arange + (where.offset + rows_.start)
-        x = images[rows_]
-        u = x @ texts.T  # [b, total]
-        u.mul_(scale).add_(bias)
-        u[arange, own] *= -1  # u = -z * logit
-        value = value + nn.functional.softplus(u).sum()  # -log sigmoid(z * logit) = softplus(-z * logit)
-        if not grad:
-            continue
-        g = u.sigmoid_()  # dL/dlogit = -z sigmoid(-z logit)
-        g[arange, own] *= -1
-        g.mul_(1.0 / where.total)
-        d_bias += g.sum()
-        grad_rows = g @ texts
-        d_scale += (x * grad_rows).sum()
-        d_images[rows_] += grad_rows
-        d_texts.addmm_(g.T, x)
-        del u, g
-    return value / where.total, d_images, d_texts, d_scale, d_bias
-
-
 # ----------------------------------------------------------------------------------------------- the losses
 def _scalar(value: float | torch.Tensor, name: str, owner: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
@@ -329,43 +146,6 @@ def _scalar(value: float | torch.Tensor, name: str, owner: str) -> torch.Tensor:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{owner}: {name} must be a finite float or a scalar tensor, got {value!r}.")
     return torch.tensor(float(value))
-
-
-class _BlockwiseLoss(torch.autograd.Function):
-    """Value and gradients of a :class:`ContrastiveLoss` in one pass over the row blocks (its forward); the
-    backward scales the gradients kept by the incoming one."""
-
-    @staticmethod
-    def forward(ctx, loss, group, world, n_scalars, n_reps, grad, *tensors):
-        scalars, reps, guides = (
-            tensors[:n_scalars],
-            tensors[n_scalars : n_scalars + n_reps],
-            tensors[n_scalars + n_reps :],
-        )
-        value, d_reps, d_scalars = loss._compute(list(scalars), list(reps), list(guides), group, world, grad)
-        ctx.grads = (d_scalars, d_reps)
-        ctx.dtypes = [t.dtype for t in tensors[: n_scalars + n_reps]]
-        ctx.n_guides = len(guides)
-        return value
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # create_graph=True: the kept gradients have no graph of their own
-            raise RuntimeError(
-                "the row-blocked contrastive losses compute their gradients in the forward and support no "
-                "double backward (create_graph=True); use the unchunked loss for higher-order gradients."
-            )
-        if ctx.grads is None:
-            raise RuntimeError(
-                "the row-blocked loss was back-propagated twice (retain_graph=True): its "
-                "gradients are kept for one backward."
-            )
-        d_scalars, d_reps = ctx.grads
-        ctx.grads = None  # one backward: the kept buffers are scaled in place and handed over
-        out = [None] * 6
-        for d, dtype in zip([*d_scalars, *d_reps], ctx.dtypes):
-            out.append(None if d is None else d.mul_(grad_out.to(d.dtype)).to(dtype))
-        return (*out, *([None] * ctx.n_guides))
 
 
 class ContrastiveLoss(nn.Module):
@@ -579,138 +359,6 @@ class ContrastiveLoss(nn.Module):
         return f"{settings}, {block}"
 
 
-def _gather_columns(reps, guides, gathered, guide_gathered, sizes, group):
-    """One all-gather of every gathered input (embeddings and guides, flat): their global rows."""
-    from hfpatch.distributed.collectives import all_gather
-
-    parts = [reps[k] for k in gathered] + [guides[k] for k in guide_gathered]
-    widths = [p.shape[-1] for p in parts]
-    flat = torch.cat([p.reshape(-1) for p in parts])
-    full = all_gather(flat, 0, group, [s * sum(widths) for s in sizes])
-    per_rank = full.split([s * sum(widths) for s in sizes])
-    pieces = [seg.split([s * w for w in widths]) for seg, s in zip(per_rank, sizes)]
-    merged = [
-        torch.cat([pieces[r][j].view(sizes[r], widths[j]) for r in range(len(sizes))])
-        for j in range(len(parts))
-    ]
-    columns = [None] * len(reps)
-    for k, m in zip(gathered, merged[: len(gathered)]):
-        columns[k] = m
-    guide_columns = [None] * len(guides)
-    for k, m in zip(guide_gathered, merged[len(gathered) :]):
-        guide_columns[k] = m
-    return columns, guide_columns
-
-
-def _route_back(value, d_scalars, d_columns, gathered, sizes, group, grad):
-    """One reduce-scatter of the candidates' gradients to their ranks, one all-reduce of the value and the
-    scalars' gradients (sums over ranks)."""
-    from hfpatch.distributed.collectives import all_reduce_sum, reduce_scatter
-
-    me = dist.get_rank(group)
-    d_local: list[torch.Tensor | None] = [None] * len(d_columns)
-    if grad:
-        keys = [k for k in gathered if d_columns[k] is not None]
-        if keys:
-            widths = [d_columns[k].shape[-1] for k in keys]
-            per_rank = [
-                torch.cat([d_columns[k][sum(sizes[:r]) : sum(sizes[: r + 1])].reshape(-1) for k in keys])
-                for r in range(len(sizes))
-            ]
-            flat = torch.cat(per_rank)
-            del per_rank
-            mine = reduce_scatter(flat, 0, group, [s * sum(widths) for s in sizes])
-            for k, part in zip(keys, mine.split([sizes[me] * w for w in widths])):
-                d_local[k] = part.view(sizes[me], -1)
-    present = [k for k, d in enumerate(d_scalars) if d is not None]
-    sums = all_reduce_sum(torch.stack([value, *(d_scalars[k] for k in present)]), group)
-    totals = list(d_scalars)
-    for k, total in zip(present, sums[1:]):
-        totals[k] = total
-    return sums[0], totals, d_local
-
-
-def _problem(name: str, loss: ContrastiveLoss, table: list[list[int]]) -> str | None:
-    """The first problem with any rank's inputs, worded the same on every rank (``None``: all fine)."""
-    world = len(table)
-    on = (lambda r: f" on rank {r}") if world > 1 else (lambda r: "")
-    for r, row in enumerate(table):
-        n_reps, n_guides, dtype, _, too_many, _ = row[:_HEADER]
-        inputs = [
-            tuple(row[_HEADER + 3 * k : _HEADER + 3 * k + 3])
-            for k in range(min(n_reps + n_guides, _MAX_INPUTS))
-        ]
-        if too_many:
-            return f"{name}: at most {_MAX_INPUTS} inputs (embeddings and guides), got {n_reps + n_guides}{on(r)}."
-        hi = loss.max_inputs
-        if n_reps < loss.min_inputs or (hi is not None and n_reps > hi):
-            want = (
-                f"{loss.min_inputs}"
-                if hi == loss.min_inputs
-                else f"{loss.min_inputs} to {hi}"
-                if hi
-                else f"at least {loss.min_inputs}"
-            )
-            return f"{name} takes {want} embedding inputs (row i of each belongs to pair i), got {n_reps}{on(r)}."
-        guide_problem = loss._check_guides(n_reps, n_guides)
-        if guide_problem:
-            return f"{name} {guide_problem}{on(r)}."
-        for k, (_, _, ndim) in enumerate(inputs):
-            if ndim != 2:
-                what = "embedding input" if k < n_reps else "guide embedding"
-                idx = k if k < n_reps else k - n_reps
-                shape = "not a tensor" if ndim == -1 else f"{ndim}-D"
-                return f"{name}: {what} {idx} is {shape}{on(r)}; expected a [batch, dim] tensor."
-        if dtype == 0:
-            return f"{name}: the embeddings must be floating-point tensors{on(r)}."
-        if dtype == -1:
-            return f"{name}: the inputs mix float dtypes{on(r)}; give every embedding (and guide) one dtype."
-        batches = [b for b, _, _ in inputs]
-        if len(set(batches)) != 1:
-            return (
-                f"{name} pairs row i of every input, but the inputs have batch sizes {batches[:n_reps]}"
-                + (f" (guides {batches[n_reps:]})" if n_guides else "")
-                + f"{on(r)}; give every tower (and guide) the same number of rows."
-            )
-        widths = [d for _, d, _ in inputs[:n_reps]]
-        if len(set(widths)) != 1:
-            return f"{name}: the embeddings have different widths {widths}{on(r)}; every input must be [batch, D] with one D."
-        guide_widths = [d for _, d, _ in inputs[n_reps:]]
-        if len(set(guide_widths)) > 1:
-            return f"{name}: the guide embeddings have different widths {guide_widths}{on(r)}."
-    if world > 1:
-        for field, what in ((0, "numbers of embedding inputs"), (1, "numbers of guide inputs")):
-            values = [row[field] for row in table]
-            if len(set(values)) != 1:
-                return f"{name}: the ranks disagree on their {what}: {values} (rank 0, 1, ...); cross-rank negatives need the same inputs on every rank."
-        widths = [row[_HEADER + 1] for row in table]
-        if len(set(widths)) != 1:
-            return f"{name}: the ranks' embeddings have different widths {widths} (rank 0, 1, ...); cross-rank negatives need one D."
-        n = table[0][0] + table[0][1]
-        if n > table[0][0]:
-            guide_widths = [row[_HEADER + 3 * table[0][0] + 1] for row in table]
-            if len(set(guide_widths)) != 1:
-                return f"{name}: the ranks' guide embeddings have different widths {guide_widths} (rank 0, 1, ...)."
-        dtypes = [row[2] for row in table]
-        if len(set(dtypes)) != 1:
-            names = [_DTYPE_NAMES.get(d, "?") for d in dtypes]
-            return f"{name}: the ranks compute in different dtypes {names} (rank 0, 1, ...); give every rank the same dtype."
-        grads = [row[5] for row in table]
-        if len(set(grads)) != 1:
-            return (
-                f"{name}: some ranks compute gradients and others do not ({['yes' if g else 'no' for g in grads]}, "
-                "rank 0, 1, ...); call the loss under torch.no_grad() on every rank or on none."
-            )
-        digests = [row[3] for row in table]
-        if len(set(digests)) != 1:
-            return (
-                f"{name}: the ranks use different loss settings (ranks "
-                f"{[r for r, d in enumerate(digests) if d != table[0][3]]} differ from rank 0 in "
-                f"{', '.join(loss._settings())}); build the loss with the same arguments on every rank."
-            )
-    return None
-
-
 class InfoNCELoss(ContrastiveLoss):
     """InfoNCE / MultipleNegativesRankingLoss with in-batch (and hard) negatives, computed in row blocks.
 
@@ -825,10 +473,6 @@ class InfoNCELoss(ContrastiveLoss):
     def scale(self) -> torch.Tensor:
         """The logits' scale (``1 / temperature``)."""
         return self._scale
-
-
-def _times(grads: list[torch.Tensor | None], scale: torch.Tensor) -> list[torch.Tensor | None]:
-    return [None if g is None else g.mul_(scale.detach()) for g in grads]
 
 
 class CLIPLoss(InfoNCELoss):

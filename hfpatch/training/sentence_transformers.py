@@ -54,7 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .contrastive import ContrastiveLoss, GISTLoss, InfoNCELoss
-from .gradcache import GradCache, _unwrap, cross_rank_world, is_sentence_transformer, split_inputs
+from .gradcache import GradCache, cross_rank_world, is_sentence_transformer, split_inputs
+from .gradcache_models import _unwrap
 from .vlm_split import VisionTokenSpec
 
 __all__ = ["GradCacheLoss", "row_blocked_equivalent", "tiny_sentence_transformer"]

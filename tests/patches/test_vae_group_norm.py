@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfpatch.patches.vae.layers import _UpcastScaleShift, _UpcastVarMean, group_norm_forward
+from hfpatch.patches.vae.layers import group_norm_forward
+from hfpatch.patches.vae.norms import _UpcastScaleShift, _UpcastVarMean
 from hfpatch.patches.vae.state import VAEShardState, gather_rows, scatter_rows
 from hfpatch.testing.tolerance import eps, summation_tol
 
