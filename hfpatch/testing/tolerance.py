@@ -125,7 +125,7 @@ def perturbation_noise(
 
     def moved(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            noise = torch.rand(value.shape, generator=generator, dtype=value.dtype) * 2 - 1
+            noise = (torch.rand(value.shape, generator=generator, dtype=value.dtype) * 2 - 1).to(value.device)
             return value + value * noise * (
                 ulps * eps(value.dtype) / 2
             )  # eps / 2: one ulp of a value in [1, 2)
