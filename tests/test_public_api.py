@@ -34,6 +34,9 @@ PUBLIC: dict[str, str | None] = {
         "padded_len register_backend ring_attention shard_len shard_positions shard_sequence sp_index "
         "ulysses_attention unshard_sequence usp_attention"
     ),
+    "hfpatch.attention.exchange": (
+        "ExchangeConfig PendingExchange copy_minimum project_heads_to_sequence start_sequence_to_heads"
+    ),
     "hfpatch.attention.layout": (
         "group_rank group_size head_sizes pad_sequence padded_len shard_len shard_positions shard_sequence "
         "sp_index unshard_sequence valid_prefix"
@@ -47,7 +50,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.attention.ring": "ring_attention",
     "hfpatch.attention.sharded_keys": "sharded_keys_attention",
     "hfpatch.attention.ulysses": "gather_joint_heads heads_to_sequence sequence_to_heads slice_joint_heads",
-    "hfpatch.attention.usp": "sdpa_bshd ulysses_attention usp_attention",
+    "hfpatch.attention.usp": "sdpa_bshd ulysses_attention usp_attention usp_attention_joined",
     "hfpatch.cli": "benchmark_dir benchmarks build_parser info_lines main",
     "hfpatch.core": None,
     "hfpatch.core.compile": (
@@ -70,8 +73,8 @@ PUBLIC: dict[str, str | None] = {
         "weights_mismatch_message"
     ),
     "hfpatch.distributed.collectives": (
-        "CommCounter all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange reduce_scatter "
-        "ring_shift"
+        "CommCounter PendingP2P all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange "
+        "reduce_scatter ring_shift start_p2p"
     ),
     "hfpatch.distributed.data": (
         "StepRNG data_coordinates data_parallel_loaders data_parallel_position data_parallel_sampler "
@@ -153,7 +156,7 @@ PUBLIC: dict[str, str | None] = {
         "Grid Randn TINY_DITS TINY_DIT_PIPES Tensor TinyDiT TinyDiTPipe tiny_dit tiny_dit_inputs "
         "tiny_dit_pipe tiny_dit_pipe_inputs"
     ),
-    "hfpatch.testing.memory": "MemoryTracker measure_peak track_memory",
+    "hfpatch.testing.memory": "CopyCounter MemoryTracker count_copies measure_peak track_memory",
     "hfpatch.testing.models": (
         "qwen2_vl_inputs qwen3_vl_inputs tiny_autoencoder_kl tiny_bert tiny_chronoedit_transformer "
         "tiny_clip_text_model tiny_clip_tokenizer tiny_cogvideox_transformer tiny_flux2_transformer "

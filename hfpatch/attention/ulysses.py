@@ -13,6 +13,10 @@ adjoint of the slice is zero-padding, so no gradient is lost or double counted.
 
 Bytes sent per rank and all-to-all: ``(u - 1) / u`` of the local tensor when ``u`` divides the heads (the
 analytic minimum; with uneven heads the ranks' shares differ, the total is the same).
+
+Both reshardings copy each element once (:mod:`hfpatch.attention.exchange`: pieces packed on one side, received
+in place on the other); :func:`hfpatch.attention.exchange.start_sequence_to_heads` starts one and returns a handle,
+so the caller computes while it travels. In compiled code they are the ``hfpatch::all_to_all`` custom op.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import all_gather, all_to_all
+from . import exchange
 from .layout import group_rank, group_size, head_sizes
 
 __all__ = ["gather_joint_heads", "heads_to_sequence", "sequence_to_heads", "slice_joint_heads"]
@@ -32,16 +37,22 @@ def sequence_to_heads(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: in
     """``[B, S_local, H, D]`` -> ``[B, u * S_local, H_r, D]``, contiguous (identity when ``group`` is ``None``)."""
     if group is None:
         return x_bshd
-    sizes = head_sizes(heads, group_size(group))
-    return all_to_all(x_bshd, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        sizes = head_sizes(heads, group_size(group))
+        return all_to_all(x_bshd, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
+    return exchange.start_sequence_to_heads(x_bshd, group, heads).wait()
 
 
 def heads_to_sequence(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: int) -> Tensor:
     """``[B, u * S_local, H_r, D]`` -> ``[B, S_local, H, D]``: the inverse of :func:`sequence_to_heads`."""
     if group is None:
         return x_bshd
-    sizes = head_sizes(heads, group_size(group))
-    return all_to_all(x_bshd, scatter_dim=1, gather_dim=2, group=group, gather_sizes=sizes)
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        sizes = head_sizes(heads, group_size(group))
+        return all_to_all(x_bshd, scatter_dim=1, gather_dim=2, group=group, gather_sizes=sizes)
+    geo = exchange.head_geometry(x_bshd, group, heads)
+    plan = exchange.out_plans(geo, image_rows=x_bshd.shape[1], joined_sources=False)[0]
+    return exchange.finish_out([plan], [exchange.start_out(plan, [x_bshd], None)], [x_bshd])
 
 
 def slice_joint_heads(x_bshd: Tensor, group: dist.ProcessGroup | None) -> Tensor:

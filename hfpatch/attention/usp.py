@@ -38,11 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layout import group_size
+from . import exchange as _exchange
+from .exchange import ExchangeConfig
+from .layout import group_rank, group_size
 from .ring import ring_attention
 from .ulysses import gather_joint_heads, heads_to_sequence, sequence_to_heads, slice_joint_heads
 
-__all__ = ["sdpa_bshd", "ulysses_attention", "usp_attention"]
+__all__ = ["sdpa_bshd", "ulysses_attention", "usp_attention", "usp_attention_joined"]
 
 Tensor = torch.Tensor
 _JOINT_POSITIONS = ("front", "back")
@@ -175,6 +177,7 @@ def usp_attention(
     scale: float | None = None,
     backend: str = "auto",
     dense: DenseAttention | None = None,
+    exchange: ExchangeConfig | str | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact softmax attention over a sequence sharded across ``ring x ulysses`` ranks.
 
@@ -203,6 +206,9 @@ def usp_attention(
             ``(q, k, v, key_mask, scale)`` on ``[B, S, H, D]`` (``key_mask``: ``[B or 1, 1, 1, S_k]`` bool or
             ``None``). Default :func:`sdpa_bshd`: the same ``F.scaled_dot_product_attention`` the stock model
             calls, so SDPA picks the same kernel. A named ``backend`` runs Ring's path instead.
+        exchange: How the Ulysses exchange runs (:class:`hfpatch.attention.exchange.ExchangeConfig` or a name:
+            ``"overlap"``, ``"fp8"``, ``"fp8+overlap"``). Default ``None``: exact and blocking. Whatever it is,
+            the exchange copies every element once (:mod:`hfpatch.attention.exchange`).
 
     Returns:
         ``(out [B, S_local, H, D], joint_out [B, S_txt, H, D] or None)``; ``joint_out`` is identical on
@@ -210,7 +216,8 @@ def usp_attention(
         parameter grads with SUM over the sp group (patched models: a mean, see the module docstring).
 
     Raises:
-        ValueError: Inconsistent shapes, dtypes, ``joint_position`` or ``valid_len`` (before any collective).
+        ValueError: Inconsistent shapes, dtypes, ``joint_position`` or ``valid_len``; an FP8 ``exchange`` under
+            training without ``training=True`` (before any collective).
 
     >>> import torch
     >>> q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
@@ -223,10 +230,78 @@ def usp_attention(
     >>> bool(torch.allclose(torch.cat([txt, out], 1), ref, atol=1e-6))
     True
     """
-    joint = (joint_query, joint_key, joint_value)
+    out, joint_out, _ = _usp(
+        query, key, value, ulysses_group, ring_group, valid_len, (joint_query, joint_key, joint_value),
+        joint_position, joint_key_mask, scale, backend, dense, exchange,
+    )  # fmt: skip
+    return out, joint_out
+
+
+def usp_attention_joined(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    valid_len: int | None = None,
+    joint_query: Tensor | None = None,
+    joint_key: Tensor | None = None,
+    joint_value: Tensor | None = None,
+    joint_position: str = "front",
+    joint_key_mask: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    dense: DenseAttention | None = None,
+    exchange: ExchangeConfig | str | None = None,
+) -> Tensor:
+    """:func:`usp_attention`'s output joined with the joint output where the stock model has it: ``[B, T + S_local,
+    H, D]`` (text in front) or ``[B, S_local + T, H, D]`` (``joint_position="back"``); ``out`` alone without joint
+    tokens. Under Ulysses the exchange writes the joined tensor directly (no concatenation)."""
+    out, joint_out, joined = _usp(
+        query, key, value, ulysses_group, ring_group, valid_len, (joint_query, joint_key, joint_value),
+        joint_position, joint_key_mask, scale, backend, dense, exchange,
+    )  # fmt: skip
+    if joined is not None:
+        return joined
+    if joint_out is None:
+        return out
+    return torch.cat([joint_out, out] if joint_position == "front" else [out, joint_out], dim=1)
+
+
+def _usp(query, key, value, ulysses_group, ring_group, valid_len, joint, joint_position, joint_key_mask, scale,
+         backend, dense, exchange):  # fmt: skip
+    """``(out, joint_out, joined or None)``: :func:`usp_attention`, and the joined output when the exchange made it."""
     world = group_size(ulysses_group) * group_size(ring_group)
     _check_inputs(query, key, value, joint, joint_position, valid_len, world, joint_key_mask)
+    config = ExchangeConfig.parse(exchange)
+    if config is not None:
+        config.check([query, key, value, *joint], "usp_attention")
     heads = query.shape[2]
+    if group_size(ulysses_group) > 1 and not torch.compiler.is_compiling():
+        has_joint = joint[0] is not None
+        if group_size(ring_group) == 1 and backend == "auto":
+            joined = _ulysses_dense(
+                query, key, value, joint if has_joint else None, joint_position, joint_key_mask, valid_len,
+                scale, sdpa_bshd if dense is None else dense, ulysses_group, config,
+            )  # fmt: skip
+        else:
+            joined = _ulysses_ring(
+                query, key, value, joint if has_joint else None, joint_position, joint_key_mask, valid_len,
+                scale, backend, ulysses_group, ring_group, config,
+            )  # fmt: skip
+        if not has_joint:
+            return joined, None, joined
+        text, local = joint[0].shape[1], query.shape[1]
+        if joint_position == "front":
+            return joined[:, text:], joined[:, :text], joined
+        return joined[:, :local], joined[:, local:], joined
+    if config is not None and config.lossy and group_size(ulysses_group) > 1:
+        raise ValueError(
+            "usp_attention: the FP8 exchange runs in eager mode only; compiled code exchanges exactly (drop "
+            "exchange= or compile=)"
+        )
+    # No Ulysses exchange (or compiled code: the all-to-all custom ops, one node each in the graph).
     q, k, v = (sequence_to_heads(t, ulysses_group, heads) for t in (query, key, value))
     jq, jk, jv = (None if t is None else slice_joint_heads(t, ulysses_group) for t in joint)
     if group_size(ring_group) == 1 and backend == "auto":
@@ -243,7 +318,74 @@ def usp_attention(
     out = heads_to_sequence(out, ulysses_group, heads)
     if joint_out is not None:
         joint_out = gather_joint_heads(joint_out, ulysses_group, heads)
-    return out, joint_out
+    return out, joint_out, None
+
+
+def _joined_mask(joint_key_mask: Tensor | None, tokens: int, front: bool) -> Tensor | None:
+    """SDPA's ``[B|1, 1, 1, T + tokens]`` key mask: the joint key mask beside ``tokens`` unmasked image keys."""
+    if joint_key_mask is None:
+        return None
+    image = joint_key_mask.new_ones(joint_key_mask.shape[0], tokens)
+    return torch.cat([joint_key_mask, image] if front else [image, joint_key_mask], dim=1)[:, None, None, :]
+
+
+def _ulysses_dense(q, k, v, joint, joint_position, joint_key_mask, valid_len, scale, attend, group, config):
+    """Ring degree 1 under Ulysses: the exchange writes each head chunk's q/k/v straight into the joined buffers
+    the kernel reads (real tokens only, text where the stock model has it), ``attend`` runs once per chunk, and
+    the output exchange writes the joined ``[B, T + S_local, H, D]`` output (:mod:`hfpatch.attention.exchange`).
+    With ``overlap`` the exchange of chunk ``c + 1`` and the output of chunk ``c - 1`` travel while chunk ``c``
+    attends."""
+    front = joint_position == "front"
+    text = 0 if joint is None else joint[0].shape[1]
+    joints = (None, None, None) if joint is None else joint
+    geo = _exchange.geometry(q, group, q.shape[2], valid_len)
+    plans = _exchange.in_plans(geo, 3, text_len=text, front=front, trim=True, config=config, keys=1)
+    out_plans = _exchange.out_plans(
+        geo, image_rows=geo.total, text_len=text, kernel_front=front, final_front=front, config=config
+    )
+    mask = _joined_mask(joint_key_mask, geo.total, front)
+    window = 3 if len(plans) > 1 else 2  # overlapped: a chunk's q, k and v all in flight
+    started = [_exchange.start_in(plans[0], (q, k, v), joints, window)]
+    outs, pending, final = [], [], None
+    for c, plan in enumerate(plans):
+        if c + 1 < len(plans):
+            started.append(_exchange.start_in(plans[c + 1], (q, k, v), joints, window))
+        q_c, k_c, v_c = _exchange.finish_in(plan, started[c], (q, k, v), joints)
+        started[c] = None
+        # An idle chunk (no head of this rank in it) keeps its empty buffer as output: it stays in the graph, so
+        # the backward runs the same exchanges as on the other ranks.
+        outs.append(q_c if q_c.shape[2] == 0 else attend(q_c, k_c, v_c, mask, scale))
+        del q_c, k_c, v_c  # without autograd, free this chunk's buffers before the next one
+        pending.append(_exchange.start_out(out_plans[c], outs, final, front))
+        final = pending[-1].final
+    return _exchange.finish_out(out_plans, pending, outs)
+
+
+def _ulysses_ring(q, k, v, joint, joint_position, joint_key_mask, valid_len, scale, backend, ulysses_group,
+                  ring_group, config):  # fmt: skip
+    """Ring degree > 1 (or a named kernel) under Ulysses: the exchange gives Ring its block of every shard's rows
+    (padding zeroed), the text stays whole (a view of this rank's heads), the output exchange joins the text."""
+    front = joint_position == "front"
+    text = 0 if joint is None else joint[0].shape[1]
+    ulysses = group_size(ulysses_group)
+    serial = None if config is None else ExchangeConfig(dtype=config.dtype, scale=config.scale,
+                                                        exact_keys=config.exact_keys, training=config.training)  # fmt: skip
+    geo = _exchange.geometry(q, ulysses_group, q.shape[2], valid_len, group_rank(ring_group) * ulysses)
+    plan = _exchange.in_plans(geo, 3, config=serial, keys=1)[0]
+    none = (None, None, None)
+    q_h, k_h, v_h = _exchange.finish_in(plan, _exchange.start_in(plan, (q, k, v), none), (q, k, v), none)
+    jq, jk, jv = none if joint is None else (slice_joint_heads(t, ulysses_group) for t in joint)
+    out, joint_out = ring_attention(
+        q_h, k_h, v_h, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
+        joint_key_mask=joint_key_mask, scale=scale, backend=backend,
+    )  # fmt: skip
+    del q_h, k_h, v_h, jq, jk, jv
+    out_plan = _exchange.out_plans(
+        geo, image_rows=geo.world * geo.local, text_len=text, final_front=front, joined_sources=False,
+        config=serial,
+    )[0]  # fmt: skip
+    sources = [out] if joint_out is None else [out, joint_out]
+    return _exchange.finish_out([out_plan], [_exchange.start_out(out_plan, sources, None, front)], sources)
 
 
 def ulysses_attention(

@@ -1,7 +1,9 @@
 """Deterministic memory measurement on CPU: peak bytes of tensors *created* while tracking.
 
 Tensors that exist before tracking starts (parameters, inputs) are not counted, so the figure is the
-activation (and gradient/temporary) memory of the tracked code. Storages are counted once however many
+activation (and gradient/temporary) memory of the tracked code. :func:`count_copies` counts, the same way, the
+bytes that copying ops write (a layout change, a concatenation, a dtype conversion), to compare data movement
+with its analytic minimum. Storages are counted once however many
 views share them and leave the count when they are freed. On CUDA use ``torch.cuda.max_memory_allocated``;
 this tracker gives the same kind of figure on any device, deterministically.
 
@@ -26,8 +28,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker", "measure_peak", "track_memory"]
+__all__ = ["CopyCounter", "MemoryTracker", "count_copies", "measure_peak", "track_memory"]
 
 
 #: Tensor types that are no wrapper subclass (the hot path skips ``is_traceable_wrapper_subclass``).
@@ -142,3 +145,79 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any
     with track_memory() as tracker:
         result = fn(*args, **kwargs)
     return result, tracker.peak_bytes
+
+
+#: aten ops that only move or convert data (their output, or the destination of ``copy_``, is what they write).
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::clone",
+        "aten::cat",
+        "aten::stack",
+        "aten::_to_copy",
+        "aten::index_select",
+        "aten::index.Tensor",
+        "aten::narrow_copy",
+        "aten::repeat",
+        "aten::constant_pad_nd",
+        "aten::slice_scatter",
+        "aten::select_scatter",
+        "aten::as_strided_scatter",
+        "aten::index_put_",
+        "aten::masked_scatter",
+        "aten::flip",
+        "aten::roll",
+        "aten::gather",
+        "aten::_unsafe_index.Tensor",
+        "aten::expand_copy",
+        "aten::permute_copy",
+        "aten::transpose_copy",
+        "aten::view_copy",
+    }
+)
+
+
+@dataclass
+class CopyCounter(TorchDispatchMode):
+    """A dispatch mode that adds up the bytes written by copying ops (:data:`COPY_OPS`).
+
+    Attributes:
+        bytes_copied: Total bytes written by copying ops.
+        by_op: The same, per op name (``"aten::copy_"``, ``"aten::cat"``, ...).
+    """
+
+    bytes_copied: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name + ("" if func._overloadname == "default" else f".{func._overloadname}")
+        if name in COPY_OPS or func._schema.name in COPY_OPS:
+            written = args[0] if func._schema.name.endswith("_") else out  # in place: its destination
+            nbytes = sum(
+                t.numel() * t.element_size() for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)
+            )
+            key = func._schema.name
+            self.by_op[key] = self.by_op.get(key, 0) + nbytes
+            self.bytes_copied += nbytes
+        return out
+
+
+@contextmanager
+def count_copies() -> Iterator[CopyCounter]:
+    """Count the bytes copying ops write inside the block (:class:`CopyCounter`).
+
+    >>> import torch
+    >>> x = torch.randn(4, 8)                      # 128 bytes
+    >>> with count_copies() as copies:
+    ...     y = x.t().contiguous()                 # a layout change: 128 bytes written
+    ...     z = x.view(8, 4)                       # a view: nothing
+    >>> copies.bytes_copied, copies.by_op
+    (128, {'aten::clone': 128})
+    """
+    counter = CopyCounter()
+    with counter:
+        yield counter

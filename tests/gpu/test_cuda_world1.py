@@ -1,7 +1,8 @@
 """The GPU lane: each capability at world 1 on CUDA, fp32 and bf16. Skipped without a CUDA device.
 
-Run on a GPU machine with ``python -m pytest tests/gpu -q`` (a minute or two on one GPU). NCCL refuses two
-ranks on one GPU, so multi-rank paths stay on the CPU/gloo suite; what runs here is every per-rank CUDA path:
+Run on a GPU machine with ``python -m pytest tests/gpu -q`` (a minute or two on one GPU; ``bash .ci/gpu`` runs it
+and ``benchmarks/gpu.py`` in one command). NCCL refuses two ranks on one GPU, so the multi-rank paths run with two
+gloo ranks on the one GPU in ``test_cuda_two_ranks.py``; what runs here is every per-rank CUDA path:
 the attention kernels (forward, Ring's block backward, every input layout), the ring-degree-1 SDPA path, the
 streaming pipeline and training seeded by CPU and CUDA generators, the chunked pixel loss (also a video chunked
 over time), GradCache, the row-blocked contrastive losses, and the Wan VAE's frame cache after an

@@ -172,6 +172,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         self.check_compile(target, config, options)
+        self.check_exchange(target, config, options)
         from ..caches import cache_names, check_caches
 
         if config.pipefusion > 1 and cache_names(target):

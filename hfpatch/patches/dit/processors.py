@@ -324,15 +324,18 @@ class USPDispatchProcessor:
             )
         joint = (q_txt, k_txt, v_txt) if text else None
         kernel, dense = self._kernels(backend)
-        out, joint_out = usp_attention_call(
+        # Joined where the stock model has the text: under Ulysses the exchange writes it so (no concatenation).
+        joined = usp_attention_call(
             self.state, q_img, k_img, v_img, joint=joint, joint_position=self.joint or "front",
-            joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense,
+            joint_key_mask=mask_txt if text else None, scale=scale, backend=kernel, dense=dense, joined=True,
         )  # fmt: skip
-        if joint_out is None:
-            return out
-        if query_mask is not None:  # a token mask: its masked (text) queries attend to nothing, output zeros
-            joint_out = joint_out.masked_fill(~mask_txt[:, :, None, None], 0.0)
-        return torch.cat([joint_out, out] if self.joint != "back" else [out, joint_out], dim=1)
+        if (
+            text and query_mask is not None
+        ):  # a token mask: its masked (text) queries attend to nothing: zeros
+            keep = torch.ones(joined.shape[:2], dtype=torch.bool, device=joined.device)
+            keep[:, slice(0, text) if self.joint != "back" else slice(local, local + text)] = mask_txt
+            joined = joined.masked_fill(~keep[:, :, None, None], 0.0)
+        return joined
 
     def _kernels(self, backend: Any) -> tuple[str, Any]:
         """``(Ring's local kernel, the ring-degree-1 attention)`` for the processor's diffusers ``backend``."""

@@ -95,12 +95,15 @@ class SequenceShard:
         group: The ``sp`` process group (ring x ulysses).
         ulysses_group, ring_group: Groups passed to ``usp_attention`` (``None`` for degree 1).
         rank, world: Index in ``group`` (= shard index) and its size.
+        exchange: How the Ulysses exchange runs (:class:`hfpatch.attention.exchange.ExchangeConfig`; ``None``:
+            exact and blocking), the ``exchange=`` option of ``hfpatch.apply``.
     """
 
-    def __init__(self, group: Any, ulysses_group: Any, ring_group: Any) -> None:
+    def __init__(self, group: Any, ulysses_group: Any, ring_group: Any, exchange: Any = None) -> None:
         self.group = group
         self.ulysses_group = ulysses_group
         self.ring_group = ring_group
+        self.exchange = exchange
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.valid_len: int | None = None
@@ -496,7 +499,10 @@ class SequenceParallelFamily(PatchFamily):
     no-op when ``ring * ulysses == 1`` (other families may share the same ``hfpatch.apply`` call), and when
     ``pipefusion > 1``: the PipeFusion family then runs Ulysses/Ring inside its stages.
 
-    Options: ``check_inputs`` (the same-input check, default on); ``compile=True`` runs the model's ``forward``
+    Options: ``check_inputs`` (the same-input check, default on); ``exchange`` (how the Ulysses exchange runs:
+    ``None``, exact and blocking; ``"overlap"``, ``"fp8"``, ``"fp8+overlap"`` or an
+    :class:`hfpatch.attention.exchange.ExchangeConfig`; needs ``ulysses > 1``, FP8 refused under training unless
+    asked for by name and with ``compile=True``); ``compile=True`` runs the model's ``forward``
     through ``torch.compile(fullgraph=True)`` (``compile_backend``, default inductor): the splits, the routed
     attention and the collectives (single custom ops, :mod:`hfpatch.distributed.collectives`) compile into one
     graph with no break, forward and backward, while the model-level hooks (the same-input check, the input
@@ -511,6 +517,7 @@ class SequenceParallelFamily(PatchFamily):
         "check_inputs": True,
         "compile": False,
         "compile_backend": "inductor",
+        "exchange": None,
     }
 
     def plan_for(self, target: Any) -> SequencePlan:
@@ -530,6 +537,7 @@ class SequenceParallelFamily(PatchFamily):
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         self.check_compile(target, config, options)
+        self.check_exchange(target, config, options)
         if config.sequence_parallel == 1 or config.pipefusion > 1:  # PipeFusion runs sp in its stages
             return
         check_plan(target, self.plan_for(target))
@@ -543,6 +551,24 @@ class SequenceParallelFamily(PatchFamily):
                     "model.set_default_attn_processor() or unload the IP-Adapter) before hfpatch.apply, "
                     "or use ring=ulysses=1."
                 )
+
+    def check_exchange(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a bad ``exchange`` option, or one that configures no Ulysses exchange."""
+        from ...attention.exchange import ExchangeConfig
+
+        exchange = ExchangeConfig.parse(options["exchange"])
+        if exchange is None:
+            return
+        if config.ulysses == 1 or config.pipefusion > 1:
+            raise ValueError(
+                f"exchange={options['exchange']!r} configures the Ulysses exchange of {type(target).__name__}, but the "
+                f"plan {config} has none (ulysses = 1, or PipeFusion); drop exchange= or plan ulysses > 1"
+            )
+        if exchange.lossy and options["compile"]:
+            raise ValueError(
+                "exchange: the FP8 exchange runs in eager mode only (compiled code exchanges exactly); drop "
+                "compile=True or the FP8 exchange"
+            )
 
     def check_compile(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         """Raise ``ValueError`` for bad ``compile``/``compile_backend`` options, or ``compile=True`` without a split."""
@@ -566,7 +592,14 @@ class SequenceParallelFamily(PatchFamily):
             mesh.config.sequence_parallel == 1 or mesh.config.pipefusion > 1
         ):  # PipeFusion runs sp in its stages
             return
-        state = SequenceShard(mesh.group("sp"), mesh.group("ulysses"), mesh.group("ring"))
+        from ...attention.exchange import ExchangeConfig
+
+        state = SequenceShard(
+            mesh.group("sp"),
+            mesh.group("ulysses"),
+            mesh.group("ring"),
+            ExchangeConfig.parse(options["exchange"]),
+        )
         hooked = apply_sequence_plan(
             target, self.plan_for(target), state, patch, check_inputs=bool(options["check_inputs"])
         )
@@ -615,10 +648,13 @@ def usp_attention_call(
     scale: float | None = None,
     backend: str = "auto",
     dense: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    joined: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
     """``hfpatch.attention.usp.usp_attention`` on this call's shards (``bshd`` layouts, joint text replicated);
-    ``backend``/``dense`` as there (Ring's kernel; the ring-degree-1 attention)."""
-    from ...attention.usp import usp_attention
+    ``backend``/``dense`` as there (Ring's kernel; the ring-degree-1 attention), the exchange as ``state.exchange``.
+    ``joined``: return the output joined with the joint output where ``joint_position`` puts it
+    (:func:`hfpatch.attention.usp.usp_attention_joined`: no concatenation under Ulysses)."""
+    from ...attention.usp import usp_attention, usp_attention_joined
 
     if state.local_len is None or query.shape[1] != state.local_len:
         # E.g. model.forward(...) called directly: nn.Module hooks (the split) run only through model(...).
@@ -631,7 +667,7 @@ def usp_attention_call(
         joint is not None
     ):  # replicated on every rank (the plan says so): the full gradient reaches their backward
         joint_query, joint_key, joint_value = state.streams.average(*joint)
-    out, joint_out = usp_attention(
+    result = (usp_attention_joined if joined else usp_attention)(
         query,
         key,
         value,
@@ -646,7 +682,14 @@ def usp_attention_call(
         scale=scale,
         backend=backend,
         dense=dense,
+        exchange=state.exchange,
     )
+    if (
+        joined
+    ):  # the shard's tokens with the text in one tensor: sharded (as a concatenation of the two would be)
+        state.streams.sharded(result)
+        return result
+    out, joint_out = result
     state.streams.sharded(out)
     if joint_out is not None:
         state.streams.replicated(joint_out)
