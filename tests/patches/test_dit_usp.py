@@ -143,6 +143,17 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
             image_rotary_emb=tuple(t.float() for t in rotary),
         )
         return model, kwargs, "hidden_states"
+    if family == "cogvideox_2b":  # 2B layout: learned positions inside the patch embedding, no rotary table;
+        # batch 2, 2 frames x 5 x 5 = 50 video tokens, so the sequence length is measured at the embedding
+        model = testing.tiny_cogvideox_transformer(
+            use_rotary_positional_embeddings=False, sample_frames=5, sample_height=10, sample_width=10
+        )
+        kwargs = dict(
+            hidden_states=_randn(2, 2, 4, 10, 10, seed=1),
+            encoder_hidden_states=_randn(2, 8, 16, seed=2),  # the learned positions cover max_text_seq_length
+            timestep=torch.tensor([300, 700]),
+        )
+        return model, kwargs, "hidden_states"
     if family in ("qwenimage", "qwenimage_mask"):  # 5 x 5 = 25 image tokens, 6 text tokens, joint attention
         model = testing.tiny_qwenimage_transformer()
         kwargs = dict(
@@ -612,6 +623,8 @@ def _configs(world: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
+    if world == 3:  # CogVideoX 2B: the sequence measured where its patch embedding's output is cut
+        cases += [("cogvideox_2b", 3, 1), ("cogvideox_2b", 1, 3)]
     check_forward(rank_pool(world).run(forward_cases, cases), cases)
 
 
@@ -619,7 +632,7 @@ def test_usp_forward_every_family_and_layout_matches_unpatched(rank_pool, world)
 def test_usp_backward_param_and_input_grads_after_sp_sum_match_unpatched(rank_pool, world):
     cases = [(family, u, r) for family in FAMILIES for u, r in _configs(world)]
     if world == 2:
-        cases += [("wan22_gc", 1, 2), ("flux_gc", 2, 1), ("cogvideox_gc", 1, 2)]
+        cases += [("wan22_gc", 1, 2), ("flux_gc", 2, 1), ("cogvideox_gc", 1, 2), ("cogvideox_2b", 2, 1)]
     if world == 4:
         cases = [(family, u, r) for family in FAMILIES for u, r in [(2, 2), (1, 4)]]
     check_backward(rank_pool(world).run(backward_cases, cases), cases)

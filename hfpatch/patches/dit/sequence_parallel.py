@@ -415,10 +415,33 @@ def apply_sequence_plan(
             if isinstance(spec, SplitOutput):
                 where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
                 split = _splitter(state, spec.dim, spec.ndim, where, spec.joint)
+                replicated = (
+                    None
+                    if spec.replicated is None
+                    else (
+                        spec.replicated,
+                        _positions(module, [MeasureInput(spec.replicated, spec.dim)], path),
+                    )
+                )
 
                 def split_output(
-                    _m, _args, _kwargs, out, split=split, flatten_from=spec.flatten_from, index=spec.index
+                    _m,
+                    args,
+                    kwargs,
+                    out,
+                    split=split,
+                    flatten_from=spec.flatten_from,
+                    index=spec.index,
+                    dim=spec.dim,
+                    replicated=replicated,
+                    where=where,
                 ):
+                    if replicated is not None:  # this call's sequence: what the replicated part leaves
+                        name, positions = replicated
+                        part = kwargs[name] if name in kwargs else args[positions[name]]
+                        whole = (out if index is None else out[index]).shape[dim]
+                        state.measure(whole - part.shape[dim], where)
+
                     def cut(value):
                         if flatten_from is not None:
                             value = _map_tensors(value, lambda x: x.flatten(flatten_from))

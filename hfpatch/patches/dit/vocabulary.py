@@ -77,6 +77,11 @@ class SplitOutput:
     output can be cut as the ``[B, C, S]`` token sequence the model builds from it: the full output is freed
     right after the patch embedding instead of living until the first block returns. ``index`` shards only
     that element of a tuple/list output (QwenImage's rotary ``(image, text)`` tables: the image one).
+    ``joint="front"``/``"back"``: the output holds replicated tokens before/after the sharded ones (see
+    :class:`SplitInput`); ``replicated`` names the submodule's argument whose size along ``dim`` is that
+    replicated part, so the rest is this call's sequence, measured here when no earlier split did (CogVideoX's
+    patch embedding returns ``[text, video]`` and takes the text as ``text_embeds``: cut there, the full
+    embedding is freed at once instead of living, through the stock code's views of it, until block 0 returns).
     """
 
     dim: int
@@ -84,6 +89,7 @@ class SplitOutput:
     flatten_from: int | None = None
     index: int | None = None
     joint: str | None = None
+    replicated: str | None = None
 
 
 @dataclass(frozen=True)
@@ -318,7 +324,9 @@ _COGVIDEOX_LAYOUT = DiTPlan(
     attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
     plan={
         "": (SplitInput("image_rotary_emb", dim=0),),
-        "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+        # [text, video]: the text (its ``text_embeds`` argument) stays whole; cutting here frees the full
+        # embedding at once (the stock forward's text and video views of it kept it alive through block 0).
+        "patch_embed": (SplitOutput(dim=1, joint="front", replicated="text_embeds"),),
         "proj_out": (GatherOutput(dim=1),),
     },
 )
