@@ -15,7 +15,7 @@ N = 2 and 4 gloo ranks: Ulysses N, Ring N and USP 2x2. Every rank reports:
   ``2 (r-1)`` such tensors (K and V passed ``r-1`` times), times ``num_layers``; the output gather sends
   ``(N-1)`` local output shards. Cross-attention to the replicated text sends nothing.
 
-Two plan-driven families (``hfpatch.patches.dit``, diffusers' ``_cp_plan`` translated) run the same configs
+Three plan-driven families (``hfpatch.patches.dit``; diffusers' ``_cp_plan`` translated where it has one) run the same configs
 at the same size (8 heads of 16, ``C = 128``, MLP ``4 C``, 2 layers, 4096 image/video tokens, 16 text tokens):
 
 - ``QwenImageTransformer2DModel``: joint attention with the 16 text tokens replicated. Analytic bytes add,
@@ -25,6 +25,9 @@ at the same size (8 heads of 16, ``C = 128``, MLP ``4 C``, 2 layers, 4096 image/
   embedding alive until block 0 returns).
 - ``LTXVideoTransformer3DModel``: self-attention over the video tokens, cross-attention to the replicated text
   (no communication); the rotary output is cut, the tokens enter block 0 cut.
+- ``CogVideoXTransformer3DModel`` (5B layout): joint attention over ``[text, video]`` with the 16 text tokens
+  replicated (the joint output heads all-gathered under Ulysses, as QwenImage's); the video tokens are cut at the
+  patch embedding's ``[text, video]`` output, so the full embedding is freed there.
 
 Writes ``benchmarks/results/usp_transformer.json`` (Wan at the top level, the others under ``families``) and
 ``.png``; about two minutes on two CPU cores.
@@ -64,9 +67,11 @@ CONFIGS = {
 }
 MARKERS = {"ulysses": "o-", "ring": "s-", "usp 2x2": "^"}
 #: Plan-driven families benchmarked next to Wan (same heads, width, layers and token count).
-FAMILIES = ("qwenimage", "ltx")
-FAMILY_GRID = {"qwenimage": (1, 64, 64), "ltx": (16, 16, 16)}  # (frames, height, width) in tokens
-FAMILY_OUT = {"qwenimage": 16, "ltx": 8}  # proj_out channels (QwenImage: 2x2 patch x 4 latent channels)
+FAMILIES = ("qwenimage", "ltx", "cogvideox")
+#: (frames, height, width) in tokens
+FAMILY_GRID = {"qwenimage": (1, 64, 64), "ltx": (16, 16, 16), "cogvideox": (16, 16, 16)}
+#: proj_out channels (QwenImage and CogVideoX: 2x2 patch x 4 latent channels)
+FAMILY_OUT = {"qwenimage": 16, "ltx": 8, "cogvideox": 16}
 
 
 def seq_len(latent: tuple[int, ...] = LATENT) -> int:
@@ -109,7 +114,7 @@ def analytic_bytes(ring: int, ulysses: int, latent: tuple[int, ...] = LATENT) ->
 
 def build_family(name: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A plan-driven family's benchmark model (stock class, same weights on every rank) and forward kwargs."""
-    from hfpatch.testing import tiny_ltx_transformer, tiny_qwenimage_transformer
+    from hfpatch.testing import tiny_cogvideox_transformer, tiny_ltx_transformer, tiny_qwenimage_transformer
 
     frames, height, width = FAMILY_GRID[name]
     tokens = frames * height * width
@@ -136,6 +141,19 @@ def build_family(name: str) -> tuple[torch.nn.Module, dict[str, Any]]:
             height=height,
             width=width,
         )
+    elif name == "cogvideox":
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        model = tiny_cogvideox_transformer(num_heads=HEADS, head_dim=HEAD_DIM, num_layers=LAYERS)
+        rotary = get_3d_rotary_pos_embed(
+            HEAD_DIM, ((0, 0), (height, width)), (height, width), frames, use_real=True
+        )
+        kwargs = dict(
+            hidden_states=torch.randn(1, frames, 4, 2 * height, 2 * width, generator=gen),  # [B, F, C, H, W]
+            encoder_hidden_states=text,
+            timestep=torch.tensor([500]),
+            image_rotary_emb=tuple(t.float() for t in rotary),
+        )
     else:
         raise ValueError(name)
     return model, kwargs
@@ -151,7 +169,10 @@ def analytic_family_bytes(name: str, ring: int, ulysses: int) -> dict[str, int]:
         "ring": LAYERS * 2 * (ring - 1) * qkv,
         "all_gather": (world - 1) * local * FAMILY_OUT[name] * 4,
     }
-    if name == "qwenimage":  # the joint (text) output heads, all-gathered over the Ulysses group
+    if name in (
+        "qwenimage",
+        "cogvideox",
+    ):  # the joint (text) output heads, all-gathered over the Ulysses group
         heads = -(-HEADS // ulysses)  # the largest head slice (heads split as evenly as possible)
         bytes_["all_gather"] += LAYERS * (ulysses - 1) * TEXT_LEN * heads * HEAD_DIM * 4
     return bytes_
@@ -288,7 +309,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_fam.plot(ns, [1.2 / n for n in ns], "k--", alpha=0.5, label="target 1.2/N")
     families = {"wan": {"runs": results["runs"], "unpatched_peak": results["unpatched"]["peak"]}}
     families.update(results["families"])
-    for (family_name, family), color in zip(families.items(), ("C0", "C1", "C2")):
+    for (family_name, family), color in zip(families.items(), ("C0", "C1", "C2", "C3")):
         for name, marker in MARKERS.items():
             rows = [r for r in family["runs"] if r["name"] == name]
             ax_fam.plot(
