@@ -4,7 +4,8 @@ A DiT family declares *where* its token sequence is cut and gathered as a plan, 
 (``""`` is the model itself) to specs:
 
 * :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs
-  (:class:`MeasureInput` only takes the sequence length from one),
+  (:class:`MeasureInput` only takes the sequence length from one; :class:`FullLength` turns a token count read off
+  a cut tensor back into the whole sequence's),
 * :class:`SplitOutput` shards what the submodule returns (one element of a tuple output with ``index``),
 * :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
 
@@ -58,6 +59,7 @@ from ...distributed.gradients import average_input_gradients
 from .shard import SequenceShard
 from .streams import install_streams
 from .vocabulary import (
+    FullLength,
     GatherOutput,
     MeasureInput,
     ReplicatedInput,
@@ -80,7 +82,7 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------- interpreter
 #: The specs that act on a submodule's arguments (a forward pre-hook).
-_INPUT_SPECS = (SplitInput, MeasureInput, ReplicatedInput)
+_INPUT_SPECS = (SplitInput, MeasureInput, FullLength, ReplicatedInput)
 
 
 def _map_tensors(value: Any, fn) -> Any:
@@ -137,7 +139,7 @@ def _resolve(root: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 def _positions(
-    module: torch.nn.Module, specs: list[SplitInput | MeasureInput | ReplicatedInput], path: str
+    module: torch.nn.Module, specs: list[SplitInput | MeasureInput | FullLength | ReplicatedInput], path: str
 ) -> dict[str, int]:
     params = list(inspect.signature(module.forward).parameters)
     for spec in specs:
@@ -208,7 +210,7 @@ def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
 
 def _input_hook(
     module: torch.nn.Module,
-    specs: list[SplitInput | MeasureInput | ReplicatedInput],
+    specs: list[SplitInput | MeasureInput | FullLength | ReplicatedInput],
     state: SequenceShard,
     path: str,
 ):
@@ -224,6 +226,20 @@ def _input_hook(
                     spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
                 )
                 state.streams.replicated(*_flat_tensors(value), force=True)
+                continue
+            if isinstance(spec, FullLength):
+                position = positions[spec.name]
+                value = kwargs.get(spec.name, args[position] if position < len(args) else None)
+                if not isinstance(value, int) or state.local_len is None or value < state.local_len:
+                    raise ValueError(
+                        f"sequence-parallel plan at {path}:{spec.name} expects a token count of at least this "
+                        f"call's shard ({state.local_len} tokens, set by an earlier split of the plan), got {value!r}"
+                    )
+                full = value - state.local_len + state.valid_len
+                if spec.name in kwargs:
+                    kwargs[spec.name] = full
+                else:
+                    args[position] = full
                 continue
             if isinstance(spec, MeasureInput):
                 value = kwargs.get(
@@ -274,6 +290,11 @@ def apply_sequence_plan(
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
             if isinstance(spec, SplitOutput):
+                if spec.flatten_to is not None and spec.flatten_from != spec.dim:
+                    raise ValueError(
+                        f"sequence-parallel plan at {path!r}: flatten_to needs flatten_from = dim (the token grid "
+                        f"starts where the cut is), got dim={spec.dim}, flatten_from={spec.flatten_from}"
+                    )
                 where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
                 split = _splitter(state, spec.dim, spec.ndim, where, spec.joint)
                 replicated = (
@@ -292,6 +313,7 @@ def apply_sequence_plan(
                     out,
                     split=split,
                     flatten_from=spec.flatten_from,
+                    flatten_to=spec.flatten_to,
                     index=spec.index,
                     dim=spec.dim,
                     replicated=replicated,
@@ -303,7 +325,19 @@ def apply_sequence_plan(
                         whole = (out if index is None else out[index]).shape[dim]
                         state.measure(whole - part.shape[dim], where)
 
+                    def cut_grid(x: torch.Tensor) -> torch.Tensor:
+                        # The stock code flattens dims flatten_from..flatten_to itself: hand the cut tokens back
+                        # with size-1 dims in place of the others.
+                        last = flatten_to % x.dim()
+                        shard = split(x.flatten(flatten_from, last))
+                        kept = shard.shape
+                        return shard.view(
+                            *kept[: flatten_from + 1], *[1] * (last - flatten_from), *kept[flatten_from + 1 :]
+                        )
+
                     def cut(value):
+                        if flatten_to is not None:
+                            return _map_tensors(value, cut_grid)
                         if flatten_from is not None:
                             value = _map_tensors(value, lambda x: x.flatten(flatten_from))
                         return _map_tensors(value, split)
