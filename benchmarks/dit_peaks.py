@@ -16,6 +16,7 @@ Writes ``benchmarks/results/dit_peaks.json`` and ``.png``; about three minutes o
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -74,11 +75,14 @@ def _peak_tracker():
             self.modules: list[str] = []  # the module call stack (paths), kept by the global hooks below
             self.at = ""
 
-        def _track(self, tensor: torch.Tensor, input_ptrs: set[int]) -> None:
+        def _track(
+            self, tensor: torch.Tensor, inputs: list[torch.Tensor], ptrs: set[int] | None
+        ) -> set[int] | None:
             before = self.peak_bytes
-            super()._track(tensor, input_ptrs)
+            ptrs = super()._track(tensor, inputs, ptrs)
             if self.peak_bytes > before:
                 self.at = self.modules[-1] if self.modules else "(the model)"
+            return ptrs
 
     return WhereTracker()
 
@@ -104,6 +108,9 @@ def _measured(model: torch.nn.Module, build, name: str) -> tuple[int, str]:
         with torch.no_grad():
             model(**build(name)[1])  # stock caches (rotary tables) filled before measuring
             kwargs = build(name)[1]
+            # Python's collector (reference cycles holding tensors) then runs at the same points of every call,
+            # whatever this process ran before: the peak of a class does not depend on the classes measured first.
+            gc.collect()
             tracker = _peak_tracker()
             with tracker:
                 model(**kwargs)

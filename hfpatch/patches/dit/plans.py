@@ -23,6 +23,7 @@ from .vocabulary import (
     _WAN_PLAN,
     AttentionRoute,
     DiTPlan,
+    FullLength,
     GatherOutput,
     MeasureInput,
     ReplicatedInput,
@@ -422,16 +423,19 @@ PLANS: dict[str, DiTPlan] = {
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
-    # Cosmos Predict 2 / 2.5: the video tokens cut entering the first block, with the rotary table ([S, D] each),
-    # the learned positions ([B, S, D]), ControlNet residuals and, for per-frame timesteps (video-to-world), the
-    # per-token modulation ([B, S, D]) the blocks and the output norm take. The self-attention (whose stock
-    # processor calls dispatch_attention_fn without parallel_config) is routed per stand-in; the
-    # cross-attention to the text (and image context) is local.
+    # Cosmos Predict 2 / 2.5: the video tokens cut at the patch embedding's [B, T, H, W, C] output (the model
+    # flattens the grid itself), with the rotary table ([S, D] each), the learned positions ([B, S, D]),
+    # ControlNet residuals and, for per-frame timesteps (video-to-world), the per-token modulation ([B, S, D]) the
+    # blocks and the output norm take: the stock forward builds it whole (a per-frame embedding expanded over the
+    # tokens between modules), so it is cut entering each block. The self-attention (whose stock processor calls
+    # dispatch_attention_fn without parallel_config) is routed per stand-in; the cross-attention to the text (and
+    # image context) is local.
     "diffusers.CosmosTransformer3DModel": DiTPlan(
         attention=(AttentionRoute("transformer_blocks.*.attn1", ("CosmosAttnProcessor2_0",)),),
         plan={
             "rope": (SplitOutput(dim=0),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1),),
+            # [B, T, H, W, C]: the grid cut as one sequence, handed back as [B, S/N, 1, 1, C]
+            "patch_embed": (SplitOutput(dim=1, flatten_from=1, flatten_to=3),),
             "transformer_blocks.*": (
                 SplitInput("extra_pos_emb", dim=1),  # learned positions [B, S, D] (None without them)
                 SplitInput("embedded_timestep", dim=1, ndim=3),
@@ -659,19 +663,18 @@ PLANS: dict[str, DiTPlan] = {
         },
         heads="num_heads",
     ),
-    # MiniMax-Music 3: the timestep token joins in front of the frames (replicated); as Stable Audio 3, the rotary
-    # table covers the whole packed length, so the frames are cut entering the first block and the table per block;
-    # the projection's output is gathered before the post-convolution.
+    # MiniMax-Music 3: the timestep token joins in front of the frames (replicated). The frames are cut at the input
+    # projection's output (the packed [timestep, frames] sequence is then built per rank, never whole); the rotary
+    # table, which the stock forward sizes from that sequence's length, is built for the whole packed length and cut
+    # at its frames; the projection's output is gathered before the post-convolution.
     "diffusers.MiniMaxMusic3Transformer1DModel": DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn", ("MiniMaxMusic3AttnProcessor",), joint="front"),
         ),
         plan={
-            "proj_in": (MeasureInput("input", dim=1),),
-            "transformer_blocks.0": (SplitInput("hidden_states", dim=1, joint="front"),),
-            "transformer_blocks.*": (
-                SplitInput("rotary_emb", dim=0, joint="front"),
-            ),  # (cos, sin), [1 + S, D']
+            "proj_in": (SplitOutput(dim=1),),  # frames [B, S, D]
+            # built for 1 + S positions (the stock length is 1 + S/N); (cos, sin), each [1 + S, D']
+            "rotary_emb": (FullLength("seq_len"), SplitOutput(dim=0, joint="front")),
             "proj_out": (GatherOutput(dim=1),),
         },
     ),

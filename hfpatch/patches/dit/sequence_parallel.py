@@ -4,7 +4,8 @@ A DiT family declares *where* its token sequence is cut and gathered as a plan, 
 (``""`` is the model itself) to specs:
 
 * :class:`SplitInput` shards a named argument of that submodule's ``forward`` before it runs
-  (:class:`MeasureInput` only takes the sequence length from one),
+  (:class:`MeasureInput` only takes the sequence length from one; :class:`FullLength` turns a token count read off
+  a cut tensor back into the whole sequence's),
 * :class:`SplitOutput` shards what the submodule returns (one element of a tuple output with ``index``),
 * :class:`GatherOutput` gathers the submodule's output back to the full, unpadded sequence.
 
@@ -15,7 +16,7 @@ error, and specs of paths that resolve to the same submodule are concatenated in
 :func:`apply_sequence_plan` turns each entry into a forward (pre-)hook registered through a
 :class:`~hfpatch.core.patch.Patch`, so ``patch.remove()`` drops them all. The family then swaps the
 self-attention processors for USP-aware ones that read the per-call geometry from the shared
-:class:`SequenceShard`.
+:class:`~hfpatch.patches.dit.shard.SequenceShard` (re-exported here).
 
 Layout (:mod:`hfpatch.attention.layout`): the sequence is zero-padded at the end to a multiple of ``N``
 (the ``sp`` group size, ``ring * ulysses``) and cut into ``N`` equal shards; shard ``p`` lives on the rank
@@ -49,17 +50,16 @@ import inspect
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from ...attention.layout import shard_len, shard_sequence
 from ...core.config import ModelFacts, ParallelConfig
 from ...core.patch import Patch
 from ...core.registry import PatchFamily
 from ...distributed.agreement import check_same_inputs, named_arguments
-from ...distributed.collectives import all_gather
-from ...distributed.gradients import average_input_gradients, grad_scaled_by_group
-from .streams import ReplicatedStreams, install_streams
+from ...distributed.gradients import average_input_gradients
+from .shard import SequenceShard
+from .streams import install_streams
 from .vocabulary import (
+    FullLength,
     GatherOutput,
     MeasureInput,
     ReplicatedInput,
@@ -80,146 +80,9 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------- state
-class SequenceShard:
-    """This rank's place in the sequence split, plus the geometry of the current forward call.
-
-    One instance per patched model, shared by its hooks and attention processors. ``valid_len`` (real
-    tokens in the full sequence) and ``local_len`` (tokens per shard, padding included) are set by the
-    first split of each forward and checked by every later one, so a plan that cuts two tensors of
-    different lengths fails loudly instead of mis-aligning them. Gradient checkpointing is fine (a
-    recomputed block re-cuts the same shard), as long as no forward of another length runs between a
-    forward and its backward.
-
-    Attributes:
-        group: The ``sp`` process group (ring x ulysses).
-        ulysses_group, ring_group: Groups passed to ``usp_attention`` (``None`` for degree 1).
-        rank, world: Index in ``group`` (= shard index) and its size.
-        exchange: How the Ulysses exchange runs (:class:`hfpatch.attention.exchange.ExchangeConfig`; ``None``:
-            exact and blocking), the ``exchange=`` option of ``hfpatch.apply``.
-    """
-
-    def __init__(self, group: Any, ulysses_group: Any, ring_group: Any, exchange: Any = None) -> None:
-        self.group = group
-        self.ulysses_group = ulysses_group
-        self.ring_group = ring_group
-        self.exchange = exchange
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.valid_len: int | None = None
-        self.local_len: int | None = None
-        #: (attention path, call index) -> replicated text tokens its joint attention took in this call (a
-        #: stand-in that splits its query by ``local_len`` checks a recompute, or a stale-geometry call, against it).
-        self.text_len: dict[Any, int] = {}
-        #: What this call computes whole on every rank, and where it enters the shard (:mod:`.streams`).
-        self.streams = ReplicatedStreams(group)
-
-    def begin(self) -> None:
-        """Forget the previous call's geometry (a new forward may have another sequence length)."""
-        self.valid_len = None
-        self.local_len = None
-        self.text_len.clear()
-
-    def measure(self, length: int, where: str) -> None:
-        """Record (or check) this call's sequence length without cutting anything."""
-        if self.valid_len is None:
-            self.valid_len = length
-            self.local_len = shard_len(length, self.world)
-        elif length != self.valid_len:
-            raise ValueError(
-                f"sequence-parallel plan at {where!r} got a sequence of {length} tokens but this forward "
-                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
-            )
-
-    def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
-        """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
-        length = x.shape[dim]
-        if self.valid_len is None:
-            self.valid_len = length
-            self.local_len = shard_len(length, self.world)
-        elif length != self.valid_len:
-            raise ValueError(
-                f"sequence-parallel split at {where!r} got a sequence of {length} tokens but this forward "
-                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
-            )
-        # A copy, not a view: the full tensor (patch embedding output, rotary tables) must be freeable.
-        shard = shard_sequence(x, dim, self.world, self.rank).clone()
-        self.streams.sharded(shard)
-        return shard
-
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The full, unpadded sequence from every rank's shard (identical on every rank)."""
-        if self.valid_len is None:
-            raise RuntimeError(
-                "sequence-parallel gather before any split: the plan has no split on this path"
-            )
-        # Contiguous and unpadded, as the stock code expects its output (AnyFlow .view()s it): the padding at the end
-        # of the last shards is left out as the shards are assembled, never copied in and then cut off.
-        full = grad_scaled_by_group(
-            all_gather(x, dim, self.group, backward="slice", valid=self.valid_len), self.group
-        )
-        self.streams.replicated(full)
-        return full
-
-    def _joint_parts(self, length: int, sharded: int, joint: str, where: str) -> list[int]:
-        if joint not in ("front", "back"):
-            raise ValueError(
-                f"sequence-parallel plan at {where!r}: joint must be 'front' or 'back', not {joint!r}"
-            )
-        if self.valid_len is None:
-            raise ValueError(
-                f"sequence-parallel plan at {where!r}: a joint split/gather needs this call's sequence length, "
-                "set by an earlier split of the plan; none ran before it"
-            )
-        if length < sharded:
-            raise ValueError(
-                f"sequence-parallel plan at {where!r}: {length} tokens cannot hold the {sharded} sharded ones "
-                "of this call"
-            )
-        return [length - sharded, sharded] if joint == "front" else [sharded, length - sharded]
-
-    def split_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
-        """Cut the ``valid_len`` sharded tokens of a ``[replicated, sharded]`` (``front``) or ``[sharded,
-        replicated]`` (``back``) sequence along ``dim``; the replicated ones stay whole, in place."""
-        sizes = self._joint_parts(x.shape[dim], self.valid_len or 0, joint, where)
-        first, second = x.split(sizes, dim)
-        if joint == "front":
-            shard = torch.cat([first, shard_sequence(second, dim, self.world, self.rank)], dim)
-        else:
-            shard = torch.cat([shard_sequence(first, dim, self.world, self.rank), second], dim)
-        self.streams.sharded(shard)
-        return shard
-
-    def gather_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
-        """Gather the shards of a ``[replicated, shard]`` / ``[shard, replicated]`` sequence (the inverse of
-        :meth:`split_joint`)."""
-        sizes = self._joint_parts(x.shape[dim], self.local_len or 0, joint, where)
-        first, second = x.split(sizes, dim)
-        if joint == "front":
-            full = torch.cat([first, self.gather(second, dim)], dim)
-        else:
-            full = torch.cat([self.gather(first, dim), second], dim)
-        self.streams.replicated(full)
-        return full
-
-    def __repr__(self) -> str:
-        return f"SequenceShard(rank={self.rank}, world={self.world}, valid_len={self.valid_len})"
-
-    def __deepcopy__(self, memo: dict) -> SequenceShard:
-        # A copy's hooks would still close over this shard and its patch: refuse rather than half-work.
-        raise TypeError(
-            "cannot deepcopy a model patched for sequence parallelism by hfpatch.apply (its hooks and process "
-            "groups belong to the patch): copy it (e.g. an EMA model) before hfpatch.apply, or patch.remove() "
-            "first and apply to each copy."
-        )
-
-    def __reduce__(self):
-        self.__deepcopy__({})  # pickling (torch.save(model)) would lose the groups the same way
-
-
 # ----------------------------------------------------------------------------------------------- interpreter
 #: The specs that act on a submodule's arguments (a forward pre-hook).
-_INPUT_SPECS = (SplitInput, MeasureInput, ReplicatedInput)
+_INPUT_SPECS = (SplitInput, MeasureInput, FullLength, ReplicatedInput)
 
 
 def _map_tensors(value: Any, fn) -> Any:
@@ -276,7 +139,7 @@ def _resolve(root: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 def _positions(
-    module: torch.nn.Module, specs: list[SplitInput | MeasureInput | ReplicatedInput], path: str
+    module: torch.nn.Module, specs: list[SplitInput | MeasureInput | FullLength | ReplicatedInput], path: str
 ) -> dict[str, int]:
     params = list(inspect.signature(module.forward).parameters)
     for spec in specs:
@@ -347,7 +210,7 @@ def check_plan(model: torch.nn.Module, plan: SequencePlan) -> None:
 
 def _input_hook(
     module: torch.nn.Module,
-    specs: list[SplitInput | MeasureInput | ReplicatedInput],
+    specs: list[SplitInput | MeasureInput | FullLength | ReplicatedInput],
     state: SequenceShard,
     path: str,
 ):
@@ -363,6 +226,20 @@ def _input_hook(
                     spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
                 )
                 state.streams.replicated(*_flat_tensors(value), force=True)
+                continue
+            if isinstance(spec, FullLength):
+                position = positions[spec.name]
+                value = kwargs.get(spec.name, args[position] if position < len(args) else None)
+                if not isinstance(value, int) or state.local_len is None or value < state.local_len:
+                    raise ValueError(
+                        f"sequence-parallel plan at {path}:{spec.name} expects a token count of at least this "
+                        f"call's shard ({state.local_len} tokens, set by an earlier split of the plan), got {value!r}"
+                    )
+                full = value - state.local_len + state.valid_len
+                if spec.name in kwargs:
+                    kwargs[spec.name] = full
+                else:
+                    args[position] = full
                 continue
             if isinstance(spec, MeasureInput):
                 value = kwargs.get(
@@ -413,6 +290,11 @@ def apply_sequence_plan(
             handles.append(patch.add_forward_pre_hook(module, _input_hook(module, inputs, state, path)))
         for spec in specs:
             if isinstance(spec, SplitOutput):
+                if spec.flatten_to is not None and spec.flatten_from != spec.dim:
+                    raise ValueError(
+                        f"sequence-parallel plan at {path!r}: flatten_to needs flatten_from = dim (the token grid "
+                        f"starts where the cut is), got dim={spec.dim}, flatten_from={spec.flatten_from}"
+                    )
                 where = f"{path}:output" + ("" if spec.index is None else f"[{spec.index}]")
                 split = _splitter(state, spec.dim, spec.ndim, where, spec.joint)
                 replicated = (
@@ -431,6 +313,7 @@ def apply_sequence_plan(
                     out,
                     split=split,
                     flatten_from=spec.flatten_from,
+                    flatten_to=spec.flatten_to,
                     index=spec.index,
                     dim=spec.dim,
                     replicated=replicated,
@@ -442,7 +325,19 @@ def apply_sequence_plan(
                         whole = (out if index is None else out[index]).shape[dim]
                         state.measure(whole - part.shape[dim], where)
 
+                    def cut_grid(x: torch.Tensor) -> torch.Tensor:
+                        # The stock code flattens dims flatten_from..flatten_to itself: hand the cut tokens back
+                        # with size-1 dims in place of the others.
+                        last = flatten_to % x.dim()
+                        shard = split(x.flatten(flatten_from, last))
+                        kept = shard.shape
+                        return shard.view(
+                            *kept[: flatten_from + 1], *[1] * (last - flatten_from), *kept[flatten_from + 1 :]
+                        )
+
                     def cut(value):
+                        if flatten_to is not None:
+                            return _map_tensors(value, cut_grid)
                         if flatten_from is not None:
                             value = _map_tensors(value, lambda x: x.flatten(flatten_from))
                         return _map_tensors(value, split)

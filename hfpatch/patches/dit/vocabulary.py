@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "AttentionRoute",
     "DiTPlan",
+    "FullLength",
     "GatherOutput",
     "MeasureInput",
     "ReplicatedInput",
@@ -70,12 +71,29 @@ class MeasureInput:
 
 
 @dataclass(frozen=True)
+class FullLength:
+    """The integer argument ``name`` of a submodule's ``forward`` counts the tokens of a tensor the plan already cut:
+    this rank's shard length in it is replaced by the whole sequence's (the replicated tokens it also counts stay).
+
+    For stock code that sizes a table from a sharded tensor's shape (MiniMax-Music 3 builds its rotary table for
+    ``hidden_states.shape[1]``, the timestep token and the frames, after the frames were cut): the submodule builds
+    the table of the whole sequence, as unpatched, which a split of its output then cuts.
+    """
+
+    name: str
+
+
+@dataclass(frozen=True)
 class SplitOutput:
     """Shard a submodule's output (each tensor of a tuple/list output) along ``dim``.
 
     ``flatten_from`` flattens the output from that dim first, so a patch embedding's ``[B, C, F, H, W]``
     output can be cut as the ``[B, C, S]`` token sequence the model builds from it: the full output is freed
-    right after the patch embedding instead of living until the first block returns. ``index`` shards only
+    right after the patch embedding instead of living until the first block returns. ``flatten_to``: only dims
+    ``flatten_from`` to ``flatten_to`` are the token grid, which the stock code flattens itself after this
+    submodule (Cosmos' patch embedding returns ``[B, T, H, W, C]`` and the model flattens dims 1-3): the grid is
+    cut as one sequence and handed back with size-1 dims in place of the others (``[B, S/N, 1, 1, C]``), so the
+    stock flatten gives this rank's tokens. ``index`` shards only
     that element of a tuple/list output (QwenImage's rotary ``(image, text)`` tables: the image one).
     ``joint="front"``/``"back"``: the output holds replicated tokens before/after the sharded ones (see
     :class:`SplitInput`); ``replicated`` names the submodule's argument whose size along ``dim`` is that
@@ -87,6 +105,7 @@ class SplitOutput:
     dim: int
     ndim: int | None = None
     flatten_from: int | None = None
+    flatten_to: int | None = None
     index: int | None = None
     joint: str | None = None
     replicated: str | None = None
@@ -131,7 +150,9 @@ class ReplicatedInput:
     name: str
 
 
-Spec = SplitInput | MeasureInput | SplitOutput | GatherOutput | ReplicatedOutput | ReplicatedInput
+Spec = (
+    SplitInput | MeasureInput | FullLength | SplitOutput | GatherOutput | ReplicatedOutput | ReplicatedInput
+)
 #: Submodule path (``""`` = the model) -> the specs applied there.
 SequencePlan = Mapping[str, tuple[Spec, ...]]
 
