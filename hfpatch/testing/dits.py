@@ -374,6 +374,7 @@ TINY_DITS: dict[str, TinyDiT] = {
             encoder_hidden_states=Randn((2, 6, 16)),
             encoder_attention_mask=Tensor([[1, 1, 1, 1, 0, 0]] * 2, "long"),
         ),
+        routed=3,  # the noise refiner's attention and the two main layers'
         mask="encoder_attention_mask",
     ),
     "prx": TinyDiT(  # 5 x 5 = 25 image tokens, batch 2, padded text (keys only)

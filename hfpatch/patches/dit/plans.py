@@ -360,14 +360,20 @@ PLANS: dict[str, DiTPlan] = {
         heads="n_heads",
     ),
     # Lumina-Image 2.0: the refiners run on the text and on the image apart; then one packed [text, image] sequence
-    # (the valid caption tokens, then the image). Its length is taken from the noise refiner's input and the
-    # packed sequence is cut at its image part entering the first main block (with its rotary table per block);
-    # the output norm's projection is gathered the same way. The noise refiner attends within the whole image on
-    # every rank (not routed).
+    # (the valid caption tokens, then the image). The image tokens are cut at their embedding (x_embedder) with
+    # their rotary table (the rope embedder's third output), so the noise refiner runs on this rank's tokens, its
+    # attention routed over the image; its output is gathered for the stock code to pack, and the packed sequence
+    # is cut again at its image part entering the first main block (with its rotary table per block); the
+    # output norm's projection is gathered the same way. The caption refiner runs whole (replicated text).
     "diffusers.Lumina2Transformer2DModel": DiTPlan(
-        attention=(AttentionRoute("layers.*.attn", ("Lumina2AttnProcessor2_0",), joint="front"),),
+        attention=(
+            AttentionRoute("noise_refiner.*.attn", ("Lumina2AttnProcessor2_0",)),
+            AttentionRoute("layers.*.attn", ("Lumina2AttnProcessor2_0",), joint="front"),
+        ),
         plan={
-            "noise_refiner.0": (MeasureInput("hidden_states", dim=1),),
+            "rope_embedder": (SplitOutput(dim=1, index=2),),  # the image's rotary table [B, S, D/2]
+            "x_embedder": (SplitOutput(dim=1),),  # the image tokens [B, S, C]
+            "noise_refiner.-1": (GatherOutput(dim=1, recut=True),),
             "layers.0": (SplitInput("hidden_states", dim=1, joint="front"),),
             "layers.*": (SplitInput("image_rotary_emb", dim=1, joint="front"),),  # complex [B, T + S, D/2]
             "norm_out": (GatherOutput(dim=1, joint="front"),),

@@ -352,13 +352,21 @@ def apply_sequence_plan(
             elif isinstance(spec, GatherOutput):
 
                 def gather_output(
-                    _m, _args, _kwargs, out, dim=spec.dim, joint=spec.joint, index=spec.index, where=path
+                    _m,
+                    _args,
+                    _kwargs,
+                    out,
+                    dim=spec.dim,
+                    joint=spec.joint,
+                    index=spec.index,
+                    recut=spec.recut,
+                    where=path,
                 ):
                     def gather(x):
                         return (
-                            state.gather(x, dim)
+                            state.gather(x, dim, recut)
                             if joint is None
-                            else state.gather_joint(x, dim, joint, where)
+                            else state.gather_joint(x, dim, joint, where, recut)
                         )
 
                     if index is None:

@@ -84,17 +84,18 @@ class SequenceShard:
         self.streams.sharded(shard)
         return shard
 
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The full, unpadded sequence from every rank's shard (identical on every rank)."""
+    def gather(self, x: torch.Tensor, dim: int, recut: bool = False) -> torch.Tensor:
+        """The full, unpadded sequence from every rank's shard (identical on every rank). ``recut``: the plan cuts
+        it again later in the forward, so its gradient is not scaled by the group size (see :class:`GatherOutput`)."""
         if self.valid_len is None:
             raise RuntimeError(
                 "sequence-parallel gather before any split: the plan has no split on this path"
             )
         # Contiguous and unpadded, as the stock code expects its output (AnyFlow .view()s it): the padding at the end
         # of the last shards is left out as the shards are assembled, never copied in and then cut off.
-        full = grad_scaled_by_group(
-            all_gather(x, dim, self.group, backward="slice", valid=self.valid_len), self.group
-        )
+        full = all_gather(x, dim, self.group, backward="slice", valid=self.valid_len)
+        if not recut:
+            full = grad_scaled_by_group(full, self.group)
         self.streams.replicated(full)
         return full
 
@@ -127,15 +128,17 @@ class SequenceShard:
         self.streams.sharded(shard)
         return shard
 
-    def gather_joint(self, x: torch.Tensor, dim: int, joint: str, where: str) -> torch.Tensor:
+    def gather_joint(
+        self, x: torch.Tensor, dim: int, joint: str, where: str, recut: bool = False
+    ) -> torch.Tensor:
         """Gather the shards of a ``[replicated, shard]`` / ``[shard, replicated]`` sequence (the inverse of
-        :meth:`split_joint`)."""
+        :meth:`split_joint`; ``recut`` as in :meth:`gather`)."""
         sizes = self._joint_parts(x.shape[dim], self.local_len or 0, joint, where)
         first, second = x.split(sizes, dim)
         if joint == "front":
-            full = torch.cat([first, self.gather(second, dim)], dim)
+            full = torch.cat([first, self.gather(second, dim, recut)], dim)
         else:
-            full = torch.cat([self.gather(first, dim), second], dim)
+            full = torch.cat([self.gather(first, dim, recut), second], dim)
         self.streams.replicated(full)
         return full
 

@@ -118,11 +118,15 @@ class GatherOutput:
     ``joint="front"``/``"back"``: the output holds replicated tokens before/after this rank's shard (a packed
     ``[text, image]`` sequence); only the shards are gathered, the replicated tokens are kept in place.
     ``index``: gather only that element of a tuple/list output (a block returning ``(image, text)``).
+    ``recut``: the gathered sequence is cut again later in the forward (Lumina 2's noise refiner output, which the
+    stock code packs with the text before the main blocks cut it again): the gradient reaching it is already this
+    rank's scaled share (:mod:`hfpatch.distributed.gradients`), so it is not scaled again as at the model's output.
     """
 
     dim: int
     joint: str | None = None
     index: int | None = None
+    recut: bool = False
 
 
 @dataclass(frozen=True)
