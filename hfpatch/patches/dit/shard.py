@@ -70,15 +70,7 @@ class SequenceShard:
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's shard of ``x`` along ``dim``, recording (or checking) the sequence length."""
-        length = x.shape[dim]
-        if self.valid_len is None:
-            self.valid_len = length
-            self.local_len = shard_len(length, self.world)
-        elif length != self.valid_len:
-            raise ValueError(
-                f"sequence-parallel split at {where!r} got a sequence of {length} tokens but this forward "
-                f"already split {self.valid_len}; the tensors cut by the plan must share one sequence"
-            )
+        self.measure(x.shape[dim], where)
         # A copy, not a view: the full tensor (patch embedding output, rotary tables) must be freeable.
         shard = shard_sequence(x, dim, self.world, self.rank).clone()
         self.streams.sharded(shard)
