@@ -81,7 +81,7 @@ def plan_from_cp(
     ...                    "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
     ...               "proj_out": ContextParallelOutput(gather_dim=1)}, replicate=(("", "encoder_hidden_states"),))
     {'': (SplitInput(name='hidden_states', dim=1, ndim=3, joint=None, index=None),),
-     'proj_out': (GatherOutput(dim=1, joint=None, index=None),)}
+     'proj_out': (GatherOutput(dim=1, joint=None, index=None, recut=False),)}
     """
     unused = set(replicate)
     plan: dict[str, tuple[Spec, ...]] = {}
