@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -105,6 +106,11 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _flat_tensors(v)]
     return []
+
+
+def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, position: int) -> Any:
+    """The value of forward argument ``name`` (at ``position`` when passed positionally; ``None`` when absent)."""
+    return kwargs.get(name, args[position] if position < len(args) else None)
 
 
 def _cut_element(value: Any, fn, index: int | None) -> Any:
@@ -222,14 +228,12 @@ def _input_hook(
             if isinstance(
                 spec, ReplicatedInput
             ):  # averaged by the unit's own hook (.streams), which runs next
-                value = kwargs.get(
-                    spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
-                )
+                value = _argument(args, kwargs, spec.name, positions[spec.name])
                 state.streams.replicated(*_flat_tensors(value), force=True)
                 continue
             if isinstance(spec, FullLength):
                 position = positions[spec.name]
-                value = kwargs.get(spec.name, args[position] if position < len(args) else None)
+                value = _argument(args, kwargs, spec.name, position)
                 if not isinstance(value, int) or state.local_len is None or value < state.local_len:
                     raise ValueError(
                         f"sequence-parallel plan at {path}:{spec.name} expects a token count of at least this "
@@ -242,9 +246,7 @@ def _input_hook(
                     args[position] = full
                 continue
             if isinstance(spec, MeasureInput):
-                value = kwargs.get(
-                    spec.name, args[positions[spec.name]] if positions[spec.name] < len(args) else None
-                )
+                value = _argument(args, kwargs, spec.name, positions[spec.name])
                 if isinstance(value, torch.Tensor):
                     state.measure(value.shape[spec.dim], f"{path}:{spec.name}")
                 continue
@@ -321,7 +323,7 @@ def apply_sequence_plan(
                 ):
                     if replicated is not None:  # this call's sequence: what the replicated part leaves
                         name, positions = replicated
-                        part = kwargs[name] if name in kwargs else args[positions[name]]
+                        part = _argument(args, kwargs, name, positions[name])
                         whole = (out if index is None else out[index]).shape[dim]
                         state.measure(whole - part.shape[dim], where)
 
@@ -335,18 +337,12 @@ def apply_sequence_plan(
                             *kept[: flatten_from + 1], *[1] * (last - flatten_from), *kept[flatten_from + 1 :]
                         )
 
-                    def cut(value):
+                    def cut(x: torch.Tensor) -> torch.Tensor:
                         if flatten_to is not None:
-                            return _map_tensors(value, cut_grid)
-                        if flatten_from is not None:
-                            value = _map_tensors(value, lambda x: x.flatten(flatten_from))
-                        return _map_tensors(value, split)
+                            return cut_grid(x)
+                        return split(x if flatten_from is None else x.flatten(flatten_from))
 
-                    if index is None:
-                        return cut(out)
-                    items = list(out)
-                    items[index] = cut(items[index])
-                    return type(out)(items)
+                    return _cut_element(out, cut, index)
 
                 handles.append(patch.add_forward_hook(module, split_output))
             elif isinstance(spec, GatherOutput):
