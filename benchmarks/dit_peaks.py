@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,9 @@ def _peak_tracker():
     return WhereTracker()
 
 
-def _measured(model: torch.nn.Module, build, name: str) -> tuple[int, str]:
-    """(peak live bytes, the module running at the peak) of one forward, caches filled by a first call."""
+def _measured(model: torch.nn.Module, inputs: Callable[[], dict[str, Any]]) -> tuple[int, str, Any]:
+    """(peak live bytes, the module running at the peak, output) of one forward on fresh ``inputs()`` (inputs are
+    not counted), caches filled by a first call."""
     paths = {m: p or "(the model)" for p, m in model.named_modules()}
     tracker = None
 
@@ -106,18 +108,18 @@ def _measured(model: torch.nn.Module, build, name: str) -> tuple[int, str]:
     ]
     try:
         with torch.no_grad():
-            model(**build(name)[1])  # stock caches (rotary tables) filled before measuring
-            kwargs = build(name)[1]
+            model(**inputs())  # stock caches (rotary tables) filled before measuring
+            kwargs = inputs()
             # Python's collector (reference cycles holding tensors) then runs at the same points of every call,
             # whatever this process ran before: the peak of a class does not depend on the classes measured first.
             gc.collect()
             tracker = _peak_tracker()
             with tracker:
-                model(**kwargs)
+                out = model(**kwargs)
     finally:
         for hook in hooks:
             hook.remove()
-    return tracker.peak_bytes, tracker.at
+    return tracker.peak_bytes, tracker.at, out
 
 
 def measure(names: list[str]) -> dict[str, dict[str, Any]]:
@@ -131,19 +133,30 @@ def measure(names: list[str]) -> dict[str, dict[str, Any]]:
     results = {}
     for name in names:
         model, _, _ = build(name)
-        unpatched, where = _measured(model, build, name)
+        inputs = lambda name=name: build(name)[1]  # noqa: E731  (fresh tensors: the inputs are not counted)
+        unpatched, where, _ = _measured(model, inputs)
         row: dict[str, Any] = {"unpatched_bytes": unpatched, "peak_at": {"unpatched": where}}
         for plan, ring, ulysses in CONFIGS:
             with hfpatch.apply(model, parallel=ParallelConfig(ring=ring, ulysses=ulysses)):
-                peak, where = _measured(model, build, name)
+                peak, where, _ = _measured(model, inputs)
             row[plan] = peak / unpatched
             row["peak_at"][plan] = where
         results[name] = row
     return results
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
-    """Draw the table of ``results`` (this script's JSON) to ``path``."""
+def _plot(
+    results: dict[str, Any],
+    path: Path,
+    *,
+    label: Callable[[str], str] = str,
+    xlabel: str = "forward peak per rank / unpatched (world 2, fp32, no grad)",
+    height: tuple[float, float] = (0.22, 1.2),
+    legend: dict[str, Any] | None = None,
+) -> None:
+    """Draw the table of ``results`` (this script's JSON, or ``dit_peaks_long.py``'s) to ``path``: one bar per
+    class and plan, the target and 1/N marked. ``label`` names a class's row, ``height`` is (inches per class,
+    margin), ``legend`` the legend's keyword arguments."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,15 +166,15 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     table = results["classes"]
     plans = list(results["configs"])
     classes = list(table)
-    fig, ax = plt.subplots(figsize=(8, 0.22 * len(classes) + 1.2))
+    fig, ax = plt.subplots(figsize=(8, height[0] * len(classes) + height[1]))
     for offset, plan in zip((-0.2, 0.2), plans):
         ax.barh([i + offset for i in range(len(classes))], [table[c][plan] for c in classes], 0.4, label=plan)
     ax.axvline(results["target"], color="k", linestyle="--", linewidth=1, label=f"target {results['target']}")
     ax.axvline(0.5, color="grey", linestyle=":", linewidth=1, label="1/N")
-    ax.set_yticks(range(len(classes)), classes, fontsize=7)
+    ax.set_yticks(range(len(classes)), [label(c) for c in classes], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("forward peak per rank / unpatched (world 2, fp32, no grad)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel(xlabel)
+    ax.legend(**(legend or {"fontsize": 7, "loc": "lower right"}))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

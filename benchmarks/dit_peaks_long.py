@@ -17,10 +17,8 @@ Writes ``benchmarks/results/dit_peaks_long.json`` and ``.png``; about two and a 
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,44 +256,11 @@ def _sample(out: Any) -> torch.Tensor:
     return torch.cat([out.sample.flatten(1), audio.flatten(1)], dim=1)
 
 
-def _measured(model: torch.nn.Module, inputs: Callable[[], dict[str, Any]]) -> tuple[int, str, torch.Tensor]:
-    """(peak live bytes, the module running at the peak, output) of one forward, caches filled by a first call.
-
-    The module stack is kept as ``dit_peaks.py`` keeps it (global module hooks feeding its tracker)."""
-    from dit_peaks import _peak_tracker
-
-    paths = {m: p or "(the model)" for p, m in model.named_modules()}
-    tracker = None
-
-    def enter(module, _args):
-        if tracker is not None:
-            tracker.modules.append(paths.get(module, type(module).__name__))
-
-    def leave(_module, _args, _out):
-        if tracker is not None and tracker.modules:
-            tracker.modules.pop()
-
-    hooks = [
-        torch.nn.modules.module.register_module_forward_pre_hook(enter),
-        torch.nn.modules.module.register_module_forward_hook(leave, always_call=True),
-    ]
-    try:
-        with torch.no_grad():
-            model(**inputs())  # stock caches (rotary tables) filled before measuring
-            kwargs = inputs()
-            gc.collect()  # the collector runs at the same points of every call, whatever ran before
-            tracker = _peak_tracker()
-            with tracker:
-                out = _sample(model(**kwargs))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return tracker.peak_bytes, tracker.at, out
-
-
 def measure(names: list[str]) -> dict[str, dict[str, Any]]:
     """On every rank: per builder, ``{plan: patched peak / unpatched peak}`` (forward, no grad), where (the
     innermost module running) each peak sits, and each plan's max abs difference from the unpatched output."""
+    from dit_peaks import _measured
+
     import hfpatch
     from hfpatch import ParallelConfig
 
@@ -305,6 +270,7 @@ def measure(names: list[str]) -> dict[str, dict[str, Any]]:
         model, _, tokens = build(name)
         inputs = lambda name=name: build(name)[1]  # noqa: E731  (fresh tensors: the inputs are not counted)
         unpatched, where, reference = _measured(model, inputs)
+        reference = _sample(reference)
         row: dict[str, Any] = {
             "tokens": tokens,
             "unpatched_bytes": unpatched,
@@ -315,6 +281,7 @@ def measure(names: list[str]) -> dict[str, dict[str, Any]]:
         for plan, ring, ulysses in CONFIGS:
             with hfpatch.apply(model, parallel=ParallelConfig(ring=ring, ulysses=ulysses)):
                 peak, where, out = _measured(model, inputs)
+                out = _sample(out)
             row[plan] = peak / unpatched
             row["peak_at"][plan] = where
             row["max_abs_diff"][plan] = (out - reference).abs().max().item()
@@ -323,30 +290,18 @@ def measure(names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    """Draw the table of ``results`` (this script's JSON) to ``path``."""
-    import matplotlib
+    """Draw the table of ``results`` (this script's JSON) to ``path`` (``dit_peaks.py``'s figure, rows with tokens)."""
+    from dit_peaks import _plot as plot_peaks
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))  # readable at page width
     table = results["classes"]
-    plans = list(results["configs"])
-    classes = list(table)
-    fig, ax = plt.subplots(figsize=(8, 0.28 * len(classes) + 1.4))
-    for offset, plan in zip((-0.2, 0.2), plans):
-        ax.barh([i + offset for i in range(len(classes))], [table[c][plan] for c in classes], 0.4, label=plan)
-    ax.axvline(results["target"], color="k", linestyle="--", linewidth=1, label=f"target {results['target']}")
-    ax.axvline(0.5, color="grey", linestyle=":", linewidth=1, label="1/N")
-    ax.set_yticks(range(len(classes)), [f"{c} ({table[c]['tokens']})" for c in classes], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel(
-        f"forward peak per rank / unpatched (world 2, >= 1024 tokens, {results['text_tokens']} text)"
+    plot_peaks(
+        results,
+        path,
+        label=lambda c: f"{c} ({table[c]['tokens']})",
+        xlabel=f"forward peak per rank / unpatched (world 2, >= 1024 tokens, {results['text_tokens']} text)",
+        height=(0.28, 1.4),
+        legend={"fontsize": 7, "loc": "upper center", "bbox_to_anchor": (0.5, -0.1), "ncol": 4},
     )
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> dict[str, Any]:
