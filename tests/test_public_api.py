@@ -172,7 +172,8 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.testing.runner": "RankError RankPool run_ranks",
     "hfpatch.testing.tolerance": (
         "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol perturbation_noise "
-        "reassociation_tol rel_error rounding_noise summation_tol to_fp64"
+        "reassociation_tol rel_error rounding_noise stochastic_rounding_noise summation_tol to_fp64 "
+        "without_inside_rounding"
     ),
     "hfpatch.training": (
         "CLIPLoss ContrastiveLoss GISTLoss GradCache GradCacheLoss GradCacheTrainer InfoNCELoss RngState SigLIPLoss "

@@ -17,6 +17,10 @@ and too tight for an ill-conditioned one. So the suite measures the rounding sca
   5's rotary rounds q/k to bf16): the largest change of its fp32 output when its inputs move by one fp32 ulp. A
   reassociation-sized change just before such a rounding can move a value by one ulp of the lower precision;
   the fp64 twin rounds the same way, so :func:`rounding_noise` shows that amplification only by chance.
+* :func:`stochastic_rounding_noise` -- for the same models, an envelope of what those flips can do on any CPU
+  kernel: the largest change of the fp32 result (forward or gradients) when every rounding to the lower precision
+  inside is stochastic (to either neighbour) instead of to nearest. A patch's reassociation flips a small subset
+  of those roundings; this flips a quarter of all of them, so it bounds the flips whatever order the kernels sum in.
 * :func:`low_precision_tol` -- for two bf16/fp16 results that differ in summation order: they share most
   roundings, so their gap is bounded by the reduced-precision result's own noise against fp64 (factor 1).
 * :func:`summation_tol` -- for a single reduction of ``terms`` values: two summation orders differ by at
@@ -47,6 +51,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "FLOOR_ULPS",
@@ -59,8 +64,10 @@ __all__ = [
     "reassociation_tol",
     "rel_error",
     "rounding_noise",
+    "stochastic_rounding_noise",
     "summation_tol",
     "to_fp64",
+    "without_inside_rounding",
 ]
 
 #: Patched-vs-unpatched error allowed, in multiples of the unpatched fp32 model's own error against fp64.
@@ -138,6 +145,108 @@ def perturbation_noise(
 
     reference = fn(dict(inputs))
     return max(compare(fn({k: moved(v) for k, v in inputs.items()}), reference) for _ in range(trials))
+
+
+class _InsideCasts(TorchDispatchMode):
+    """Every cast of an fp32/fp64 tensor to ``dtype`` (forward and backward casts alike) rounds stochastically
+    (with ``generator``) or, with ``generator=None``, does not round at all: the value keeps its dtype."""
+
+    def __init__(self, dtype: torch.dtype, generator: torch.Generator | None) -> None:
+        super().__init__()
+        self.dtype, self.generator, self.casts = dtype, generator, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if not (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("dtype") == self.dtype
+            and isinstance(source, torch.Tensor)
+            and source.dtype in (torch.float32, torch.float64)
+        ):
+            return func(*args, **kwargs)
+        self.casts += 1
+        if self.generator is None:
+            return source.clone()
+        # x in [2^(e-1), 2^e) has neighbours spaced 2^(e-1) * eps apart in ``dtype``; x + U * spacing with
+        # U in (-1/2, 1/2) rounds to nearest onto the upper neighbour with probability (x - lower) / spacing:
+        # unbiased stochastic rounding, each result at most one ulp of ``dtype`` from the nearest.
+        spacing = torch.ldexp(torch.full_like(source, eps(self.dtype)), torch.frexp(source).exponent - 1)
+        draw = torch.rand(source.shape, generator=self.generator, dtype=source.dtype).to(source.device)
+        moved = torch.where((source == 0) | ~source.isfinite(), source, source + (draw - 0.5) * spacing)
+        return func(moved, *args[1:], **kwargs)
+
+
+def without_inside_rounding(dtype: torch.dtype = torch.bfloat16) -> _InsideCasts:
+    """A context in which casts of fp32/fp64 tensors to ``dtype`` do nothing: the smooth computation around the
+    roundings of a model that rounds inside (its fp32-vs-fp64 noise is then reassociation alone).
+
+    >>> import torch
+    >>> from hfpatch.testing.tolerance import without_inside_rounding
+    >>> x = torch.tensor([1.001])
+    >>> with without_inside_rounding():
+    ...     kept = x.bfloat16()
+    >>> kept.dtype, x.bfloat16().item()
+    (torch.float32, 1.0)
+    """
+    return _InsideCasts(dtype, None)
+
+
+def stochastic_rounding_noise(
+    fn: Callable[[], torch.Tensor | Mapping[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    trials: int = 4,
+    scales: Mapping[str, float] | None = None,
+    seed: int = 0,
+) -> float:
+    """The largest relative change of ``fn()`` when every cast to ``dtype`` inside it (in the forward and, for
+    gradients, in the backward) rounds stochastically instead of to nearest, over ``trials`` draws.
+
+    For a model that rounds to ``dtype`` between fp32 operations (Kandinsky 5's rotary casts q/k to bf16, and
+    their gradients back through bf16): a patch sums in another order, so some values arrive a few fp32 ulps
+    away from the unpatched ones, and those within that distance of a rounding midpoint land on the other
+    neighbour, one ulp of ``dtype`` away. Which ones depends on the CPU kernels' order of sums
+    (``ATEN_CPU_CAPABILITY``), so no single machine's gap bounds another's. Stochastic rounding moves each value
+    to either neighbour (a quarter of them off the nearest on average, each by up to one ulp, in directions
+    independent of what follows): a superset of the flips that a reassociation of ``delta`` fp32 ulps makes
+    (about ``2 * delta`` in ``2 ** 16`` of the values, for bf16). The variance of that sum is at most
+    ``8 * delta / 2 ** 16`` of the stochastic one's (0.01 for delta = 100), so its largest draw bounds the
+    patched gap with a wide margin, on every kernel. Add it to the smooth part's tolerance,
+    ``reassociation_tol(noise)`` with ``noise`` measured :func:`without_inside_rounding` (the fp64 twin's
+    noise with the roundings in place counts some of the flips again). ``fn`` returns a tensor, or a dict of tensors
+    compared each relative to ``scales[name]`` (default: its own largest magnitude). Raises ``ValueError`` when
+    ``fn`` casts nothing to ``dtype`` (the envelope would be 0 and bound nothing).
+
+    >>> import torch
+    >>> from hfpatch.testing.tolerance import stochastic_rounding_noise
+    >>> w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) / 16
+    >>> x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    >>> noise = stochastic_rounding_noise(lambda: (x @ w).bfloat16().float() @ w)
+    >>> 1e-4 < noise < torch.finfo(torch.bfloat16).eps    # a fraction of one bf16 ulp, far above fp32's
+    True
+    """
+
+    def compare(got: Any, ref: Any) -> float:
+        if isinstance(ref, torch.Tensor):
+            return rel_error(got, ref)
+        return max(rel_error(got[k], ref[k], None if scales is None else scales[k]) for k in ref)
+
+    def detached(result: Any) -> Any:
+        if isinstance(result, torch.Tensor):
+            return result.detach().clone()
+        return {k: v.detach().clone() for k, v in result.items()}
+
+    reference = detached(fn())
+    generator = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for _ in range(trials):
+        with _InsideCasts(dtype, generator) as mode:
+            result = detached(fn())
+        if mode.casts == 0:
+            raise ValueError(f"the computation casts nothing to {dtype}: no rounding to envelope")
+        worst = max(worst, compare(result, reference))
+    return worst
 
 
 def reassociation_tol(

@@ -11,6 +11,19 @@ fidelity tests' in test_dit_usp.py / test_dit_zoo.py.)
 
 Kandinsky 5's stock rotary rounds the text's q/k to bf16 even in fp32: there a backward run on each share and summed
 afterwards is off by more than its fp32 noise (issue 34: up to 12.6 x the tolerance); averaged first, it is exact.
+
+Its tolerance (issue 53): the rotary casts q/k to bf16 and, in the backward, their gradients too. The patched backward
+reaches those casts with gradients a few fp32 ulps off the unpatched ones (the sharded part sums in another order), so
+the few that sit that close to a bf16 rounding midpoint land one bf16 ulp (2^-8 relative) away, and the text stream's
+parameters (``query_norm.weight`` first: a sum over tokens of those gradients) carry them. Which ones flip depends on
+the CPU kernels' order of sums: at world 3 the gap was 5.7e-3 on an AVX-512 Xeon and 1.9x the fp32-noise tolerance
+there, inside it on AVX2. So the tolerance is the smooth part's ``reassociation_tol(noise)`` plus
+``stochastic_rounding_noise``: the largest change of the unpatched gradients over 4 draws in which every bf16 cast,
+forward and backward, rounds stochastically. That flips about a quarter of all the roundings, each by up to one ulp in
+a random direction; a reassociation of ``delta`` fp32 ulps flips about ``2 * delta`` in 65,536 of them, a subset with a
+sum of at most ``8 * delta / 65536`` of the variance (1 % at 100 ulps), on any kernel. Measured on an AMD EPYC with
+AVX-512 (``ATEN_CPU_CAPABILITY`` default / avx2 / avx512): the envelope 0.0150 / 0.0150 / 0.0150, the fp32-noise
+tolerance 0.0115 / 0.0030 / 0.0072. The other classes keep the fp32 tolerance alone (their stock code casts nothing).
 """
 
 from __future__ import annotations
@@ -18,12 +31,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from test_dit_usp import _double, _grads, _randn, _sample, build
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.testing.tolerance import reassociation_tol, rel_error
+from hfpatch.testing.dits import TINY_DITS
+from hfpatch.testing.tolerance import (
+    reassociation_tol,
+    rel_error,
+    stochastic_rounding_noise,
+    without_inside_rounding,
+)
 
 #: Class (a test config of test_dit_usp.build) -> (parameters of its replicated streams, parameters of its shard).
 STREAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -73,6 +93,18 @@ def stream_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int]
         floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
         scales = {key: max(g.abs().max().item(), floor) for key, g in ref64.items()}
         noise = max(rel_error(ref[key], ref64[key], scales[key]) for key in ref)
+        rounds_to = TINY_DITS[name].rounds_inside if name in TINY_DITS else None
+        flips = 0.0
+        if (
+            rounds_to is not None
+        ):  # the smooth part's noise without the roundings, their flips' envelope apart
+            dtype = getattr(torch, rounds_to)
+            with without_inside_rounding(dtype):
+                smooth, smooth64 = _grads(model, kwargs, weight), _grads(model64, kwargs64, weight.double())
+            noise = max(rel_error(smooth[key], smooth64[key], scales[key]) for key in ref)
+            flips = stochastic_rounding_noise(
+                lambda m=model, kw=kwargs, w=weight: _grads(m, kw, w), dtype=dtype, scales=scales
+            )
         with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
             got = _grads(model, kwargs, weight, group=None)  # this rank's own gradients: no reduction
         results[(name, ulysses, ring)] = {
@@ -80,6 +112,7 @@ def stream_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int]
                 key: rel_error(got[key], ref[key], scales[key]) for key in ref if key.startswith("param:")
             },
             "noise": noise,
+            "flips": flips,
             "world": dist.get_world_size(),
         }
     return results
@@ -92,7 +125,9 @@ def test_streams_each_rank_runs_the_unpatched_backward_of_the_replicated_part(ra
         for case in cases:
             replicated, sharded = STREAMS[case[0]]
             result = per_case[case]
-            tol = reassociation_tol(result["noise"])
+            tol = (
+                reassociation_tol(result["noise"]) + result["flips"]
+            )  # the flips of an inside rounding: 0 for classes that round nothing
             streams = {
                 k: e for k, e in result["errors"].items() if k.removeprefix("param:").startswith(replicated)
             }

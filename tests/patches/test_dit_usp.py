@@ -26,7 +26,13 @@ import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.core.registry import Registry
 from hfpatch.distributed.runtime import get_mesh
-from hfpatch.testing.tolerance import perturbation_noise, reassociation_tol, rel_error, to_fp64
+from hfpatch.testing.tolerance import (
+    reassociation_tol,
+    rel_error,
+    stochastic_rounding_noise,
+    to_fp64,
+    without_inside_rounding,
+)
 
 FAMILIES = ("wan21", "wan22", "flux", "sd3", "sd35", "cogvideox")
 #: More classes of the plan-driven family (hfpatch.patches.dit; FAMILIES are too): diffusers' _cp_plan,
@@ -361,18 +367,34 @@ def _gathered_layouts(model: torch.nn.Module) -> tuple[list[tuple[str, bool]], l
     return seen, handles
 
 
-def _rounds_inside(family: str) -> bool:
-    """The family's stock code rounds to a lower precision inside (:attr:`TinyDiT.rounds_inside`): its noise
-    adds :func:`perturbation_noise`, the flips that a reassociation-sized change makes of those roundings."""
+def _rounds_inside(family: str) -> torch.dtype | None:
+    """The dtype the family's stock code rounds to inside even in fp32 (:attr:`TinyDiT.rounds_inside`), or None."""
     from hfpatch.testing.dits import TINY_DITS
 
-    return family in TINY_DITS and TINY_DITS[family].rounds_inside is not None
+    name = TINY_DITS[family].rounds_inside if family in TINY_DITS else None
+    return None if name is None else getattr(torch, name)
+
+
+def _tolerance(
+    family: str, noise: float, smooth_noise: Callable[[], float], result: Callable[[], Any], **compare
+) -> float:
+    """The case's tolerance: ``reassociation_tol`` of the unpatched model's fp32-vs-fp64 ``noise``. For a family
+    that rounds inside, the fp64 twin rounds too and shows the flips of those roundings only by chance: then the
+    smooth part's noise (``smooth_noise()`` run :func:`without_inside_rounding`) plus the
+    :func:`stochastic_rounding_noise` of ``result()``, the envelope of the flips that a reassociation makes of those
+    roundings on any CPU kernel (issue 53; the derivation is in tests/patches/test_dit_streams.py)."""
+    dtype = _rounds_inside(family)
+    if dtype is None:
+        return reassociation_tol(noise)
+    with without_inside_rounding(dtype):
+        smooth = smooth_noise()
+    return reassociation_tol(smooth) + stochastic_rounding_noise(result, dtype=dtype, **compare)
 
 
 def forward_cases(
     cases: list[tuple[str, int, int]],
 ) -> dict[tuple[str, int, int], tuple[float, float, torch.Tensor]]:
-    """Per case ``(family, ulysses, ring)``: (error vs unpatched, unpatched fp32 noise, patched output).
+    """Per case ``(family, ulysses, ring)``: (error vs unpatched, tolerance (:func:`_tolerance`), patched output).
 
     The unpatched reference and its fp64 noise are computed once per family (a fresh model per case). The gathered
     outputs are contiguous wherever the unpatched ones are (the stock code may ``.view()`` them: AnyFlow does).
@@ -389,14 +411,16 @@ def forward_cases(
                 ref = _sample(model(**build(family)[1]))
                 for handle in handles:
                     handle.remove()
-                noise = rel_error(ref, _sample(model64(**kwargs64)))
-                if _rounds_inside(family):  # a TINY_DITS row: its inputs need no model built
-                    from hfpatch.testing.dits import tiny_dit_inputs
-
-                    moved = perturbation_noise(lambda kw, m=model: _sample(m(**kw)), tiny_dit_inputs(family))
-                    noise = max(noise, moved)
-                references[family] = (ref, noise, layouts)
-            ref, noise, unpatched_layouts = references[family]
+                tol = _tolerance(
+                    family,
+                    rel_error(ref, _sample(model64(**kwargs64))),
+                    lambda m=model, m64=model64, f=family: rel_error(
+                        _sample(m(**build(f)[1])), _sample(m64(**to_fp64(build(f)[1])))
+                    ),
+                    lambda m=model, f=family: _sample(m(**build(f)[1])),
+                )
+                references[family] = (ref, tol, layouts)
+            ref, tol, unpatched_layouts = references[family]
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
                 layouts, handles = _gathered_layouts(model)
                 out = _sample(model(**kwargs))
@@ -409,7 +433,7 @@ def forward_cases(
             unpatched_layouts,
         )
         assert len(layouts) == len(unpatched_layouts) > 0, (family, layouts)
-        results[(family, ulysses, ring)] = (rel_error(out, ref), noise, out)
+        results[(family, ulysses, ring)] = (rel_error(out, ref), tol, out)
     return results
 
 
@@ -449,22 +473,31 @@ def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, in
             # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
             floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
             scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
+
             # The unpatched model's own rounding scale for its gradients (its worst tensor).
-            noise = max(rel_error(ref[name], ref64[name], scales[name]) for name in ref)
-            if _rounds_inside(family):
-                moved = perturbation_noise(
-                    lambda kw, m=model, w=weight: _grads(m, kw, w), kwargs, scales=scales
-                )
-                noise = max(noise, moved)
-            references[family] = (weight, ref, scales, noise)
-        weight, ref, scales, noise = references[family]
+            def gradient_noise(
+                fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor], s=scales
+            ) -> float:
+                return max(rel_error(fp32[name], fp64[name], s[name]) for name in fp32)
+
+            tol = _tolerance(
+                family,
+                gradient_noise(ref, ref64),
+                lambda m=model, kw=kwargs, m64=model64, kw64=kwargs64, w=weight: gradient_noise(
+                    _grads(m, kw, w), _grads(m64, kw64, w.double())
+                ),
+                lambda m=model, kw=kwargs, w=weight: _grads(m, kw, w),
+                scales=scales,
+            )
+            references[family] = (weight, ref, scales, tol)
+        weight, ref, scales, tol = references[family]
         config = ParallelConfig(ulysses=ulysses, ring=ring)
         with hfpatch.apply(model, parallel=config):
             got = _grads(model, kwargs, weight, get_mesh(config).group("sp"))
         results[(family, ulysses, ring)] = {
             "keys_match": set(got) == set(ref),
             "errors": {name: rel_error(got[name], ref[name], scales[name]) for name in ref},
-            "noise": noise,
+            "tol": tol,
             "n_params": sum(k.startswith("param:") for k in ref),
         }
     return results
@@ -586,11 +619,11 @@ class _CustomProcessor:
 
 # ----------------------------------------------------------------------------------------------- tests
 def check_forward(results: list[dict], cases: list[tuple[str, int, int]]) -> None:
-    """Every rank's output of every case within ``reassociation_tol`` of the unpatched model, and the ranks'
-    outputs bit-identical (they gather the same shards)."""
+    """Every rank's output of every case within its tolerance (:func:`_tolerance`) of the unpatched model, and the
+    ranks' outputs bit-identical (they gather the same shards)."""
     for case in cases:
-        for error, noise, _ in (rank_result[case] for rank_result in results):
-            assert error <= reassociation_tol(noise), (case, error, noise)
+        for error, tol, _ in (rank_result[case] for rank_result in results):
+            assert error <= tol, (case, error, tol)
         outputs = [rank_result[case][2] for rank_result in results]
         assert all(torch.equal(outputs[0], o) for o in outputs[1:]), (
             f"{case}: ranks returned different outputs"
@@ -598,19 +631,13 @@ def check_forward(results: list[dict], cases: list[tuple[str, int, int]]) -> Non
 
 
 def check_backward(results: list[dict], cases: list[tuple[str, int, int]]) -> None:
-    """Every rank's parameter and input gradients of every case (after the sp sum) within ``reassociation_tol``."""
+    """Every rank's parameter and input gradients of every case (after the sp sum) within its tolerance."""
     for rank, rank_result in enumerate(results):
         for case in cases:
             result = rank_result[case]
             assert result["keys_match"] and result["n_params"] > 10, (rank, case)
             for name, error in result["errors"].items():
-                assert error <= reassociation_tol(result["noise"]), (
-                    rank,
-                    case,
-                    name,
-                    error,
-                    result["noise"],
-                )
+                assert error <= result["tol"], (rank, case, name, error, result["tol"])
 
 
 def _configs(world: int) -> list[tuple[int, int]]:
