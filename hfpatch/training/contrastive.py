@@ -447,7 +447,7 @@ class InfoNCELoss(ContrastiveLoss):
         table = {
             "query_to_doc": _Piece(0, docs, positive=True),
             "query_to_query": _Piece(0, (0,), mask_self=True),
-            "doc_to_query": _Piece(1, (0,)),
+            "doc_to_query": _Piece(1, (0,), positive=per_direction),  # its own softmax's positive
             "doc_to_doc": _Piece(1, docs, mask_own=True),
         }
         return [

@@ -20,9 +20,10 @@ from torch import nn
 class _Piece:
     """One block of a row's logits: row ``i`` of input ``anchor`` against every row of the inputs ``candidates``
     (concatenated, global). ``group`` is the softmax partition it belongs to; ``positive``: column ``i`` (global
-    index) is the row's positive, whose logit the loss subtracts; ``mask_self``: column ``i`` is excluded (an
-    anchor against its own input); ``mask_own``: column ``i`` of every candidate input is excluded (a row's own
-    documents); ``guide``: GIST's false-negative mask from the guide's similarities (the positive kept)."""
+    index) is the row's positive, whose logit the loss subtracts (one such piece per group); ``mask_self``:
+    column ``i`` is excluded (an anchor against its own input); ``mask_own``: column ``i`` of every candidate
+    input is excluded (a row's own documents); ``guide``: GIST's false-negative mask from the guide's
+    similarities (the positive kept)."""
 
     anchor: int
     candidates: tuple[int, ...]
@@ -59,12 +60,13 @@ def _softmax_rows(
     grad: bool,
     guides: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
-    """Softmax losses in row blocks: ``sum_i (sum_g lse_g(i) / n_groups - pos(i)) / total`` over this rank's rows.
+    """Softmax losses in row blocks: ``sum_i sum_g (lse_g(i) - pos_g(i)) / (n_groups total)`` over this rank's
+    rows, ``pos_g`` the logit of the pair in group ``g``'s positive piece (the same pair in every group).
 
     Args:
         anchors: Local rows of every input (``[b, D]``, normalized if the loss normalizes).
         columns: Every input's rows of the global batch (``[total, D]``; the same tensors in one process).
-        pieces: The logit pieces of a row (see :class:`_Piece`); piece 0 holds the positive.
+        pieces: The logit pieces of a row (see :class:`_Piece`); each group has one positive piece.
         scale: The logits' scale (0-dim).
         where: This rank's rows in the global batch.
         block: Rows per block.
@@ -105,7 +107,7 @@ def _softmax_rows(
         b = rows_.stop - rows_.start
         arange = torch.arange(b, device=device)
         own = arange + (where.offset + rows_.start)  # global index of each row of the block
-        logits, lses = [], []
+        logits = []
         for p in pieces:
             cand = candidates[p.candidates]
             piece = anchors[p.anchor][rows_] @ cand.T  # [b, N_p]
@@ -125,20 +127,29 @@ def _softmax_rows(
                 piece.masked_fill_(mask, -math.inf)
                 del mask
             logits.append(piece)
-            lses.append(torch.logsumexp(piece, dim=1))
-        group_lse = [
-            torch.logsumexp(torch.stack([lse for lse, p in zip(lses, pieces) if p.group == g]), dim=0)
-            for g in range(n_groups)
-        ]
-        positive = logits[0][arange, own]
-        value = value + (sum(group_lse) / n_groups - positive).sum()
+        # Each group's softmax relative to its row maximum m (as torch.softmax): exp(l - m) / s with
+        # s = sum exp(l - m), lse = m + log s. Never exp(l - lse): at scale 100 |lse| is near 100, and
+        # rounding lse to fp32 moves every probability by ~1e-6 absolute, the whole gradient of a confidently
+        # classified row. l - m is exact near the maximum (Sterbenz), so the row's leader gets exactly 1 / s.
+        maxima: list[torch.Tensor | None] = [None] * n_groups
+        for p, piece in zip(pieces, logits):
+            top = piece.amax(dim=1)
+            maxima[p.group] = top if maxima[p.group] is None else torch.maximum(maxima[p.group], top)
+        maxima = [m.nan_to_num(0.0, posinf=0.0, neginf=0.0) for m in maxima]  # a row of all -inf: lse -inf
+        positive = [piece[arange, own] for p, piece in zip(pieces, logits) if p.positive]  # before the exp
+        sums = [torch.zeros(b, dtype=dtype, device=device) for _ in range(n_groups)]
+        for p, piece in zip(pieces, logits):
+            sums[p.group] += piece.sub_(maxima[p.group][:, None]).exp_().sum(dim=1)  # in place: exp(l - m)
+        group_lse = [m + s.log() for m, s in zip(maxima, sums)]
+        # one positive per group (its pair's logit): sum_g (lse_g - pos_g) / n_groups
+        value = value + (sum(group_lse) - sum(positive)).sum() / n_groups
         if not grad:
             continue
         for p, piece in zip(pieces, logits):
-            # dL/dlogits = (softmax over the piece's group / n_groups - onehot(positive)) / total, in place
-            piece.sub_(group_lse[p.group][:, None]).exp_().mul_(1.0 / (n_groups * where.total))
+            # dL/dlogits = (softmax over the piece's group - onehot(positive)) / (n_groups total), in place
+            piece.div_(sums[p.group][:, None]).mul_(1.0 / (n_groups * where.total))
             if p.positive:
-                piece[arange, own] -= 1.0 / where.total
+                piece[arange, own] -= 1.0 / (n_groups * where.total)
             anchor = anchors[p.anchor][rows_]
             grad_rows = piece @ candidates[p.candidates]  # [b, D] = G c (times scale: dL/d anchor)
             d_scale += (anchor * grad_rows).sum()  # sum_ij G_ij a_i . c_j = dL/d scale
