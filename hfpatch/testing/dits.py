@@ -84,8 +84,9 @@ class TinyDiT:
         unmasked: That input's value with nothing masked (a spec; default: all ones).
         attributes: ``"module.path.attribute"`` -> value, set after construction (``*`` matches one path segment).
         rounds_inside: The dtype name the stock code rounds to between fp32 operations (Kandinsky 5's rotary
-            rounds q/k to ``"bfloat16"``): tests add its :func:`~hfpatch.testing.tolerance.perturbation_noise` to
-            the fp64 twin's noise, which shows the flips of those roundings only by chance.
+            rounds q/k to ``"bfloat16"``): tests add the envelope of the flips of those roundings
+            (:func:`~hfpatch.testing.tolerance.stochastic_rounding_noise`) to the smooth part's tolerance (the fp64
+            twin's noise :func:`~hfpatch.testing.tolerance.without_inside_rounding`), which shows them only by chance.
     """
 
     cls: str

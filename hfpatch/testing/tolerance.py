@@ -16,7 +16,8 @@ and too tight for an ill-conditioned one. So the suite measures the rounding sca
 * :func:`perturbation_noise` -- for a model that rounds to a lower precision *inside* even in fp32 (Kandinsky
   5's rotary rounds q/k to bf16): the largest change of its fp32 output when its inputs move by one fp32 ulp. A
   reassociation-sized change just before such a rounding can move a value by one ulp of the lower precision;
-  the fp64 twin rounds the same way, so :func:`rounding_noise` shows that amplification only by chance.
+  the fp64 twin rounds the same way, so :func:`rounding_noise` shows that amplification only by chance. A lower
+  estimate of those flips (what one ulp moves on this machine's kernels).
 * :func:`stochastic_rounding_noise` -- for the same models, an envelope of what those flips can do on any CPU
   kernel: the largest change of the fp32 result (forward or gradients) when every rounding to the lower precision
   inside is stochastic (to either neighbour) instead of to nearest. A patch's reassociation flips a small subset
@@ -115,7 +116,10 @@ def perturbation_noise(
     For a smooth fp32 computation this is about its :func:`rounding_noise`. One that rounds to a lower precision
     inside (a cast to bf16 between fp32 operations) turns some of those tiny changes into one ulp of that
     precision: every draw moves a few such roundings, so the result shows the amplification that the fp64
-    twin's noise shows only by chance. Use it as a noise: ``reassociation_tol(max(noise, perturbation_noise))``.
+    twin's noise shows only by chance. It is a lower estimate: one ulp flips fewer roundings than a patch's
+    reassociation of several ulps may, and which ones depends on the CPU kernels (issue 53: a Kandinsky 5 gradient
+    1.9x over ``reassociation_tol`` of it on one ISA). For a bound on any kernel use
+    :func:`stochastic_rounding_noise`.
     ``fn`` returns a tensor, or a dict of tensors compared each relative to ``scales[name]`` (default: its own
     largest magnitude).
 
