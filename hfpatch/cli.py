@@ -233,7 +233,7 @@ def info_lines(classes: bool = False) -> list[str]:
         else:
             lines += _wrapped(
                 f"sequence parallel: {len(supported)} of the {len(rows)} diffusers transformer classes ",
-                ["`hfpatch info --classes` gives each one's plan, or why it is not split"],
+                ["(`hfpatch info --classes` gives each one's plan, or why it is not split)"],
                 indent=2,
             )
     try:
@@ -250,7 +250,7 @@ def info_lines(classes: bool = False) -> list[str]:
         else:
             lines += _wrapped(
                 f"VAE split by height: {len(split)} of the {len(rows)} diffusers autoencoder classes ",
-                ["`hfpatch info --classes` gives why each other one is not split"],
+                ["(`hfpatch info --classes` gives why each other one is not)"],
                 indent=2,
             )
     return lines

@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help="ranks to plan automatically, as hfpatch.apply(pipe, parallel=N): CFG parallel when the pipeline "
-        "guides, then Ulysses up to the head count, the rest Ring (default: every launched rank)",
+        "guides by default (not Flux's optional true CFG: --cfg 2 for that), then Ulysses up to the head count, the rest Ring (default: every launched rank)",
     )
     for name, what in (
         ("cfg", "CFG parallel: cond and uncond on different ranks, 1 or 2"),

@@ -69,19 +69,12 @@ def models(tmp_path_factory) -> dict[str, Any]:
     """The saved checkpoints and the unpatched references: fp32 (as the command runs) and fp64 (its rounding)."""
     from diffusers import DiffusionPipeline
 
-    from hfpatch.testing import (
-        tiny_flux_pipe_with_text_encoders,
-        tiny_t5_encoder,
-        tiny_t5_tokenizer,
-        tiny_wan_pipe,
-    )
+    from hfpatch.testing import tiny_flux_pipe_with_text_encoders, tiny_wan_pipe
 
     root = tmp_path_factory.mktemp("checkpoints")
     flux, wan = root / "flux", root / "wan"
     tiny_flux_pipe_with_text_encoders().save_pretrained(flux)
-    pipe = tiny_wan_pipe()
-    pipe.register_modules(text_encoder=tiny_t5_encoder(), tokenizer=tiny_t5_tokenizer())
-    pipe.save_pretrained(wan)
+    tiny_wan_pipe(text_encoder=True).save_pretrained(wan)  # the quickstart's ./tiny-wan
 
     found: dict[str, Any] = {"flux": flux, "wan": wan}
     for name, folder, call in (("flux", flux, _flux_call), ("wan", wan, _wan_call)):

@@ -842,8 +842,11 @@ def wan_prompt_embeds(batch: int = 1, length: int = 6, text_dim: int = 16, seed:
     return torch.randn(batch, length, text_dim, generator=torch.Generator().manual_seed(seed))
 
 
-def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False):
-    """A stock ``WanPipeline`` from tiny parts; call it with ``prompt_embeds``/``negative_prompt_embeds``.
+def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False, text_encoder: bool = False):
+    """A stock ``WanPipeline`` from tiny parts; call it with ``prompt_embeds``/``negative_prompt_embeds``, or, with
+    ``text_encoder=True`` (a tiny T5 encoder and tokenizer, ``max_sequence_length=8``), with a prompt: then
+    ``save_pretrained`` writes a checkpoint that ``hfpatch generate`` and ``DiffusionPipeline.from_pretrained`` load
+    (the quickstart's ``./tiny-wan``: ``tiny_wan_pipe(text_encoder=True).save_pretrained("tiny-wan")``).
 
     >>> import torch
     >>> from hfpatch.testing import tiny_wan_pipe, wan_prompt_embeds
@@ -858,8 +861,8 @@ def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False):
 
     return pipeline(
         "WanPipeline",
-        tokenizer=None,
-        text_encoder=None,
+        tokenizer=tiny_t5_tokenizer() if text_encoder else None,
+        text_encoder=tiny_t5_encoder() if text_encoder else None,
         vae=tiny_wan_vae("2.1", seed=seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=tiny_wan_transformer(seed=seed),
