@@ -554,13 +554,12 @@ def main(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> None:
     import torch
     import torch.distributed as dist
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
 
     import hfpatch
 
     from .distributed import runtime
     from .distributed.collectives import count_comm
+    from .generate_outputs import quiet_unless_rank0
 
     rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
     if torch.cuda.is_available():
@@ -570,10 +569,7 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
         device = torch.device("cpu")
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     initialised_here = world_size > 1 and not dist.is_initialized()
-    quiet = rank != 0 and diffusers_logging.is_progress_bar_enabled()
-    if quiet:  # one progress bar: rank 0's (loading too)
-        diffusers_logging.disable_progress_bar()
-        transformers_logging.disable_progress_bar()
+    restore_voices = quiet_unless_rank0(rank)  # one progress bar and one copy of each warning: rank 0's
     try:
         times: dict[str, Any] = {}
         started = time.perf_counter()
@@ -683,9 +679,7 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
                 Path(args.report).write_text(json.dumps(run_report(shared, ranks), indent=2) + "\n")
                 print(f"report: {args.report}", flush=True)
     finally:
-        if quiet:
-            diffusers_logging.enable_progress_bar()
-            transformers_logging.enable_progress_bar()
+        restore_voices()
     if initialised_here:
         # hfpatch.apply initialised the default group for this command: destroy it when the process exits (NCCL
         # warns otherwise), not now: a process group cannot be re-initialised from the launcher's store, and a

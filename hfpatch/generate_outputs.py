@@ -9,10 +9,40 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .generate_arguments import IMAGE_SUFFIXES, RAW_SUFFIX
+
+
+def quiet_unless_rank0(rank: int) -> Callable[[], None]:
+    """On a rank other than 0: no progress bars (loading too), diffusers' and transformers' logs at error level, and
+    Python warnings ignored, since every rank would print the same; returns the function that restores them all."""
+    if rank == 0:
+        return lambda: None
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    loggers = (diffusers_logging, transformers_logging)
+    bars = [module.is_progress_bar_enabled() for module in loggers]
+    levels = [module.get_verbosity() for module in loggers]
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.simplefilter("ignore")
+    for module in loggers:
+        module.disable_progress_bar()
+        module.set_verbosity_error()
+
+    def restore() -> None:
+        for module, bar, level in zip(loggers, bars, levels):
+            module.set_verbosity(level)
+            if bar:
+                module.enable_progress_bar()
+        caught.__exit__(None, None, None)
+
+    return restore
 
 
 def _output_tensor(output: Any) -> Any:

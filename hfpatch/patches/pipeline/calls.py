@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from tqdm import tqdm
 
 from ...core.config import ParallelConfig
 from ...distributed import runtime
@@ -453,14 +454,16 @@ class _ParallelForward:
             )
         else:  # a denoiser without attention heads in its config (a UNet): no sequence parallelism
             advice = f"and data={2 * data} to split several prompts over the ranks"
-        logger.warning(
-            "hfpatch: this %s call does not guide (%s), so the plan's cfg=2 has nothing to split: both cfg ranks "
-            "compute the same prediction, which is exact but gives no speed-up from the cfg axis. For calls "
-            "without guidance, apply with cfg=1 %s. (Said once per patch.)",
-            type(self.pipe).__name__,
-            why,
-            advice,
-        )
+        # Said inside the denoising loop: tqdm clears its bar first, so the note is on a line of its own.
+        with tqdm.external_write_mode():
+            logger.warning(
+                "hfpatch: this %s call does not guide (%s), so the plan's cfg=2 has nothing to split: both cfg "
+                "ranks compute the same prediction, which is exact but gives no speed-up from the cfg axis. For "
+                "calls without guidance, apply with cfg=1 %s. (Said once per patch.)",
+                type(self.pipe).__name__,
+                why,
+                advice,
+            )
 
     def _uncond(self, bound: inspect.BoundArguments, cfg_rank: int, names: tuple[str, ...]) -> torch.Tensor:
         pending = self.state.pending
