@@ -58,12 +58,17 @@ def _worker(
         # calls torch.set_num_threads(physical cores / LOCAL_WORLD_SIZE), i.e. all cores in every rank.
         OMP_NUM_THREADS=str(threads),
     )
+    import threading
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+    from tqdm import tqdm
 
     torch.set_num_threads(threads)
+    # tqdm's default write lock holds a multiprocessing semaphore that only a finalizer unlinks, which os._exit
+    # below skips ("leaked semaphore objects" at the parent's exit); a rank's bars need a thread lock only.
+    tqdm.set_lock(threading.RLock())
     try:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
