@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from diffusers.optimization import get_scheduler
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
@@ -94,6 +95,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument(
+        "--lr-scheduler",
+        default="none",
+        help="diffusers' get_scheduler name (linear, cosine, ...), sized as train_dreambooth_lora_flux.py sizes it",
+    )
+    parser.add_argument("--lr-warmup-steps", type=int, default=0)
+    parser.add_argument(
+        "--max-train-steps", type=int, default=None, help="default: the epochs' optimizer steps"
+    )
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="accelerator.clip_grad_norm_")
     parser.add_argument("--train-text-encoder", action="store_true", help="a LoRA on the text encoder too")
     parser.add_argument(
@@ -262,13 +272,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trained = [transformer, text_encoder] if args.train_text_encoder else [transformer]
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(params, lr=args.lr)
+    lr_scheduler = None
+    if args.lr_scheduler != "none":  # the lines of diffusers' train_dreambooth_lora_flux.py, unchanged
+        num_warmup_steps_for_scheduler = args.lr_warmup_steps * accelerator.num_processes
+        if args.max_train_steps is None:
+            len_train_dataloader_after_sharding = math.ceil(len(loader) / accelerator.num_processes)
+            num_update_steps_per_epoch = math.ceil(len_train_dataloader_after_sharding / args.grad_accum)
+            num_training_steps_for_scheduler = (
+                args.epochs * accelerator.num_processes * num_update_steps_per_epoch
+            )
+        else:
+            num_training_steps_for_scheduler = args.max_train_steps * accelerator.num_processes
+        lr_scheduler = get_scheduler(
+            args.lr_scheduler,
+            optimizer=optimizer,
+            num_warmup_steps=num_warmup_steps_for_scheduler,
+            num_training_steps=num_training_steps_for_scheduler,
+        )
+    scheduled = [] if lr_scheduler is None else [lr_scheduler]
     if args.train_text_encoder:
-        transformer, text_encoder, optimizer, loader = accelerator.prepare(
-            transformer, text_encoder, optimizer, loader
+        transformer, text_encoder, optimizer, loader, *scheduled = accelerator.prepare(
+            transformer, text_encoder, optimizer, loader, *scheduled
         )
     else:
-        transformer, optimizer, loader = accelerator.prepare(transformer, optimizer, loader)
+        transformer, optimizer, loader, *scheduled = accelerator.prepare(
+            transformer, optimizer, loader, *scheduled
+        )
         text_encoder.to(accelerator.device)
+    lr_scheduler = scheduled[0] if scheduled else None
     vae.to(accelerator.device)
     # No hfpatch line here: DDP's (or FSDP2's) gradient averaging is right for the patched transformer and
     # for the text encoder that feeds it, with accumulation syncing at every micro-step or not.
@@ -281,7 +312,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # diffusers' step arithmetic, on the prepared loader (its length per data replica).
     num_update_steps_per_epoch = math.ceil(len(loader) / args.grad_accum)
-    max_train_steps = args.epochs * num_update_steps_per_epoch
+    max_train_steps = args.max_train_steps or args.epochs * num_update_steps_per_epoch
+    total_batch_size = args.batch_size * accelerator.num_processes * args.grad_accum  # as diffusers logs it
+    accelerator.print(
+        f"Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}"
+    )
     global_step, first_epoch, skip = 0, 0, 0
     if args.resume:
         found = latest_checkpoint(args.output_dir)
@@ -295,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     models_to_accumulate = [transformer, text_encoder] if args.train_text_encoder else [transformer]
     models = (transformer, text_encoder, vae)
     losses: dict[int, float] = {}
+    lrs: dict[int, float] = {}  # what diffusers' scripts log: lr_scheduler.get_last_lr()[0] after each step
     validations: dict[int, float] = {}
     trace: list[dict[str, Any]] = []  # per micro-step: what this process loaded and drew
     step_losses: list[float] = []
@@ -314,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if accelerator.sync_gradients and args.max_grad_norm:
                     accelerator.clip_grad_norm_(params, args.max_grad_norm)
                 optimizer.step()
+                if lr_scheduler is not None:
+                    lr_scheduler.step()
                 optimizer.zero_grad()
             trace.append(
                 {"epoch": epoch, "step": global_step, "samples": batch["index"].tolist(), "draws": draws}
@@ -324,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             global_step += 1
             optimizer_steps += 1
             losses[global_step] = sum(step_losses) / len(step_losses)
+            if lr_scheduler is not None:
+                lrs[global_step] = lr_scheduler.get_last_lr()[0]
             step_losses = []
             accelerator.print(f"epoch {epoch} step {global_step}: loss {losses[global_step]:.6f}")
             if args.validate_every and global_step % args.validate_every == 0:
@@ -340,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "losses": losses,
+        "lrs": lrs,
         "world": accelerator.num_processes,
         "optimizer_steps": optimizer_steps,
         "num_update_steps_per_epoch": num_update_steps_per_epoch,

@@ -67,6 +67,7 @@ from ..core.config import ParallelConfig
 from ..core.patch import Patch, get_patch
 from ..core.ranks import data_coordinates, data_position, world_size
 from ..core.wrappers import unwrap_model
+from .replica_steps import count_data_replicas
 
 __all__ = [
     "StepRNG",
@@ -403,8 +404,9 @@ def prepare_accelerator(accelerator: Any, patch: Any, seed: int | None = None) -
         ...
         with accelerator.accumulate(models_to_accumulate), rng:                 # each micro-step
 
-    ``patch.remove()`` undoes both (the registered objects leave the accelerator). Collective only with
-    ``seed=None`` (:class:`StepRNG` shares rank 0's seed): call it on every rank.
+    The script's learning-rate schedule stays the stock one (:mod:`hfpatch.distributed.replica_steps`: until
+    ``prepare``, ``accelerator.num_processes`` counts data replicas; a scheduler prepared then steps once per
+    replica). ``patch.remove()`` undoes it all. Collective only with ``seed=None``: call it on every rank.
 
     Args:
         accelerator: The script's ``accelerate.Accelerator``.
@@ -436,6 +438,7 @@ def prepare_accelerator(accelerator: Any, patch: Any, seed: int | None = None) -
     >>> patch.remove()
     """
     data_parallel_loaders(accelerator, patch)
+    count_data_replicas(accelerator, patch, data_parallel_position(patch)[1])
     rng = StepRNG(seed, patch)
     accelerator.register_for_checkpointing(rng)
     patch.on_remove(accelerator, "register_for_checkpointing", lambda: _unregister(accelerator, rng))

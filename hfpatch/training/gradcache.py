@@ -214,8 +214,9 @@ class GradCache:
         chunk_size: Most samples per chunk (the memory knob).
         split_fn: ``split_fn(inputs, chunk_size) -> list of chunks`` (default :func:`split_inputs`). Chunks
             of Qwen-VL inputs are validated whatever splits them.
-        rep_fn: ``rep_fn(model_output, chunk) -> [b, D]`` (default: pool ``last_hidden_state`` by
-            ``pooling`` with the chunk's ``attention_mask``; a ``[b, D]`` output is used as is).
+        rep_fn: ``rep_fn(model_output, chunk) -> [b, D]`` (default: a ``[b, D]`` output, or the embedding the
+            output documents (``sentence_embedding``, ``text_embeds``/``image_embeds``), is used as is; else
+            pool ``last_hidden_state`` by ``pooling`` with the chunk's ``attention_mask``).
         chunk_patches: For Qwen-VL inputs, also at most this many vision patches per chunk (images vary in
             size; ``chunk_size`` still bounds text-only samples, which have none).
         pooling: ``"last"`` (default; left or right padding), ``"mean"`` or ``"cls"``.

@@ -58,8 +58,10 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: Poolin
 def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tensor:
     """Turn a model output into ``[B, D]`` embeddings.
 
-    A ``[B, D]`` tensor, or the ``"sentence_embedding"`` of a sentence-transformers output dict, is returned
-    as is; ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
+    A ``[B, D]`` tensor, the ``"sentence_embedding"`` of a sentence-transformers output dict, or the one
+    embedding a transformers output documents (``text_embeds`` of ``CLIPTextModelWithProjection``,
+    ``image_embeds`` of ``CLIPVisionModelWithProjection``, SigLIP's alike) is returned as is (an output with
+    both, ``CLIPModel``'s, is refused: say which with ``rep_fn``); ``[B, L, D]`` token states (a tensor, ``last_hidden_state`` of a
     ``ModelOutput``/dict, else its last ``hidden_states`` entry as in a ``*ForCausalLM`` output with
     ``output_hidden_states=True``, or the first element of a tuple) are pooled with
     ``inputs["attention_mask"]`` when the inputs are a mapping that has one. A bare tensor input means no
@@ -68,6 +70,9 @@ def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tenso
     """
     if isinstance(output, Mapping) and isinstance(output.get("sentence_embedding"), torch.Tensor):
         return output["sentence_embedding"]  # a sentence-transformers model's (already pooled) output
+    embeds = _documented_embeddings(output)
+    if embeds is not None:
+        return embeds
     if isinstance(output, Mapping) or hasattr(output, "last_hidden_state"):
         get = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
         hidden = get("last_hidden_state")
@@ -92,3 +97,23 @@ def default_rep(output: Any, inputs: Any, mode: Pooling = "last") -> torch.Tenso
         )
     mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
     return pool(hidden, mask, mode)
+
+
+#: The projected embeddings transformers' contrastive towers document in their outputs (CLIP, SigLIP, ...).
+EMBEDDING_FIELDS = ("text_embeds", "image_embeds")
+
+
+def _documented_embeddings(output: Any) -> torch.Tensor | None:
+    """The one ``text_embeds``/``image_embeds`` tensor of ``output``; None without; an error with both."""
+    if not (isinstance(output, Mapping) or hasattr(output, "last_hidden_state")):
+        return None
+    get = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
+    found = {k: get(k) for k in EMBEDDING_FIELDS if isinstance(get(k), torch.Tensor)}
+    if len(found) > 1:
+        raise TypeError(
+            f"the model output ({type(output).__name__}) holds both {' and '.join(found)}: which one is this "
+            "input's embedding is ambiguous. Run each tower on its own input (CLIPModel's text_model + "
+            "text_projection, or CLIPTextModelWithProjection / CLIPVisionModelWithProjection) or pass "
+            "rep_fn=lambda output, chunk: output.text_embeds (or image_embeds) to GradCache."
+        )
+    return next(iter(found.values()), None)

@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hfpatch.testing.tolerance import reassociation_tol, rel_error
@@ -303,3 +304,39 @@ def test_lora_sp_accelerate_under_torchrun_without_the_cpu_flag_refuses(tmp_path
         ), done.stderr[-4000:]
     assert "set ACCELERATE_USE_CPU=true" in done.stderr
     assert not (out / "results.json").exists()
+
+
+#: The learning-rate schedule of diffusers' Flux LoRA script (its scheduler lines, in the example), 3 epochs of 3
+#: batches per replica with accumulation 2: 6 optimizer steps.
+LR_COMMON = [*("--epochs", str(EPOCHS), "--grad-accum", "2", "--optimizer", "sgd", "--lr", "1e-3")]
+LR_CASES = {  # name: the script's schedule arguments
+    "linear": ["--lr-scheduler", "linear"],
+    "cosine": ["--lr-scheduler", "cosine"],
+    "warmup_max_steps": ["--lr-scheduler", "linear", "--lr-warmup-steps", "2", "--max-train-steps", "5"],
+}
+
+
+@pytest.mark.parametrize(("world", "ulysses"), [(2, 2), (4, 2)])
+def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(tmp_path, world, ulysses):
+    """Issue 45 (1b): the README recipe in a script that sizes its scheduler as diffusers' Flux LoRA script does
+    (``num_processes`` in the warmup and in the steps; the loader length divided by ``num_processes``), with no
+    ``--max_train_steps`` and with it: the learning rate the script logs after every optimizer step equals the
+    stock script's on one process training on the same global batch (per-replica batch x data replicas), bit for
+    bit. Before the fix accelerate stepped the scheduler once per process: 2x too fast at world 2."""
+    replicas = world // ulysses
+    data = ["--num-samples", str(3 * replicas)]  # 3 batches per replica
+    cases = LR_CASES if world == 2 else {k: v for k, v in LR_CASES.items() if k != "warmup_max_steps"}
+    stock_batch = ["--batch-size", str(replicas)]
+    one_process = [
+        ([*data, *stock_batch, *args, "--stock"], tmp_path / f"stock-{k}") for k, args in cases.items()
+    ]
+    runs = {}
+    with _OneProcessRuns(one_process, LR_COMMON) as references:
+        for k, args in cases.items():
+            runs[k] = _run([*data, *args, "--ulysses", str(ulysses)], tmp_path / k, world, LR_COMMON)
+        stock = dict(zip(cases, references.results()))
+    for k in cases:
+        got, want = runs[k]["lrs"], stock[k]["lrs"]
+        assert len(want) == (5 if k == "warmup_max_steps" else EPOCHS * STEPS_PER_EPOCH), (k, want)
+        assert got == want, (k, got, want)
+        assert want[str(len(want))] == 0.0  # the schedule ends where the stock one does
