@@ -586,12 +586,18 @@ def _fault_case() -> dict[str, Any]:
 
 
 def test_shard_weights_peer_failure_raises_collective_error_within_timeout():
+    """The survivor gives up after the shard group's own timeout (8 s), not the ranks' default group's (120 s).
+
+    Checked without a wall-clock margin (issue 53: the earlier ``elapsed < 8 + 20`` s failed on a machine at load
+    average 17-26): the error names the 8 s timeout that fired, the survivor waited at least that long, and it
+    returned before the only other timeout that could have ended the wait.
+    """
     from hfpatch.testing import run_ranks
 
-    survivor, faulty = run_ranks(2, _fault_case, timeout_s=120)
+    default_timeout_s = 120
+    survivor, faulty = run_ranks(2, _fault_case, timeout_s=default_timeout_s)
     assert faulty["error"] == "RuntimeError: injected failure on rank 1", faulty
     assert survivor["error"].startswith("CollectiveError: hfpatch: the shard_weights all-gather of"), survivor
     assert "shard_weights (all ranks) group of global ranks [0, 1]" in survivor["error"], survivor
-    assert survivor["elapsed"] < FAULT_TIMEOUT_S + 20, (
-        survivor
-    )  # the timeout plus a margin for a loaded machine
+    assert f"within HFPATCH_TIMEOUT_S={FAULT_TIMEOUT_S}s" in survivor["error"], survivor
+    assert FAULT_TIMEOUT_S <= survivor["elapsed"] < default_timeout_s, survivor
