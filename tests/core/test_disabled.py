@@ -143,7 +143,7 @@ def test_disabled_runs_on_the_main_process_only(rank_pool):
 TIMEOUT_S = 5
 
 
-def _subset_call() -> tuple[str, float]:
+def _subset_call() -> tuple[str, float, float]:
     import torch.distributed as dist
 
     from hfpatch.distributed.runtime import default_timeout
@@ -157,7 +157,7 @@ def _subset_call() -> tuple[str, float]:
         with hfpatch.apply(model, parallel=ParallelConfig(ulysses=2)):
             if rank == 1:  # does not call the model: nothing waits here; stay alive until rank 0 is done
                 store.wait(["subset_call/done"], 4 * default_timeout())
-                return "did not call", 0.0
+                return "did not call", 0.0, float(before)
             start = time.monotonic()
             try:
                 model(*_inputs())
@@ -167,13 +167,16 @@ def _subset_call() -> tuple[str, float]:
                 outcome = "no error"
             finally:
                 store.set("subset_call/done", "1")
-            return outcome, time.monotonic() - start
+            return outcome, time.monotonic() - start, float(before)
     finally:
         os.environ["HFPATCH_TIMEOUT_S"] = before
 
 
 def test_calling_from_a_subset_of_the_group_raises_within_the_timeout(rank_pool):
-    (outcome, elapsed), (other, _) = rank_pool(2).run(_subset_call)
+    (outcome, elapsed, pool_timeout), (other, *_) = rank_pool(2).run(_subset_call)
     assert outcome.startswith("CollectiveError") and f"HFPATCH_TIMEOUT_S={TIMEOUT_S}s" in outcome, outcome
-    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 10, elapsed  # the short timeout, not torch's 30 min
+    # The patch's short timeout fired: the error names it, the call waited that long, and it returned before the
+    # only other timeout that could end the wait (the pool's groups'); no wall-clock margin a loaded machine can
+    # exceed (issue 53).
+    assert TIMEOUT_S * 0.9 <= elapsed < pool_timeout, (elapsed, pool_timeout)
     assert other == "did not call"
