@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement_digests import _hash, _to_int64, bulk_digest, content_digest
+from .agreement_live import DIVERGENCE_CAUSES, TrainableWeights, count_optimizer_steps, divergence_note
 
 __all__ = [
     "FIELDS",
@@ -242,14 +243,15 @@ def check_same_inputs(
         return
     from . import runtime
     from .collectives import _record
+    from .waiting import all_gather_noticed
 
     watch = _WATCH.get()
     if watch is not None:
         named = {**named, WEIGHTS_SLOT: watch.row()}
     local = describe_inputs(named).to(_table_device(group))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(gathered, local, group=group)
+    try:  # logs a notice every HFPATCH_WAIT_NOTICE_S while some ranks have not reached this call
+        all_gather_noticed(gathered, local, group, f"the same-input check of {what}")
     except RuntimeError as exc:  # a rank failed, exited or is late: name the check and the group
         if not runtime.is_peer_failure(exc):
             raise
@@ -266,19 +268,24 @@ def check_same_inputs(
     if weights in slots and bool((table[:, weights, _NAME] == _hash(WEIGHTS_SLOT)).all()):
         # Every rank watches weights and they differ: every rank names the tensors (a second exchange).
         every: list[Any] = [None] * len(ranks)
+        mine = (watch.digests(), watch.moved()) if watch is not None else ({}, set())
         try:
-            dist.all_gather_object(every, watch.digests() if watch is not None else {}, group=group)
+            dist.all_gather_object(every, mine, group=group)
         except RuntimeError as exc:
             if not runtime.is_peer_failure(exc):
                 raise
             raise runtime.collective_error(f"the same-weights check of {what}", group, exc) from exc
         others = [names[s] for s in slots if s != weights and s < len(names)]
-        when = (
+        digests = [d for d, _ in every]
+        differing = [n for n in set().union(*digests) if any(d.get(n) != digests[0].get(n) for d in digests)]
+        when = divergence_note(what, differing, set().union(*(m for _, m in every)), others)
+        causes = DIVERGENCE_CAUSES if when is not None else None
+        when = when or (
             f" (found at a call of {what}: its parameters changed since hfpatch.apply, e.g. an adapter or LoRA "
             "was added" + (f"; the inputs {', '.join(map(repr, others))} differ too" if others else "") + ")"
         )
         raise WeightMismatchError(
-            weights_mismatch_message(every, ranks, watch.what if watch is not None else what, when=when)
+            weights_mismatch_message(digests, ranks, watch.what if watch is not None else what, when, causes)
         )
     order = sorted(slots, key=lambda slot: slot < len(names) and names[slot] not in sources)
     lines = []
@@ -451,10 +458,15 @@ def fold_digests(digests: Mapping[str, list[int]]) -> str:
 
 
 def weights_mismatch_message(
-    every: Sequence[Mapping[str, list[int]]], ranks: Sequence[int], what: str, when: str = ""
+    every: Sequence[Mapping[str, list[int]]],
+    ranks: Sequence[int],
+    what: str,
+    when: str = "",
+    causes: str | None = None,
 ) -> str:
     """The :class:`WeightMismatchError` text for the per-rank ``weight_digests`` ``every`` (the same on every
-    rank); ``when`` follows the first sentence (where the difference was found).
+    rank); ``when`` follows the first sentence (where the difference was found), ``causes`` replaces the
+    usual causes.
 
     >>> same, other = {"w": [1, 2, 3], "b": [1, 5, 6]}, {"w": [1, 2, 4], "b": [1, 5, 6], "lora_A": [1, 7, 7]}
     >>> print(weights_mismatch_message([same, other], [0, 1], "WanTransformer3DModel").splitlines()[1])
@@ -489,11 +501,16 @@ def weights_mismatch_message(
         + "\n".join(lines)
         + more
         + "\n"
-        "Usual causes: a model or adapter initialised on each rank without the same seed (call "
-        "torch.manual_seed(seed) before building it or before add_adapter/load_lora_weights, on every rank), "
-        "another checkpoint or dtype on some ranks, or an adapter added, loaded or fused on some ranks only. "
-        "check_inputs=False skips this check."
+        + (causes or _USUAL_CAUSES)
+        + " check_inputs=False skips this check."
     )
+
+
+_USUAL_CAUSES = (
+    "Usual causes: a model or adapter initialised on each rank without the same seed (call "
+    "torch.manual_seed(seed) before building it or before add_adapter/load_lora_weights, on every rank), "
+    "another checkpoint or dtype on some ranks, or an adapter added, loaded or fused on some ranks only."
+)
 
 
 # Registrations of parameters, buffers and submodules in this process (torch's global registration hooks, on
@@ -535,9 +552,11 @@ class WeightWatch:
     patched call with no collective of their own. The fingerprint is cached: a call re-reads the tensors only
     when a parameter, buffer or submodule was registered anywhere in the process since its last look (torch's
     global registration hooks count them: one integer comparison per call otherwise), and digests only the
-    tensors that are new or replaced since (an adapter's, a LoRA's). Tensors changed in place (an optimizer
-    step, ``load_state_dict``, ``.to()``) are not re-digested: training keeps replicas equal by itself.
-    Deleting a submodule (``del``, peft's ``delete_adapter``) registers nothing: it is seen at the next
+    tensors that are new or replaced since (an adapter's, a LoRA's). The parameters that require grad are
+    also followed when changed in place: their values are digested again after an optimizer step or when their
+    version counters moved (:class:`~hfpatch.distributed.agreement_live.TrainableWeights`),
+    so ranks that stepped on partial gradients (no DDP, no ``all_reduce_gradients``) are refused at the next
+    patched call. Frozen tensors changed in place (``load_state_dict``) are not re-digested. Deleting a submodule (``del``, peft's ``delete_adapter``) registers nothing: it is seen at the next
     registration.
 
     Args:
@@ -561,9 +580,12 @@ class WeightWatch:
         self._digests: dict[str, list[int]] = {}
         self._tensors: dict[int, tuple[Any, list[int]]] = {}  # id(tensor) -> (weakref of it, its row)
         self._row: torch.Tensor | None = None
+        self._static: list[int] = []  # [tensor count, folded digest] as of the last refresh
+        self._live: TrainableWeights | None = None
         self._seen = -1
         self._closed = False
         _watch_registrations(True)
+        count_optimizer_steps(True)
         self._refresh(dict(digests or {}))
 
     def close(self) -> None:
@@ -571,6 +593,7 @@ class WeightWatch:
         if not self._closed:
             self._closed = True
             _watch_registrations(False)
+            count_optimizer_steps(False)
 
     def _refresh(self, known: Mapping[str, list[int]]) -> None:
         named = _named_tensors(self.modules)
@@ -590,21 +613,38 @@ class WeightWatch:
             reuse.update(zip([n for n, _ in stale], _rows([t for _, t in stale])))
             self._digests = {n: reuse[n] for n, _ in named}
             folded = int.from_bytes(bytes.fromhex(fold_digests(self._digests))[:8], "little", signed=True)
-            self._row = torch.tensor([len(self._digests), folded], dtype=torch.int64)
+            self._static = [len(self._digests), folded]
             self.refreshes += 1
         self._tensors = {id(t): (self._weakref(t), self._digests[n]) for n, t in named}
+        parameters = {id(p) for _, module in self.modules for p in module.parameters()}
+        trainable = [(n, t) for n, t in named if id(t) in parameters]
+        if self._live is None or not self._live.same_tensors(trainable):
+            self._live = TrainableWeights(trainable)
+        self._row = None
         self._seen = _REGISTRATIONS[0]
 
     def row(self) -> torch.Tensor:
-        """``[tensor count, folded digest]`` of the watched weights, re-read if anything was registered since."""
+        """``[tensor count, folded digest, trainable digests (2)]`` of the watched weights, re-read if anything
+        was registered since, the trainable values digested again if one of them moved."""
         if _REGISTRATIONS[0] != self._seen:
             self._refresh({})
-        assert self._row is not None
+        assert self._live is not None
+        if self._live.update() or self._row is None:
+            self._row = torch.tensor([*self._static, *self._live.value], dtype=torch.int64)
         return self._row
 
     def digests(self) -> dict[str, list[int]]:
-        """Name -> weight row of every watched tensor (as of the last :meth:`row`)."""
-        return dict(self._digests)
+        """Name -> weight row of every watched tensor (as of the last :meth:`row`; the trainable tensors that
+        moved since the last refresh digested again)."""
+        out = dict(self._digests)
+        if self._live is not None and self._live.moved:
+            moved = [(n, t) for n, t in self._live.named if n in self._live.moved]
+            out.update(zip([n for n, _ in moved], _rows([t for _, t in moved])))
+        return out
+
+    def moved(self) -> set[str]:
+        """Names of the trainable tensors changed in place since the last refresh."""
+        return set(self._live.moved) if self._live is not None else set()
 
     def enter(self, patch: Any, module: torch.nn.Module) -> None:
         """Make the same-input checks inside every call of ``module`` include this watch (first pre-hook)."""

@@ -518,3 +518,70 @@ def test_peer_failures_are_told_from_other_errors():
         "g",
         timedelta(seconds=3),
     )
+
+
+# ----------------------------------------------------------------------------------------------- notices
+def _late_rank_case(interval: str | None, late_s: float) -> dict[str, Any]:
+    """Rank 0 makes a patched call while rank 1 is elsewhere for ``late_s`` (then makes it too): the notices
+    each rank logged, with their time from the start of its call, and whether the call then ran right."""
+    import logging
+
+    import torch.distributed as dist
+
+    import hfpatch
+    from hfpatch.testing import tiny_wan_transformer
+
+    saved = os.environ.pop("HFPATCH_WAIT_NOTICE_S", None)
+    if interval is not None:
+        os.environ["HFPATCH_WAIT_NOTICE_S"] = interval
+    notices: list[tuple[float, str]] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append((time.monotonic(), record.getMessage()))
+    logger = logging.getLogger("hfpatch.distributed.waiting")
+    logger.addHandler(handler)
+    try:
+        model = tiny_wan_transformer()
+        reference = _transformer_call(model)
+        with hfpatch.apply(model, parallel=hfpatch.ParallelConfig(ulysses=2)):
+            dist.barrier()
+            if dist.get_rank() == 1:
+                time.sleep(late_s)  # waiting elsewhere (data loading, a barrier of its own)
+            start = time.monotonic()
+            out = _transformer_call(model)
+    finally:
+        logger.removeHandler(handler)
+        os.environ.pop("HFPATCH_WAIT_NOTICE_S", None)
+        if saved is not None:
+            os.environ["HFPATCH_WAIT_NOTICE_S"] = saved
+    return {
+        "notices": [(t - start, message) for t, message in notices],
+        "max abs diff": (out - reference).abs().max().item(),
+    }
+
+
+def test_a_call_waiting_for_a_late_rank_says_which_rank_and_which_call(rank_pool):
+    """Issue 45: a patched call made on rank 0 while rank 1 is elsewhere waited HFPATCH_TIMEOUT_S in silence.
+
+    Now the waiting rank logs a notice every HFPATCH_WAIT_NOTICE_S (here 1 s; rank 1 is 3.2 s late) naming the
+    missing rank, the call and the group; the late rank, which waits for nobody, logs none. At the default
+    interval (30 s; rank 1 is 33 s late) the first notice comes within 35 s of the call, and only one.
+    A notice is due one grace (a quarter of the interval, at most 1 s) after each multiple of the interval:
+    at 1.25 s and 2.25 s here, 31 s by default; the bounds leave seconds for a loaded machine.
+    """
+    pool = rank_pool(2)
+    for interval, late_s, expected, first_by in (("1", 3.2, 2, 3.0), (None, 33.0, 1, 35.0)):
+        rank0, rank1 = pool.run(_late_rank_case, interval, late_s)
+        assert rank1["notices"] == [], rank1["notices"]
+        notices = rank0["notices"]
+        assert len(notices) >= expected, (interval, notices)
+        assert notices[0][0] <= first_by, (interval, notices)
+        for _, message in notices:
+            assert message.startswith("hfpatch: rank 0 has waited"), message
+            assert "for rank 1, which has not reached it" in message, message
+            assert "the same-input check of WanTransformer3DModel.forward" in message, message
+            assert "ulysses group of global ranks [0, 1]" in message, message
+            assert "HFPATCH_TIMEOUT_S=300s" in message and "HFPATCH_WAIT_NOTICE_S" in message, message
+        if interval is None:
+            assert len(notices) == 1 and notices[0][0] >= 30.0, notices  # not before the interval
+        # The call then computes with every rank, as when no rank is late (Ulysses vs one process).
+        assert rank0["max abs diff"] < 1e-5 and rank1["max abs diff"] < 1e-5, (rank0, rank1)
