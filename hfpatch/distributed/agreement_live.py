@@ -9,10 +9,12 @@ of one group, silently. :class:`TrainableWeights` keeps a digest of the VALUES o
 grad in the row the ranks already compare at each patched call, so the next patched call after the step that
 diverged them raises :class:`~hfpatch.distributed.agreement.WeightMismatchError` on every rank alike.
 
-When the values are digested again: at the first patched call after any ``torch.optim.Optimizer`` stepped
-(torch's global optimizer step hook counts the steps, also of optimizers that write through raw pointers, such
-as 8-bit ones), and at a call with grad enabled (a training forward) after a trainable parameter's version
-counter or data pointer moved (a hand-written update, ``load_state_dict``, ``.to()``). A call under
+When the values are digested again: when a trainable parameter's version counter or data pointer moved (an
+optimizer step, a hand-written update, ``load_state_dict``, ``.to()``), looked at in a call with grad enabled (a
+training forward) and at the first patched call after any ``torch.optim.Optimizer`` stepped (torch's global
+optimizer step hook counts the steps). Only the parameters that moved are digested, so ranks holding different
+blocks by design (PipeFusion) agree until a weight moves; the parameters an optimizer stepped count as moved
+even when it did not bump their version counters (fused AdamW, 8-bit optimizers writing through raw pointers). A call under
 ``torch.no_grad()`` with no step since costs one integer comparison, as before; a training forward reads the
 version counters (tens of nanoseconds per parameter). The trainable parameters are digested by
 :func:`values_digest`: small ones concatenated into chunks of :data:`CHUNK_BYTES`, each chunk and each tensor of
@@ -49,14 +51,19 @@ DIRECT_BYTES = 1 << 20
 _MIX = _to_int64(0x9E3779B97F4A7C15)  # odd: combining chunk digests in order
 
 
-# Optimizer steps in this process (torch's global step post-hook, on while a WeightWatch lives).
+# Optimizer steps in this process (torch's global step post-hook, on while a WeightWatch lives), and the step
+# that last stepped each parameter (by id): fused and 8-bit optimizers write without bumping version counters.
 _STEPS = [0]
+_STEPPED_AT: dict[int, int] = {}
 _STEP_HOOK: list[Any] = []
 _USERS = [0]
 
 
-def _count_step(*_: Any) -> None:
+def _count_step(optimizer: Any, *_: Any) -> None:
     _STEPS[0] += 1
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            _STEPPED_AT[id(parameter)] = _STEPS[0]
 
 
 def count_optimizer_steps(on: bool) -> None:
@@ -68,6 +75,7 @@ def count_optimizer_steps(on: bool) -> None:
         _STEP_HOOK.append(register_optimizer_step_post_hook(_count_step))
     elif not on and _USERS[0] == 0 and _STEP_HOOK:
         _STEP_HOOK.pop().remove()
+        _STEPPED_AT.clear()
 
 
 def _has_data(tensor: torch.Tensor) -> bool:
@@ -149,8 +157,14 @@ class TrainableWeights:
         return live, [(i, self.named[i][1]._version, self.named[i][1].data_ptr()) for i in live]
 
     def update(self) -> bool:
-        """Digest the trainable values again if an optimizer stepped since the last look, or (in a call with
-        grad enabled) a trainable parameter's version counter or data pointer moved; True if it did."""
+        """Digest the trainable values that moved again if an optimizer stepped since the last look, or (in a
+        call with grad enabled) a trainable parameter's version counter or data pointer moved; True if it did.
+
+        Only the parameters that moved here since this object was made are digested (with their names): the
+        ranks compare what training changed, so ranks that hold different blocks by design (PipeFusion's stages
+        release the others to ``meta``) agree until a weight moves, and a weight that moved on some ranks only
+        (a step on a partial gradient moves the values everywhere, but differently) is named.
+        """
         stepped = _STEPS[0] != self._steps
         if not stepped and not torch.is_grad_enabled() and self._stamps is not None:
             return False
@@ -158,11 +172,16 @@ class TrainableWeights:
         if stamps == self._stamps and not stepped:
             return False
         if self._stamps is not None:
-            before = {s[0]: s for s in self._stamps}
-            self.moved.update(self.named[s[0]][0] for s in stamps if stepped or before.get(s[0]) != s)
+            before = set(self._stamps)
+            self.moved.update(self.named[s[0]][0] for s in stamps if s not in before)
+            # stepped by an optimizer since the last look, whether or not it bumped the version counter
+            self.moved.update(n for n, t in self.named if _STEPPED_AT.get(id(t), -1) > self._steps)
         self._stamps, self._steps = stamps, _STEPS[0]
-        a, b = values_digest([self.named[i][1] for i in live])
-        which = _hash(",".join(map(str, live)))  # which parameters require grad, too
+        moved = [i for i in live if self.named[i][0] in self.moved]
+        if not moved:
+            return False
+        a, b = values_digest([self.named[i][1] for i in moved])
+        which = _hash(",".join(self.named[i][0] for i in moved))  # which parameters moved, too
         self.value = (_to_int64(a * 0x100000001B3 + which), b)
         self.digests += 1
         return True
