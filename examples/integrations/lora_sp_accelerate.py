@@ -410,6 +410,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         with open(os.path.join(args.output_dir, args.results_file), "w") as f:
             json.dump(results, f)
+        del wrapped
+    # The DDP-wrapped models go before the process group does: a DDP reducer that outlives destroy_process_group
+    # (end_training) destroys the gloo group itself, holding the GIL, and can deadlock with gloo's worker thread
+    # freeing a finished collective's tensors (seen once under heavy load; pytorch/pytorch#56297).
+    del transformer, text_encoder, models, models_to_accumulate
+    accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
