@@ -24,11 +24,21 @@ reports:
 (``save_pretrained(max_shard_size="1MB")``: the transformer in 9 safetensors shards with an index) and loaded with
 ``hfpatch.from_pretrained(folder, N, shard_weights=True)`` at N = 2, 3, 4: every rank's peak host bytes during
 the load, measured as the peak of live tensor bytes (``hfpatch.testing.memory``'s tracker, DTensor local shards
-included) plus the largest slice safetensors returned (file-mapped, unseen by a dispatch mode, one alive at a
-time), against ``1.2 / N`` of the two models plus their largest tensor, and the shards each rank keeps. The
-N = 1 row is the whole of the two models: what every rank holds when it loads whole and then shards
-(``DiffusionPipeline.from_pretrained`` + ``hfpatch.apply``). The VAE, scheduler and tokenizer load whole on every
-rank either way and are in neither figure.
+and the slices read included: they are plain tensors, no file is mapped), against ``1.2 / N`` of the two models
+plus their largest tensor, and the shards each rank keeps. The N = 1 row is the whole of the two models: what
+every rank holds when it loads whole and then shards (``DiffusionPipeline.from_pretrained`` + ``hfpatch.apply``).
+The VAE, scheduler and tokenizer load whole on every rank either way and are in neither figure.
+
+**Resident set and the full check** (``resident_rows``): the measure users see, on a checkpoint large enough for
+it (the same classes at width 512, 8 blocks, ``ffn_dim`` 2048: a 142 MiB transformer in 20 MB shards, and the
+text encoder): the process's peak resident set (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``, above
+the resident set before the call, after a first load has paid the imports) of ``hfpatch.from_pretrained(folder,
+N, shard_weights=True)`` and of loading whole then sharding (``DiffusionPipeline.from_pretrained`` +
+``hfpatch.apply``), against ``1.2 / N`` of the two models plus their largest tensor plus what loading the other
+components costs in the same measure (the pipeline loaded without the transformer and encoder); and the time of
+the full same-bytes check (``check_files="full"``: ``hfpatch.loading_files.agree_contents``, the slowest rank;
+the node's ranks split the files) per GB of the files checked, the files in the page cache (a cold read adds the
+disk's time), with one process hashing them all (``sha256_file``) for reference.
 
 Writes ``benchmarks/results/fsdp.json`` and ``.png``; a few minutes on two CPU cores.
 
@@ -38,6 +48,7 @@ Writes ``benchmarks/results/fsdp.json`` and ``.png``; a few minutes on two CPU c
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -203,7 +214,7 @@ def measure() -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- loading
 class _LargestRead:
-    """The largest slice safetensors returned to a ``CheckpointSource`` while open (wraps ``read_rows``)."""
+    """The largest slice read by a ``CheckpointSource`` while open (wraps ``read_rows``)."""
 
     def __enter__(self) -> _LargestRead:
         from hfpatch.patches.checkpoint import CheckpointSource
@@ -252,7 +263,7 @@ def measure_load(folder: str) -> dict[str, Any]:
     kept = parameter_bytes(pipe.transformer) + parameter_bytes(pipe.text_encoder)
     patch.remove()
     return {
-        "peak": memory.peak_bytes + reads.largest,
+        "peak": memory.peak_bytes,
         "tracked": memory.peak_bytes,
         "read": reads.largest,
         "kept": kept,
@@ -281,6 +292,146 @@ def load_rows(folder: Path) -> dict[str, Any]:
     return {"whole": whole, "largest_tensor": largest, "rows": rows}
 
 
+# ----------------------------------------------------------------------------------------------- resident set
+def save_large_pipeline(folder: Path) -> None:
+    """The resident-set checkpoint: the benchmark's classes at width 512 and 8 blocks, in 20 MB shards."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from hfpatch.testing import tiny_t5_tokenizer, tiny_wan_vae
+
+    transformer = tiny_wan_transformer(num_heads=8, head_dim=64, num_layers=8, ffn_dim=2048, text_dim=TEXT)
+    pipe = WanPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=build()[1],
+        vae=tiny_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, max_shard_size="20MB")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def _resident_peak(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the peak resident set while it ran above the one it started from (freed memory given back
+    first, VmHWM reset through ``/proc/self/clear_refs``)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = fn()
+    return out, _status("VmHWM") - base
+
+
+def measure_resident(folder: str) -> dict[str, Any]:
+    """One rank: the peak resident set of the sharded load, of load-whole-then-shard and of the other
+    components, and the time of the full check."""
+    import time
+
+    import torch.distributed as dist
+    from diffusers import DiffusionPipeline, WanPipeline
+
+    import hfpatch.loading_files as loading_files
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    pipe, patch = hfpatch.from_pretrained(folder, plan(world), shard_weights=True)  # imports, first calls
+    patch.remove()
+    del pipe, patch
+    rest, unsharded = _resident_peak(
+        lambda: WanPipeline.from_pretrained(folder, transformer=None, text_encoder=None)
+    )
+    del rest
+    timed, original = [], loading_files.agree_contents
+
+    def agree_contents(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args)
+        finally:
+            timed.append(time.perf_counter() - start)
+
+    loading_files.agree_contents = agree_contents
+    try:
+        (pipe, patch), peak = _resident_peak(
+            lambda: hfpatch.from_pretrained(folder, plan(world), shard_weights=True)
+        )
+    finally:
+        loading_files.agree_contents = original
+    models = (pipe.transformer, pipe.text_encoder)
+    kept = sum(parameter_bytes(m) for m in models)
+    patch.remove()
+    whole = sum(parameter_bytes(m) for m in models)
+    largest = max(p.numel() * p.element_size() for m in models for p in m.parameters())
+    del pipe, patch, models
+
+    def whole_then_shard() -> Any:
+        reference = DiffusionPipeline.from_pretrained(folder)
+        return reference, hfpatch.apply(reference, plan(world), shard_weights=True)
+
+    (reference, reference_patch), peak_whole = _resident_peak(whole_then_shard)
+    reference_patch.remove()
+    return {
+        "peak": peak,
+        "peak_whole_then_shard": peak_whole,
+        "unsharded": unsharded,
+        "kept": kept,
+        "whole": whole,
+        "largest": largest,
+        "check_s": timed[0],
+    }
+
+
+def resident_rows(folder: Path) -> dict[str, Any]:
+    """The resident-set rows and the full check's cost (see the module docstring)."""
+    import time
+
+    from hfpatch.loading_files import sha256_file
+
+    files = sorted(
+        str(p) for name in ("transformer", "text_encoder") for p in (folder / name).glob("*.safetensors")
+    )
+    checked = sum(os.path.getsize(f) for f in files)
+    start = time.perf_counter()
+    for f in files:
+        sha256_file(f)
+    one_process = time.perf_counter() - start
+    rows = []
+    for world in WORLDS:
+        with RankPool(world, timeout_s=900) as pool:
+            per_rank = pool.run(measure_resident, str(folder))
+        first = per_rank[0]
+        row: dict[str, Any] = {"N": world, "whole": first["whole"], "largest": first["largest"]}
+        for key in ("peak", "peak_whole_then_shard", "unsharded", "kept", "check_s"):
+            row[f"{key}_max"] = max(r[key] for r in per_rank)
+        row["bound"] = int(1.2 * row["whole"] / world + row["largest"] + row["unsharded_max"])
+        row["peak_over_whole"] = row["peak_max"] / row["whole"]
+        row["whole_then_shard_over_whole"] = row["peak_whole_then_shard_max"] / row["whole"]
+        row["bound_over_whole"] = row["bound"] / row["whole"]
+        row["check_s_per_gb"] = row["check_s_max"] / (checked / 1e9)
+        rows.append(row)
+        print(
+            f"resident N={world}: peak {row['peak_max'] / MB:.1f} MiB per rank ({row['peak_over_whole']:.3f} of the "
+            f"{row['whole'] / MB:.1f} MiB models; bound {row['bound_over_whole']:.3f}; load whole then shard "
+            f"{row['whole_then_shard_over_whole']:.3f}); full check {row['check_s_max']:.3f} s for "
+            f"{checked / 1e9:.3f} GB ({row['check_s_per_gb']:.2f} s/GB)"
+        )
+    return {
+        "checked_bytes": checked,
+        "files": len(files),
+        "one_process_hash_s": one_process,
+        "one_process_hash_s_per_gb": one_process / (checked / 1e9),
+        "rows": rows,
+    }
+
+
 # ----------------------------------------------------------------------------------------------- report
 def _plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -292,7 +443,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
     runs = results["runs"]
     ns = [1] + [r["N"] for r in runs]
-    fig, (ax_rest, ax_peak, ax_comm, ax_load) = plt.subplots(4, 1, figsize=(9, 17.2))
+    fig, (ax_rest, ax_peak, ax_comm, ax_load, ax_rss) = plt.subplots(5, 1, figsize=(9, 21.5))
     for model, color in (("transformer", "C0"), ("text_encoder", "C1")):
         whole = results["unsharded"][model] / MB
         ax_rest.plot(ns, [whole / n for n in ns], ":", color=color, label=f"{model}: ideal 1/N")
@@ -365,6 +516,14 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax_load.set(xlabel="ranks N", ylabel="per-rank peak host bytes while loading (MiB)", xticks=ns)
     ax_load.set_title("loading the transformer + text encoder from 1 MB safetensors shards")
     ax_load.legend()
+    rss = results["resident"]["rows"]
+    ns = [r["N"] for r in rss]
+    ax_rss.plot(ns, [r["peak_over_whole"] for r in rss], "o-", label="hfpatch.from_pretrained")
+    ax_rss.plot(ns, [r["whole_then_shard_over_whole"] for r in rss], "s-", label="load whole, then shard")
+    ax_rss.plot(ns, [r["bound_over_whole"] for r in rss], "--", color="gray", label="1.2/N + largest + rest")
+    ax_rss.set(xlabel="ranks N", ylabel="per-rank peak resident set / models", xticks=ns, ylim=(0, None))
+    ax_rss.set_title(f"peak resident set (VmHWM) while loading the {rss[0]['whole'] / MB:.0f} MiB checkpoint")
+    ax_rss.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -420,6 +579,8 @@ def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         save_pipeline(Path(tmp) / "wan")
         results["load"] = load_rows(Path(tmp) / "wan")
+        save_large_pipeline(Path(tmp) / "large")
+        results["resident"] = resident_rows(Path(tmp) / "large")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "fsdp.json").write_text(json.dumps(results, indent=2))
     _plot(results, RESULTS / "fsdp.png")

@@ -28,15 +28,20 @@ unsharded model would have to exist first). What happens, on every rank:
    with its shape, floating point (a quantized checkpoint is refused by name); the bytes this rank will hold
    (its FSDP2 shards, padding included, or its stage) plus the replicated components and the largest tensor fit
    the memory available (the node's ``MemAvailable`` over its ranks; the GPU's free memory for shards on a GPU).
-   A digest of what each rank reads (``model_index.json``, every config, each safetensors header and file size,
-   and three 4 KiB samples of each file's data) is compared over the ranks: a rank that reads another revision
-   (another snapshot, a stale copy on a node) is caught even when its shapes agree. All of it goes through one
-   handshake over the default group's store, so a problem on one rank raises the same :class:`LoadError`, listing
-   every rank's problem, on every rank; nothing has been read then, and no process group of hfpatch's exists.
+   A digest of what each rank reads (``model_index.json``, every config and tokenizer file, each safetensors
+   header and file size, and three 4 KiB windows of each file's data) is compared over the ranks. All of it goes
+   through one handshake over the default group's store, so a problem on one rank raises the same
+   :class:`LoadError`, listing every rank's problem, on every rank; nothing has been read then, and no process
+   group of hfpatch's exists. Then (``check_files="full"``, the default) every byte of every safetensors file
+   read in part is compared: the sha256 of each file, computed once per node (its ranks split the files), is
+   exchanged and compared file by file, so a rank that reads another revision or a copy that differs anywhere
+   (a partial rsync, a re-saved shard) raises the same :class:`LoadError` on every rank, naming the file
+   (:mod:`hfpatch.loading_files`; about one more read of the checkpoint per node).
 4. **Reading.** The models read in part get a :class:`~hfpatch.patches.checkpoint.CheckpointSource` and
    ``hfpatch.apply`` runs: ``shard_weights`` shards each one on ``meta`` with FSDP2 and fills this rank's shards
-   with the rows FSDP2 gives it, read from the files alone (``safe_open(...).get_slice(key)[start:stop]``); PipeFusion
-   reads its stage's blocks and the unsplit rest whole. The result is bit-identical to loading whole and then
+   with the rows FSDP2 gives it, read from the files alone (one plain read of the rows' bytes into a new tensor, no
+   mapping of the file: a rank's resident memory is its shard); PipeFusion reads its stage's blocks and the
+   unsplit rest whole. The result is bit-identical to loading whole and then
    sharding: the same dtypes (each library's rules: diffusers' ``_keep_in_fp32_modules``, transformers' dtype
    plan), the same rows, FSDP2's padding zeros.
 
@@ -56,7 +61,6 @@ floating-point parameters only).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -67,6 +71,7 @@ from typing import Any
 
 import torch
 
+from . import loading_files
 from .core.config import ParallelConfig
 from .core.patch import Patch
 from .distributed import runtime
@@ -95,7 +100,6 @@ _WEIGHTS = {
     "diffusers": ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
     "transformers": ("model.safetensors.index.json", "model.safetensors"),
 }
-_SAMPLE = 4096  # bytes of each of the three samples of a file's data in the revision digest
 
 
 class LoadError(ValueError):
@@ -308,32 +312,6 @@ def _source(
     return CheckpointSource(name, entries), files
 
 
-def _digest(folder: str, parts: list[str]) -> str:
-    """A digest of what this rank reads: ``model_index.json``, every component's config, and for each
-    safetensors file of ``parts``, its size, header and three 4 KiB samples of its data (first, middle, last)."""
-    hasher = hashlib.sha256()
-    configs = [os.path.join(folder, "model_index.json")] + sorted(
-        os.path.join(root, f)
-        for root, _, names in os.walk(folder)
-        for f in names
-        if f.endswith(".json") and root != folder
-    )
-    for path in configs + sorted(parts):
-        hasher.update(os.path.relpath(path, folder).encode())
-        with open(path, "rb") as f:
-            if not path.endswith(".safetensors"):
-                hasher.update(f.read())
-                continue
-            size = os.fstat(f.fileno()).st_size
-            header = int.from_bytes(f.read(8), "little")
-            hasher.update(size.to_bytes(8, "little") + f.read(header))
-            start = 8 + header
-            for offset in (start, start + max(size - start - _SAMPLE, 0) // 2, max(size - _SAMPLE, start)):
-                f.seek(offset)
-                hasher.update(f.read(_SAMPLE))
-    return hasher.hexdigest()[:16]
-
-
 # ----------------------------------------------------------------------------------------------- memory
 def _available_memory(device: torch.device) -> int | None:
     """Bytes free for this process on ``device``: the GPU's free memory, or for the CPU the node's
@@ -375,6 +353,9 @@ class _Load:
     parts: list[_Part] = field(default_factory=list)
     config: ParallelConfig | None = None
     digest: str = ""
+    files: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # loading_files.file_identities of the parts' files
     needs: dict[str, int] = field(default_factory=dict)  # device type -> bytes this rank will hold there
 
 
@@ -477,7 +458,9 @@ def _prepare(
         load.needs = {"cuda": kept, "cpu": whole + largest}
     else:
         load.needs = {"cpu": kept + whole + largest}
-    load.digest = _digest(folder, [f for part in load.parts for f in part.files])
+    files = [f for part in load.parts for f in part.files]
+    load.digest = loading_files.revision_digest(folder, files)
+    load.files = loading_files.file_identities(folder, files)
     return load
 
 
@@ -500,9 +483,9 @@ def _memory_problem(needs: dict[str, int]) -> str | None:
     return None
 
 
-def _agree(mine: dict[str, Any], error: Exception | None) -> None:
-    """The handshake: every rank's findings; the same :class:`LoadError` on every rank if any rank has a
-    problem or the ranks read different files."""
+def _agree(mine: dict[str, Any], error: Exception | None) -> list[dict[str, Any]]:
+    """The handshake: every rank's findings (returned); the same :class:`LoadError` on every rank if any rank
+    has a problem or the ranks read different files (by their revision digests)."""
     every = runtime.exchange(
         "from_pretrained",
         mine,
@@ -534,6 +517,7 @@ def _agree(mine: dict[str, Any], error: Exception | None) -> None:
             "revision, or a copy that differs on some node); nothing was loaded on any rank:\n"
             f"{listing}\nPoint every rank at the same revision (pass revision=, or sync the copies)"
         )
+    return every
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -548,6 +532,7 @@ def from_pretrained(
     local_files_only: bool = False,
     device: str | torch.device | None = None,
     prepare: Callable[[Any], None] | None = None,
+    check_files: str = "full",
     **options: Any,
 ) -> tuple[Any, Patch]:
     """Load a diffusers pipeline and patch it, each rank reading only the weights it keeps.
@@ -573,6 +558,12 @@ def from_pretrained(
             loaded the usual way stay on the CPU, as with diffusers.
         prepare: Called with the pipeline after it is assembled and before ``hfpatch.apply`` (to enable a
             cache or an attention backend); the models read in part are still on ``meta`` then.
+        check_files: How the ranks' files are compared before anything is read (several ranks only):
+            ``"full"`` (default), the sha256 of every byte of every safetensors file read in part, computed
+            once per node (the node's ranks split the files: one more read of the checkpoint per node);
+            ``"sampled"``, an opt-out that compares each file's size, header and three 4 KiB windows only: a
+            copy that differs elsewhere on some rank (a partial rsync, a re-saved shard) then loads silently and
+            generates from mixed weights.
         **options: :func:`hfpatch.apply`'s options (``shard_weights=True``, ``shard_weights_offload``, ...).
 
     Returns:
@@ -602,6 +593,8 @@ def from_pretrained(
         raise TypeError(
             f"torch_dtype must be a floating-point torch.dtype or a dict of them, got {torch_dtype!r}"
         )
+    if check_files not in ("full", "sampled"):
+        raise ValueError(f'check_files must be "full" or "sampled", got {check_files!r}')
     if prepare is not None and not callable(prepare):
         raise TypeError(f"prepare must be a callable taking the pipeline, got {prepare!r}")
     target_device = torch.device("cpu" if device is None else device)
@@ -628,9 +621,13 @@ def from_pretrained(
         mine = {
             "folder": folder,
             "digest": load.digest if load is not None else "",
+            "files": load.files if load is not None else [],
             "error": None if error is None else f"{type(error).__name__}: {error}",
         }
-        _agree(mine, error)
+        every = _agree(mine, error)
+        problem = loading_files.agree_contents([p["files"] for p in every]) if check_files == "full" else None
+        if problem is not None:
+            raise LoadError(problem)
     elif error is not None:
         raise error
     assert load is not None

@@ -11,10 +11,21 @@ and compares with ``DiffusionPipeline.from_pretrained`` followed by ``hfpatch.ap
   every local shard equals the load-then-shard one (values, dtype, and the padded storage FSDP2 all-gathers), and
   ``patch.remove()`` gives back the full weights bit for bit. Peak host bytes during the load, measured on every rank
   as the peak of live tensor bytes (``hfpatch.testing.memory``'s dispatch tracker: every tensor a torch op creates,
-  DTensor local shards included) plus the largest slice safetensors returned (counted by the reader: safetensors
-  hands out file-mapped tensors that no dispatch mode sees; one is alive at a time), are at most ``1.2 / N`` of the
-  transformer and text encoder plus their largest tensor. The VAE, scheduler and tokenizer are loaded whole by
-  diffusers (its safetensors tensors are file-mapped too: they are in neither figure).
+  DTensor local shards and the slices read included) plus the largest slice read (counted again: a margin kept
+  from when slices were file-mapped and unseen by the tracker), are at most ``1.2 / N`` of the transformer and
+  text encoder plus their largest tensor. The VAE, scheduler and tokenizer are loaded whole by diffusers (in
+  neither figure).
+* The measure users see, at world 2, 3 and 4 (a 72.6 MiB transformer, ``big``, in 20 MB shards): the process's
+  peak resident set during the load (VmHWM reset through ``/proc/self/clear_refs``, above the resident set before
+  the call, after a first load paid the imports) is at least the shards kept and at most ``1.2 / N`` of the
+  transformer and encoder plus their largest tensor plus what loading the other components costs in the same
+  measure (slices read into plain tensors, no file mapped: with the mapped reads it was 1.10-1.48x the models at
+  world 2).
+* Ranks that read different bytes, at world 2 and 4: the last rank's copy differs by one ulp in one value of its
+  own rows, outside the three windows the sampled check reads (``hfpatch.loading_files.sampled_windows``), in a
+  local folder and in a hub-style cache (blobs and snapshot symlinks, offline): every rank raises the same
+  ``LoadError`` naming the file before any weight is read; ``check_files="sampled"`` (the check before issue 46)
+  loads it silently.
 * ``torch_dtype=torch.float16`` at world 2: the shards equal load-then-shard's bit for bit and in dtype (diffusers
   keeps Wan's ``_keep_in_fp32_modules`` in float32, transformers T5's ``wo`` by its dtype plan).
 * PipeFusion at P = 2: each rank holds about 0.57 of the transformer (its 2 blocks and the unsplit rest), the
@@ -75,6 +86,71 @@ def _edit_config(path: Path, **changes: Any) -> None:
     path.write_text(json.dumps(config))
 
 
+def _big_pipe() -> Any:
+    """:func:`_wan_pipe` with a 72.6 MiB transformer (width 512, 4 blocks, its largest tensor 6 MiB): large enough
+    that a load's resident set is measured above the interpreter's noise."""
+    from hfpatch.testing import tiny_wan_transformer
+
+    pipe = _wan_pipe()
+    big = tiny_wan_transformer(num_heads=8, head_dim=64, num_layers=4, ffn_dim=2048, text_dim=128)
+    pipe.register_modules(transformer=big)
+    return pipe
+
+
+def _one_ulp(folder: Path, world: int, rank: int) -> str:
+    """Change ONE value of ``folder`` (a hard-linked copy: the file is replaced, never written through the link)
+    by one ulp, where the sampled check cannot see it: in the second transformer shard, in rows ``rank`` of
+    ``world`` reads, outside the three windows ``hfpatch.loading_files.sampled_windows`` names. Returns the
+    file's path relative to the pipeline folder."""
+    import json
+
+    from hfpatch.loading_files import sampled_windows
+    from hfpatch.patches.checkpoint import shard_rows
+
+    path = sorted((folder / "transformer").glob("*-of-*.safetensors"))[1]
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8 : 8 + length]))
+    windows = sampled_windows(len(data), 8 + length)
+    for key, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
+        if key == "__metadata__" or info["dtype"] != "F32" or len(info["shape"]) < 1:
+            continue
+        begin, end = (8 + length + o for o in info["data_offsets"])
+        start, stop = shard_rows(info["shape"][0], world, rank)
+        row = (end - begin) // info["shape"][0]
+        for at in range(begin + start * row, begin + stop * row, 4):
+            if all(at + 4 <= w or at >= w + n for w, n in windows):
+                word = int.from_bytes(data[at : at + 4], "little")
+                data[at : at + 4] = ((word + 1) % 2**32).to_bytes(4, "little")  # the next float32 away from 0
+                path.unlink()
+                path.write_bytes(bytes(data))
+                return str(path.relative_to(folder))
+    raise AssertionError(f"no value of rank {rank} of {world} outside the sampled windows in {path}")
+
+
+def _hub_cache(folder: Path, cache: Path) -> None:
+    """``folder`` laid out as the hub's cache under ``cache`` (``models--hfpatch--tiny-wan``: blobs named by the
+    sha256 of safetensors files and the git sha1 of the rest, hard links; a snapshot of symlinks to them)."""
+    import hashlib
+
+    base = cache / ("models--" + REPO.replace("/", "--"))
+    (base / "blobs").mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(COMMIT)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        content = path.read_bytes()
+        if path.suffix == ".safetensors":
+            name = hashlib.sha256(content).hexdigest()
+        else:
+            name = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+        blob = base / "blobs" / name
+        if not blob.exists():
+            os.link(path, blob)
+        link = base / "snapshots" / COMMIT / path.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """The saved pipelines and their broken copies (hard links, the changed files replaced)."""
@@ -107,7 +183,16 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     _save_lora(wan, lora)
     names = ("missing", "other", "shape", "quantized", "binary", "lora")
     paths = {"wan": str(wan), "flux": str(flux), "root": str(root), "missing_file": shard.name}
-    return {**paths, **{n: str(root / n) for n in names}}
+    _big_pipe().save_pretrained(root / "big", max_shard_size="20MB")
+    _hub_cache(wan, root / "hub")
+    for world in (2, 4):  # one rank's copy differs by one ulp: rank 1 of 2, rank 3 of 4
+        ulp = copy(f"ulp{world}")
+        paths[f"ulp{world}_file"] = _one_ulp(ulp, world, world - 1)
+        _hub_cache(ulp, root / f"hub-ulp{world}")
+    return {
+        **paths,
+        **{n: str(root / n) for n in (*names, "big", "hub", "hub-ulp2", "hub-ulp4", "ulp2", "ulp4")},
+    }
 
 
 def _save_lora(folder: Path, out: Path) -> None:
@@ -338,8 +423,114 @@ def _hub_case(paths: dict[str, str]) -> dict[str, Any]:
     return {"calls": calls, "output": output, "node": node, "local": local}
 
 
+class _Reads:
+    """Counts the reads of any :class:`CheckpointSource` (weights read into a model) while open."""
+
+    def __enter__(self) -> _Reads:
+        from hfpatch.patches.checkpoint import CheckpointSource
+
+        self.count, self.original = 0, CheckpointSource.read_rows
+        original = self.original
+
+        def read_rows(source: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.count += 1
+            return original(source, *args, **kwargs)
+
+        CheckpointSource.read_rows = read_rows
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from hfpatch.patches.checkpoint import CheckpointSource
+
+        CheckpointSource.read_rows = self.original
+
+
+def _agreement_case(paths: dict[str, str], world: int) -> dict[str, Any]:
+    """The last rank reads a copy in which one value of its own rows differs by one ulp outside the sampled
+    windows (:func:`_one_ulp`), from a local folder and from a hub-style cache (offline); every rank must raise
+    before any weight is read. At world 2, the sampled opt-out loads it silently (what the full check is for)."""
+    odd = dist.get_rank() == world - 1
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    load = hfpatch.from_pretrained
+    with _Reads() as reads:
+        out: dict[str, Any] = {
+            "folder": _error(lambda: load(paths[f"ulp{world}" if odd else "wan"], world, shard_weights=True)),
+            "hub": _error(
+                lambda: load(
+                    REPO,
+                    world,
+                    shard_weights=True,
+                    cache_dir=paths[f"hub-ulp{world}" if odd else "hub"],
+                    local_files_only=True,
+                )
+            ),
+        }
+    out["reads"] = reads.count
+    if world == 2:
+        folder = paths["ulp2" if odd else "wan"]
+        out["sampled"] = _error(
+            lambda: load(folder, 2, shard_weights=True, check_files="sampled")[1].remove()
+        )
+    return out
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _resident_peak(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the process's peak resident set while it ran, above the resident set it started from (freed
+    memory given back to the system first, then VmHWM reset by writing 5 to ``/proc/self/clear_refs``)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = fn()
+    return out, _status("VmHWM") - base
+
+
+def _resident_case(paths: dict[str, str], world: int) -> dict[str, Any]:
+    """The peak resident set of the sharded load of the 72.6 MiB transformer (``big``), against what loading
+    the components loaded whole costs in the same measure (the pipeline without its transformer and encoder)."""
+    from diffusers import WanPipeline
+
+    from hfpatch.patches.fsdp import parameter_bytes
+
+    pipe, patch = hfpatch.from_pretrained(
+        paths["wan"], world, shard_weights=True
+    )  # imports, first-call costs
+    patch.remove()
+    del pipe, patch
+    rest, unsharded = _resident_peak(
+        lambda: WanPipeline.from_pretrained(paths["big"], transformer=None, text_encoder=None)
+    )
+    del rest
+    (pipe, patch), peak = _resident_peak(
+        lambda: hfpatch.from_pretrained(paths["big"], world, shard_weights=True)
+    )
+    models = (pipe.transformer, pipe.text_encoder)
+    held = sum(parameter_bytes(m) for m in models)
+    patch.remove()
+    return {
+        "peak": peak,
+        "unsharded": unsharded,
+        "held": held,
+        "whole": sum(parameter_bytes(m) for m in models),
+        "largest": max(p.numel() * p.element_size() for m in models for p in m.parameters()),
+    }
+
+
 def _cases_two(paths: dict[str, str]) -> dict[str, Any]:
     return {
+        "resident": _resident_case(paths, 2),  # first: the process has held little else yet
+        "agreement": _agreement_case(paths, 2),
         "wan": _shard_case(paths["wan"], _wan_call, 2),
         "wan_fp16": _shard_case(paths["wan"], _wan_call, 2, torch.float16),
         "flux": _shard_case(paths["flux"], _flux_call, ParallelConfig(ulysses=2)),
@@ -351,15 +542,18 @@ def _cases_two(paths: dict[str, str]) -> dict[str, Any]:
 def _cases_four(paths: dict[str, str]) -> dict[str, Any]:
     # The hub case's expected output is the shard case's load-then-shard output (the same load, plan and call):
     # computed once.
+    resident = _resident_case(paths, 4)
+    agreement = _agreement_case(paths, 4)
     wan = _shard_case(paths["wan"], _wan_call, 4, keep_expected=True)
     expected = wan.pop("expected")
     hub = _hub_case(paths)
     hub["output_equal"] = torch.equal(hub.pop("output"), expected)
-    return {"wan": wan, "hub": hub}
+    return {"wan": wan, "hub": hub, "resident": resident, "agreement": agreement}
 
 
 def _cases_three(paths: dict[str, str]) -> dict[str, Any]:
-    return {"wan": _shard_case(paths["wan"], _wan_call, 3)}  # uneven: 128 rows are 43, 43, 42
+    resident = _resident_case(paths, 3)
+    return {"resident": resident, "wan": _shard_case(paths["wan"], _wan_call, 3)}  # uneven: 43, 43, 42 rows
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +605,56 @@ def test_sharded_load_peak_host_bytes_per_rank(results):
             # and not for free: at least this rank's shards were allocated while it loaded
             assert case["tracked"] >= case["held"] >= case["whole"] / world, (world, rank, case)
             assert 0 < case["largest_read"] <= case["largest"], (world, rank, case)
+
+
+def test_sharded_load_peak_resident_set_per_rank(results):
+    """The measure users see: the process's peak resident set during the load (VmHWM after a reset) is at most
+    ``1.2 / N`` of the models read in part, plus their largest tensor, plus what loading the other components costs
+    in the same measure; and not for free (the shards kept were touched)."""
+    for world, ranks in results.items():
+        for rank, cases in enumerate(ranks):
+            case = cases["resident"]
+            bound = 1.2 * case["whole"] / world + case["largest"] + case["unsharded"]
+            assert case["held"] <= case["peak"] <= bound, (world, rank, case, case["peak"] / case["whole"])
+
+
+def test_ranks_reading_different_bytes_are_refused(results, checkpoints):
+    """One ulp, in the last rank's own rows and outside every window the sampled check reads, in a local folder
+    and in a hub-style cache: the same LoadError on every rank, naming the file, before any weight is read; the
+    sampled opt-out (the check before issue 46) loads it silently."""
+    for world in (2, 4):
+        per_rank = [cases["agreement"] for cases in results[world]]
+        name = checkpoints[f"ulp{world}_file"]
+        for rank, case in enumerate(per_rank):
+            assert case["reads"] == 0, (world, rank, case)
+            for where in ("folder", "hub"):
+                error = case[where]
+                assert error == per_rank[0][where], (world, rank, where, error)
+                assert error.startswith("LoadError: hfpatch.from_pretrained: the ranks read different"), error
+                assert f"{name} differs" in error and f"rank {world - 1}: sha256" in error, error
+            if world == 2:
+                assert case["sampled"] == "no error", (rank, case["sampled"])
+
+
+def test_disagreement_names_a_blob_modified_in_place(tmp_path):
+    """A hub blob whose bytes no longer match its sha256 name is refused even where every rank shares it."""
+    import hashlib
+
+    from hfpatch.loading_files import disagreement, file_identities, hash_share
+
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    blob = blobs / hashlib.sha256(b"weights").hexdigest()
+    blob.write_bytes(b"weightz")
+    (tmp_path / "w.safetensors").symlink_to(blob)
+    files = file_identities(str(tmp_path), [str(tmp_path / "w.safetensors")])
+    every = [files, files]
+    hashes = {**hash_share(every, 0), **hash_share(every, 1)}
+    assert len(hashes) == 1  # one file on one node: hashed once
+    problem = disagreement(every, hashes)
+    assert problem is not None and "does not match its hub blob name" in problem and "ranks 0, 1" in problem
+    blob.write_bytes(b"weights")
+    assert disagreement(every, {**hash_share(every, 0), **hash_share(every, 1)}) is None
 
 
 def test_pipefusion_loads_its_stage_only(results):

@@ -362,8 +362,8 @@ def _fill_shards(model: torch.nn.Module, source: CheckpointSource, mesh: Any, de
                     "shards differently from what hfpatch.from_pretrained reads. Load the model whole "
                     "(DiffusionPipeline.from_pretrained) and pass it to hfpatch.apply"
                 )
-            if local.numel():
-                local.copy_(source.read_rows(name, start, stop) if shape else source.read_rows(name))
+            if local.numel():  # into the shard itself (no temporary) where it is on the CPU
+                source.read_rows(name, start, stop, out=local) if shape else source.read_rows(name, out=local)
         for module_name, module in model.named_modules():
             for name, buffer in list(module._buffers.items()):
                 full = f"{module_name}.{name}" if module_name else name
