@@ -137,12 +137,13 @@ class _ResizeAwareTracker(MemoryTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.live_bytes = sum(storage.nbytes() for storage in list(self._seen.keys()))
+        storages = [ref() for ref, _ in list(self._seen.values())]
+        self.live_bytes = sum(storage.nbytes() for storage in storages if storage is not None)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
 
-    def _release(self, nbytes: int) -> None:  # live_bytes is recomputed from the storages that remain
-        pass
+    def _release(self, key: int) -> None:  # live_bytes is recomputed from the storages that remain
+        self._seen.pop(key, None)
 
 
 def _forward(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
