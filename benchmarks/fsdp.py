@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hfpatch
 from hfpatch.patches.fsdp import GatheredPeak, parameter_bytes, shard_units
 from hfpatch.testing import RankPool, tiny_t5_encoder, tiny_wan_transformer
-from hfpatch.testing.memory import MemoryTracker, track_memory
+from hfpatch.testing.memory import MemoryTracker, resident_peak, track_memory
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, HEAD_DIM, LAYERS, TEXT = 8, 16, 8, 128
@@ -311,26 +311,6 @@ def save_large_pipeline(folder: Path) -> None:
     pipe.save_pretrained(folder, max_shard_size="20MB")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
-
-
-def _resident_peak(fn: Any) -> tuple[Any, int]:
-    """``fn()`` and the peak resident set while it ran above the one it started from (freed memory given back
-    first, VmHWM reset through ``/proc/self/clear_refs``)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    out = fn()
-    return out, _status("VmHWM") - base
-
-
 def measure_resident(folder: str) -> dict[str, Any]:
     """One rank: the peak resident set of the sharded load, of load-whole-then-shard and of the other
     components, and the time of the full check."""
@@ -346,7 +326,7 @@ def measure_resident(folder: str) -> dict[str, Any]:
     pipe, patch = hfpatch.from_pretrained(folder, plan(world), shard_weights=True)  # imports, first calls
     patch.remove()
     del pipe, patch
-    rest, unsharded = _resident_peak(
+    rest, unsharded = resident_peak(
         lambda: WanPipeline.from_pretrained(folder, transformer=None, text_encoder=None)
     )
     del rest
@@ -361,7 +341,7 @@ def measure_resident(folder: str) -> dict[str, Any]:
 
     loading_files.agree_contents = agree_contents
     try:
-        (pipe, patch), peak = _resident_peak(
+        (pipe, patch), peak = resident_peak(
             lambda: hfpatch.from_pretrained(folder, plan(world), shard_weights=True)
         )
     finally:
@@ -377,7 +357,7 @@ def measure_resident(folder: str) -> dict[str, Any]:
         reference = DiffusionPipeline.from_pretrained(folder)
         return reference, hfpatch.apply(reference, plan(world), shard_weights=True)
 
-    (reference, reference_patch), peak_whole = _resident_peak(whole_then_shard)
+    (reference, reference_patch), peak_whole = resident_peak(whole_then_shard)
     reference_patch.remove()
     return {
         "peak": peak,

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch import ParallelConfig
+from hfpatch.testing.memory import resident_peak
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "hfpatch/tiny-wan"
@@ -474,28 +475,6 @@ def _agreement_case(paths: dict[str, str], world: int) -> dict[str, Any]:
     return out
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _resident_peak(fn: Any) -> tuple[Any, int]:
-    """``fn()`` and the process's peak resident set while it ran, above the resident set it started from (freed
-    memory given back to the system first, then VmHWM reset by writing 5 to ``/proc/self/clear_refs``)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    out = fn()
-    return out, _status("VmHWM") - base
-
-
 def _resident_case(paths: dict[str, str], world: int) -> dict[str, Any]:
     """The peak resident set of the sharded load of the 72.6 MiB transformer (``big``), against what loading
     the components loaded whole costs in the same measure (the pipeline without its transformer and encoder)."""
@@ -508,11 +487,11 @@ def _resident_case(paths: dict[str, str], world: int) -> dict[str, Any]:
     )  # imports, first-call costs
     patch.remove()
     del pipe, patch
-    rest, unsharded = _resident_peak(
+    rest, unsharded = resident_peak(
         lambda: WanPipeline.from_pretrained(paths["big"], transformer=None, text_encoder=None)
     )
     del rest
-    (pipe, patch), peak = _resident_peak(
+    (pipe, patch), peak = resident_peak(
         lambda: hfpatch.from_pretrained(paths["big"], world, shard_weights=True)
     )
     models = (pipe.transformer, pipe.text_encoder)

@@ -156,7 +156,7 @@ PUBLIC: dict[str, str | None] = {
         "Grid Randn TINY_DITS TINY_DIT_PIPES Tensor TinyDiT TinyDiTPipe tiny_dit tiny_dit_inputs "
         "tiny_dit_pipe tiny_dit_pipe_inputs"
     ),
-    "hfpatch.testing.memory": "CopyCounter MemoryTracker count_copies measure_peak track_memory",
+    "hfpatch.testing.memory": "CopyCounter MemoryTracker count_copies measure_peak resident_peak track_memory",
     "hfpatch.testing.models": (
         "qwen2_vl_inputs qwen3_vl_inputs tiny_autoencoder_kl tiny_bert tiny_chronoedit_transformer "
         "tiny_clip_text_model tiny_clip_tokenizer tiny_cogvideox_transformer tiny_flux2_transformer "

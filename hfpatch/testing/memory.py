@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CopyCounter", "MemoryTracker", "count_copies", "measure_peak", "track_memory"]
+__all__ = ["CopyCounter", "MemoryTracker", "count_copies", "measure_peak", "resident_peak", "track_memory"]
 
 
 #: Tensor types that are no wrapper subclass (the hot path skips ``is_traceable_wrapper_subclass``).
@@ -221,3 +221,35 @@ def count_copies() -> Iterator[CopyCounter]:
     counter = CopyCounter()
     with counter:
         yield counter
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def resident_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and the process's peak resident set while it ran, in bytes above the resident set it started
+    from: the measure ``top`` and container limits see (mapped files and the allocator's cache included), where
+    :class:`MemoryTracker` counts live tensor bytes. Freed memory is given back to the system first
+    (``malloc_trim``), then the kernel's high-water mark is reset (``5`` written to ``/proc/self/clear_refs``).
+    Linux only (raises ``OSError`` elsewhere).
+
+    >>> import sys, torch
+    >>> from hfpatch.testing.memory import resident_peak
+    >>> if sys.platform == "linux":
+    ...     _, peak = resident_peak(lambda: torch.ones(64 << 20, dtype=torch.uint8).sum())
+    ...     assert peak >= 64 << 20
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = fn()
+    return out, _status_bytes("VmHWM") - base
