@@ -178,6 +178,105 @@ PINNED = {
     "tiny_dit_pipe('zimage')": "af36114a1b7a53f4",
 }
 
+#: The same digests where the scalar kernels run (``ATEN_CPU_CAPABILITY=default``, CI's second pass): ``normal_``'s
+#: Box-Muller transform is vectorized on AVX2/AVX-512 and differs from the scalar one in the last bit of some
+#: draws (issue 53: found running the whole suite under each capability), so every model with a normally
+#: initialised tensor has other bits there. AVX2 and AVX-512 give the same draws (``PINNED``). Cases not listed
+#: draw no normal values and are the same everywhere.
+PINNED_SCALAR_KERNELS = {
+    "tiny_autoencoder_kl": "652062ff038b56b5",
+    "tiny_bert": "0c530d86e4c0e92a",
+    "tiny_chronoedit_transformer": "97199cf1dd5742c8",
+    "tiny_clip_text_model": "826e4e871ba976c7",
+    "tiny_cogvideox_transformer": "d67ddc3014d24edb",
+    "tiny_dit('anyflow')": "6f5041e7dbee8da5",
+    "tiny_dit('auraflow')": "38042697180dbbc9",
+    "tiny_dit('bria')": "1a6cffc0b05b31fc",
+    "tiny_dit('bria_fibo')": "1e410bea779d5a03",
+    "tiny_dit('chroma')": "1bab891afd0fd023",
+    "tiny_dit('chroma_mask')": "1bab891afd0fd023",
+    "tiny_dit('cogview3plus')": "89afe0b0b6551b84",
+    "tiny_dit('cogview4')": "89afe0b0b6551b84",
+    "tiny_dit('consisid')": "efc0d3f6d57b83c3",
+    "tiny_dit('cosmos')": "6827d922e5bb453c",
+    "tiny_dit('dit')": "ab09e37f3099fa95",
+    "tiny_dit('easyanimate')": "2c8eae5493622efa",
+    "tiny_dit('ernie_image')": "8bec1f53139bff56",
+    "tiny_dit('flux3')": "13c69c472e7dc86c",
+    "tiny_dit('glm_image')": "aa95c5c311d25015",
+    "tiny_dit('hidream')": "a738898ed7a11363",
+    "tiny_dit('hunyuanimage')": "8e91f427460f3a8b",
+    "tiny_dit('hunyuanvideo_framepack')": "f356eeadd1da5522",
+    "tiny_dit('ideogram4')": "4434f07905c8dccf",
+    "tiny_dit('joyimage_edit')": "e4a7617a4326e114",
+    "tiny_dit('joyimage_edit_plus')": "e4a7617a4326e114",
+    "tiny_dit('kandinsky5')": "0b64fcab1b704ffc",
+    "tiny_dit('kandinsky6')": "9981bebf84702504",
+    "tiny_dit('krea2')": "5105832e3831ca71",
+    "tiny_dit('longcat_audio')": "78f3196ac8608be3",
+    "tiny_dit('longcat_image')": "1a6cffc0b05b31fc",
+    "tiny_dit('lumina2')": "ef7fdcb6f9fc8d17",
+    "tiny_dit('minimax_music3')": "83d5cc1be2d0ca12",
+    "tiny_dit('mochi')": "293dc4feec25e947",
+    "tiny_dit('motif_video')": "bd27c23883c6137d",
+    "tiny_dit('ovis_image')": "0eca2d29949af917",
+    "tiny_dit('prx')": "3046fb10c2723b1b",
+    "tiny_dit('skyreels_v2')": "52b08681bbb61bc0",
+    "tiny_dit('stable_audio')": "e63fcf1becde280f",
+    "tiny_dit('stable_audio3')": "e077bdadbb85cf31",
+    "tiny_dit('zimage')": "1800a9ae26df515d",
+    "tiny_dit_pipe('cogview3plus')": "e7c6af620ac2aa8e",
+    "tiny_dit_pipe('cogview4')": "f4a7bb7c180f171c",
+    "tiny_dit_pipe('skyreels_v2')": "7c179dace32f9f79",
+    "tiny_dit_pipe('zimage')": "0c53ca5dd96253ef",
+    "tiny_flux2_transformer": "ad4656914efe4750",
+    "tiny_flux_pipe": "696987d94b14e80e",
+    "tiny_flux_pipe_with_text_encoders": "d0ae7d0d5240f4b9",
+    "tiny_flux_transformer": "6f07dbc7b19fe513",
+    "tiny_hunyuandit_pipe": "2c6589cca0d412b1",
+    "tiny_hunyuandit_transformer": "cd1ef8a21c25d62f",
+    "tiny_hunyuanvideo15_transformer": "b74d011f5f028b33",
+    "tiny_hunyuanvideo_pipe": "7abd9ebfa0ec96ae",
+    "tiny_hunyuanvideo_transformer": "211659cb708aaaab",
+    "tiny_llama_causal_lm": "01efb605abc755cd",
+    "tiny_ltx2_transformer": "7c9e1e7429f7558f",
+    "tiny_ltx_pipe": "7048f217e4ace7e5",
+    "tiny_ltx_transformer": "f6ca108555b361f9",
+    "tiny_minimax_h3_transformer": "316c21d179a6f736",
+    "tiny_model('allegro_vae')": "749d7a5e7fe470ea",
+    "tiny_model('autoencoder_dc')": "dc6f048ffc98b1f7",
+    "tiny_model('cogvideox_vae')": "8cf683c790a7f7f1",
+    "tiny_model('cosmos_vae')": "ca8654193c6b9f30",
+    "tiny_model('flux2_vae')": "d56042e86f972c21",
+    "tiny_model('hunyuanimage_refiner_vae')": "7c0c644064fcf51c",
+    "tiny_model('hunyuanimage_vae')": "d8d5750c4c25a923",
+    "tiny_model('hunyuanvideo15_vae')": "97d56e20ac1bc618",
+    "tiny_model('ltx2_vae')": "ebece9bb791b2428",
+    "tiny_model('mochi_vae')": "29f64e0b0f6bca72",
+    "tiny_model('qwenimage21_vae')": "51715113e70bf554",
+    "tiny_pixart_pipe": "d955dda7077c2190",
+    "tiny_pixart_transformer": "e5a21846960f504b",
+    "tiny_qwen2_5_vl": "aea65f06da9e3b72",
+    "tiny_qwen2_vl": "0673038178bde7e8",
+    "tiny_qwen2_vl(causal_lm)": "4f01d486fc91f239",
+    "tiny_qwen3_causal_lm": "87ac82ed0f8aa688",
+    "tiny_qwen3_vl": "d4f1e97fbd726404",
+    "tiny_qwen3_vl(causal_lm)": "f2c2bc2d4f853616",
+    "tiny_qwenimage_pipe": "f70149a0007c62d6",
+    "tiny_qwenimage_transformer": "6dd8b3218a498e3e",
+    "tiny_sd3_pipe": "cdefa61cfc6a220b",
+    "tiny_sd3_transformer": "2a155537cc9d5bea",
+    "tiny_sdxl_pipe": "40bce0ed10b1b4e3",
+    "tiny_t5_encoder": "105b7e6787baa9f9",
+    "tiny_wan_pipe": "8aca9a8b76732326",
+    "tiny_wan_pipe(two_transformers)": "eb896f67b783f2f4",
+    "tiny_wan_transformer": "f1ef5833d0ac7a2a",
+    "tiny_wan_transformer(seed=3,num_layers=1)": "fc6a4af3bb779c41",
+    "tiny_wan_vace_transformer": "8a40ffc16838618e",
+    "tiny_wan_vae('2.1')": "80e4bbfc11fee676",
+    "tiny_wan_vae('2.2')": "c088c98732f5f904",
+}
+
 
 def _digest_module(h, prefix: str, module: torch.nn.Module) -> None:
     for name, tensor in sorted(module.state_dict().items()):
@@ -201,12 +300,14 @@ def digest(obj) -> str:
 
 
 def test_every_case_is_pinned():
-    assert set(CASES) == set(PINNED)
+    assert set(CASES) == set(PINNED) and set(PINNED_SCALAR_KERNELS) <= set(PINNED)
 
 
 @pytest.mark.parametrize("case", sorted(PINNED))
 def test_weights_are_pinned(case):
-    assert digest(CASES[case]()) == PINNED[case]
+    scalar = torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    expected = PINNED_SCALAR_KERNELS.get(case, PINNED[case]) if scalar else PINNED[case]
+    assert digest(CASES[case]()) == expected
 
 
 def test_every_factory_and_row_is_covered():
