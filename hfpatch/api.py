@@ -172,6 +172,7 @@ def _merge_facts(units: list[tuple[Any, list[PatchFamily]]], target: Any) -> Mod
         name=type(target).__name__,
         pipeline=_is_pipeline(target),
         num_blocks=min(blocks) if blocks else None,
+        splits_vae=any(family.role == "vae" for _, families in units for family in families),
     )
 
 

@@ -62,6 +62,10 @@ def _meta_model(cls: type, library: str, folder: str, dtype: torch.dtype) -> tor
         with _default_dtype(dtype), accelerate.init_empty_weights():
             model = cls(config)
         model.tie_weights()
+        # What transformers' loader attaches (the conversions of its key mapping that matched the checkpoint; none
+        # here: hfpatch reads each tensor by the model's own name). save_pretrained reads it: set, it writes the
+        # keys in its natural order, as after a stock load; absent, in module order (other shard files).
+        model._weight_conversions = []
     model.eval()
     return model
 

@@ -35,6 +35,9 @@ and compares with ``DiffusionPipeline.from_pretrained`` followed by ``hfpatch.ap
   into the node's cache in the hub's layout; it runs once per node, on local rank 0, and the node's other rank then
   resolves the snapshot with the real ``DiffusionPipeline.download(..., local_files_only=True)``, which only
   succeeds once the files are there.
+* ``save_pretrained`` of the sharded pipeline, called on every rank (Flux at world 2, Wan at world 3), and of its
+  transformer alone: the folders equal those the unsharded pipeline and transformer write, byte for byte, and reload
+  with diffusers to the unsharded output; ranks naming different folders are refused on every rank, nothing written.
 * World 1: the two calls, nothing on meta.
 * Errors raised alike on every rank before any collective, naming the problem: a shard file missing on one rank, a
   rank reading another revision (same shapes, other weights), too little memory on one rank, a config that does not
@@ -329,6 +332,52 @@ def _shard_case(
     return result
 
 
+def _folder_digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _save_case(
+    paths: dict[str, str], name: str, call: Any, parallel: Any, max_shard_size: str
+) -> dict[str, Any]:
+    """``save_pretrained`` of a pipeline loaded with ``shard_weights=True``, on every rank: the folder equals the one
+    the unsharded pipeline writes, file for file and byte for byte, and reloads with diffusers to the unsharded
+    output bit for bit; its transformer's own ``save_pretrained`` (``is_main_process`` as accelerate passes it)
+    equals the unsharded transformer's. Ranks naming different folders are refused on every rank, nothing written."""
+    from diffusers import DiffusionPipeline
+
+    rank = dist.get_rank()
+    out = Path(paths["root"]) / f"saved-{name}-{dist.get_world_size()}"
+    reference = DiffusionPipeline.from_pretrained(paths[name])
+    if rank == 0:  # before a call: a call leaves padding set in the tokenizers, which they save
+        reference.save_pretrained(out / "unsharded", max_shard_size=max_shard_size)
+        reference.transformer.save_pretrained(out / "unsharded-transformer")
+    expected = call(reference)
+    pipe, patch = hfpatch.from_pretrained(paths[name], parallel, shard_weights=True)
+    pipe.save_pretrained(out / "sharded", max_shard_size=max_shard_size)
+    pipe.transformer.save_pretrained(out / "sharded-transformer", is_main_process=rank == 0)
+    refused = _error(lambda: pipe.save_pretrained(out / f"rank-{rank}"))
+    written = sorted(
+        p.name for p in out.iterdir()
+    )  # the other ranks see the folder complete when the call returns
+    result = {
+        "written": written,
+        "refused": refused,
+        "pipeline": _folder_digests(out / "sharded") == _folder_digests(out / "unsharded"),
+        "files": len(_folder_digests(out / "sharded")),
+        "transformer": _folder_digests(out / "sharded-transformer")
+        == _folder_digests(out / "unsharded-transformer"),
+        "reloaded_equal": torch.equal(call(DiffusionPipeline.from_pretrained(out / "sharded")), expected),
+    }
+    patch.remove()
+    return result
+
+
 def _pipefusion_case(folder: str) -> dict[str, Any]:
     from diffusers import DiffusionPipeline
 
@@ -514,6 +563,7 @@ def _cases_two(paths: dict[str, str]) -> dict[str, Any]:
         "wan_fp16": _shard_case(paths["wan"], _wan_call, 2, torch.float16),
         "flux": _shard_case(paths["flux"], _flux_call, ParallelConfig(ulysses=2)),
         "pipefusion": _pipefusion_case(paths["wan"]),
+        "save": _save_case(paths, "flux", _flux_call, ParallelConfig(ulysses=2), "20KB"),
         "errors": _error_cases(paths),
     }
 
@@ -532,7 +582,11 @@ def _cases_four(paths: dict[str, str]) -> dict[str, Any]:
 
 def _cases_three(paths: dict[str, str]) -> dict[str, Any]:
     resident = _resident_case(paths, 3)
-    return {"resident": resident, "wan": _shard_case(paths["wan"], _wan_call, 3)}  # uneven: 43, 43, 42 rows
+    return {
+        "resident": resident,
+        "wan": _shard_case(paths["wan"], _wan_call, 3),  # uneven: 43, 43, 42 rows
+        "save": _save_case(paths, "wan", _wan_call, 3, "1MB"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -634,6 +688,24 @@ def test_disagreement_names_a_blob_modified_in_place(tmp_path):
     assert problem is not None and "does not match its hub blob name" in problem and "ranks 0, 1" in problem
     blob.write_bytes(b"weights")
     assert disagreement(every, {**hash_share(every, 0), **hash_share(every, 1)}) is None
+
+
+def test_save_pretrained_of_a_sharded_pipeline_writes_the_unsharded_folder(results):
+    """Issue 45: ``save_pretrained`` after ``from_pretrained(..., shard_weights=True)`` failed inside safetensors and
+    left a half-written folder. Flux at world 2 (its CLIP's 53-row embedding and T5's tied embedding split
+    unevenly), Wan at world 3 (43, 43, 42 rows)."""
+    for world in (2, 3):
+        for rank, cases in enumerate(results[world]):
+            case = cases["save"]
+            assert case["pipeline"] and case["files"] > 10, (world, rank, case)
+            assert case["transformer"] and case["reloaded_equal"], (world, rank, case)
+            assert case["refused"].startswith("InputMismatchError:"), (world, rank, case["refused"])
+            assert "save_pretrained" in case["refused"] and "every rank must call it" in case["refused"], case
+            assert not any(name.startswith("rank-") for name in case["written"]), (
+                world,
+                rank,
+                case["written"],
+            )
 
 
 def test_pipefusion_loads_its_stage_only(results):

@@ -9,7 +9,7 @@ ParallelConfig(data=1, cfg=1, ring=3, ulysses=2, vae=6)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["ModelFacts", "ParallelConfig", "plan_parallel", "resolve_parallel"]
 
@@ -89,6 +89,8 @@ class ModelFacts:
         pipeline: Whether the target is a pipeline (data parallel splits a pipeline's batch).
         num_blocks: Transformer blocks a PipeFusion family can split over stages (the fewest of a pipeline's
             transformers); ``None`` when no PipeFusion family serves the target.
+        splits_vae: Whether a family splits a VAE of the target; without one the resolved plan says ``vae=1``
+            (a bare transformer's plan does not claim a VAE split it does not have).
     """
 
     num_heads: int | None = None
@@ -96,6 +98,7 @@ class ModelFacts:
     name: str = "target"
     pipeline: bool = False
     num_blocks: int | None = None
+    splits_vae: bool = True
 
 
 def _product_text(config: ParallelConfig) -> str:
@@ -234,4 +237,7 @@ def resolve_parallel(
             f"{world_size}"
         )
     check_config(config, facts)
+    product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
+    if not facts.splits_vae and product > 1 and config.vae == product:
+        config = replace(config, vae=1)  # no VAE to split: the plan says so (its default is every rank)
     return config

@@ -412,7 +412,8 @@ class Patch:
         return TypeError(
             f"cannot {how} {what} while it is patched by hfpatch.apply (its hooks, wrapped methods and process "
             "groups belong to the live patch). Copy it before hfpatch.apply (e.g. an EMA model) or after "
-            "patch.remove(); to save it, use state_dict() or save_pretrained(), which hold no hfpatch state."
+            "patch.remove(); to save it, use state_dict() or save_pretrained(), which hold no hfpatch state "
+            "(with shard_weights, call save_pretrained() on every rank: rank 0 writes the full weights)."
         )
 
     def _check_live(self) -> None:

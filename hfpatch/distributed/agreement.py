@@ -41,6 +41,7 @@ import contextvars
 import hashlib
 import inspect
 import struct
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ __all__ = [
     "install_call_guard",
     "named_arguments",
     "weight_digests",
+    "weight_watch_of",
     "weights_mismatch_message",
 ]
 
@@ -594,6 +596,8 @@ class WeightWatch:
             self._closed = True
             _watch_registrations(False)
             count_optimizer_steps(False)
+            for module in [m for m, watch in _WATCHES.items() if watch is self]:
+                del _WATCHES[module]
 
     def _refresh(self, known: Mapping[str, list[int]]) -> None:
         named = _named_tensors(self.modules)
@@ -659,9 +663,21 @@ class WeightWatch:
 
         patch.add_forward_pre_hook(module, watch_weights, prepend=True)
         patch.add_forward_hook(module, unwatch_weights, always_call=True)
+        _WATCHES[module] = self
 
 
 #: The weights of the patched call running now (set by :meth:`WeightWatch.enter`).
 _WATCH: contextvars.ContextVar[WeightWatch | None] = contextvars.ContextVar("hfpatch_weights", default=None)
+#: Module -> the watch its calls carry, until ``patch.remove()`` closes it (:func:`weight_watch_of`).
+_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weight_watch_of(module: torch.nn.Module) -> WeightWatch | None:
+    """The :class:`WeightWatch` whose fingerprint the patched calls of ``module`` carry (``None`` when none: one
+    rank, ``check_inputs=False``, weights sharded by FSDP, or the patch removed). Tests and benchmarks read its
+    counters (``refreshes``)."""
+    return _WATCHES.get(module)
+
+
 #: The slot name of the weights row in a same-input table.
 WEIGHTS_SLOT = "(weights)"

@@ -433,6 +433,13 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     key = (*world_key, config.data, config.cfg, config.pipefusion, config.ring, config.ulysses, config.vae)
     if key in _MESHES:
         return _MESHES[key]
+    # Plans that differ in ``vae`` only (a transformer's vae=1, its pipeline's vae=N) share their groups.
+    same_groups = next((m for k, m in _MESHES.items() if k[:-1] == key[:-1]), None)
+    if same_groups is not None:
+        world = same_groups.groups["world"]
+        groups = {**same_groups.groups, "vae": world if config.vae > 1 else None}
+        _MESHES[key] = ParallelMesh(config, same_groups.device_mesh, groups)
+        return _MESHES[key]
     try:
         result = _build_mesh(config, backend, timeout, world_key)
     except RuntimeError as exc:

@@ -25,6 +25,13 @@ VALID = [
     (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4), (2, 1, 1, 2, 4)),  # sp replicas
     (ParallelConfig(ulysses=2, vae=1), 2, ModelFacts(num_heads=2), (1, 1, 1, 2, 1)),
     (1, 4, ModelFacts(num_heads=4), (1, 1, 1, 1, 1)),  # parallel=1 in a bigger world: each rank on its own
+    # No family splits a VAE of the target (a bare transformer; issue 45: its plan printed vae=2): vae=1, by plan
+    # or by an explicit config whose vae defaulted to every rank.
+    (2, 2, ModelFacts(num_heads=4, splits_vae=False), (1, 1, 1, 2, 1)),
+    (4, 4, ModelFacts(num_heads=2, splits_vae=False), (1, 1, 2, 2, 1)),
+    (ParallelConfig(data=2, ulysses=2), 4, ModelFacts(num_heads=4, splits_vae=False), (2, 1, 1, 2, 1)),
+    # a VAE-only plan on a transformer: whole on 2 ranks
+    (ParallelConfig(vae=2), 2, ModelFacts(num_heads=4, splits_vae=False), (1, 1, 1, 1, 2)),
 ]
 
 
@@ -193,3 +200,19 @@ def test_pipefusion_degree_needs_a_pipefusion_family():
 def test_plan_parallel_pipefusion_flag_must_be_bool():
     with pytest.raises(ValueError, match="pipefusion must be True or False"):
         resolve_parallel(2, 2, ModelFacts(num_heads=4, num_blocks=5), pipefusion=2)
+
+
+def test_a_bare_transformer_plans_no_vae_split_and_its_pipeline_does(monkeypatch):
+    """Issue 45: a bare transformer's plan printed ``vae=2``. The plan ``apply`` resolves (no group is created:
+    the launcher's variables only) says ``vae=1`` for a transformer, ``vae=N`` for a pipeline whose VAE splits."""
+    from hfpatch.api import _plan
+    from hfpatch.core.ranks import LAUNCH_VARS
+    from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer
+
+    for name in LAUNCH_VARS:
+        monkeypatch.setenv(name, {"WORLD_SIZE": "2"}.get(name, "0"))
+    assert (
+        repr(_plan(tiny_wan_transformer(), 2, {}))
+        == "ParallelConfig(data=1, cfg=1, ring=1, ulysses=2, vae=1)"
+    )
+    assert _plan(tiny_wan_pipe(), 2, {}).vae == 2

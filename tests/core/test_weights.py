@@ -21,7 +21,12 @@ from peft import LoraConfig
 
 import hfpatch
 from hfpatch import ParallelConfig, WeightMismatchError
-from hfpatch.distributed.agreement import bulk_digest, weight_digests, weights_mismatch_message
+from hfpatch.distributed.agreement import (
+    bulk_digest,
+    weight_digests,
+    weight_watch_of,
+    weights_mismatch_message,
+)
 from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
 
 WEIGHT = "blocks.1.attn1.to_q.weight"
@@ -115,14 +120,9 @@ def _weight_cases() -> dict[str, Any]:
 
 
 def _watch(model: torch.nn.Module) -> Any:
-    """The WeightWatch the patch of ``model`` installed (found through its pre-hook's closure)."""
-    for hook in model._forward_pre_hooks.values():
-        inner = getattr(hook, "__wrapped__", hook)
-        if inner.__name__ == "watch_weights":
-            return next(
-                c.cell_contents for c in inner.__closure__ if type(c.cell_contents).__name__ == "WeightWatch"
-            )
-    raise AssertionError("no weight watch on the model")
+    watch = weight_watch_of(model)
+    assert watch is not None, "no weight watch on the model"
+    return watch
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from peft import LoraConfig
 
 import hfpatch
 from hfpatch import ParallelConfig
+from hfpatch.distributed.agreement import weight_watch_of
 from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
 
 STEPS = 2
@@ -144,13 +145,9 @@ def _cases() -> dict[str, Any]:
 
 
 def _watch(model: torch.nn.Module) -> Any:
-    for hook in model._forward_pre_hooks.values():
-        inner = getattr(hook, "__wrapped__", hook)
-        if inner.__name__ == "watch_weights":
-            return next(
-                c.cell_contents for c in inner.__closure__ if type(c.cell_contents).__name__ == "WeightWatch"
-            )
-    raise AssertionError("no weight watch on the model")
+    watch = weight_watch_of(model)
+    assert watch is not None, "no weight watch on the model"
+    return watch
 
 
 @pytest.mark.parametrize("world", [2, 4])

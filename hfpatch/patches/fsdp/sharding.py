@@ -56,6 +56,7 @@ from ...core.patch import Patch
 from ...core.registry import PatchFamily, class_key
 from ...distributed import runtime
 from ..checkpoint import CheckpointSource, shard_rows, source_of
+from .saving import install_sharded_save
 from .units import _AXES, shard_axes, shard_units
 
 __all__ = ["SHARD_OPTIONS", "WeightSharding"]
@@ -494,19 +495,23 @@ class WeightSharding(PatchFamily):
         if value is False or value is None or patch.part_of is not None:
             return  # off; or a pipeline's component: the pipeline's own entry shards it
         models = sharded_models(target)
+        world = mesh.group("world")
         # Every rank's weights were compared by hfpatch.apply before any family applied (FSDP2 keeps each
         # rank's slice of ITS OWN copy: different weights would make the sharded model a silent mixture).
         for name, model in models:
             axes = shard_axes(value, mesh.config, name=name)
             device_mesh = _shard_mesh(mesh, axes)
-            self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"])
+            self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"], world)
         if _is_class(target, "diffusers.DiffusionPipeline"):
+            install_sharded_save(patch, target, [model for _, model in models], world, type(target).__name__)
             offload = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
             _refuse_weight_moves(target, patch, offload)
             _refuse_lora(target, patch, ("load_lora_weights",))
 
     @staticmethod
-    def _shard_one(model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool) -> None:
+    def _shard_one(
+        model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool, world: Any
+    ) -> None:
         from torch.distributed.fsdp import fully_shard
 
         record: list[_Sharded] = []
@@ -518,6 +523,7 @@ class WeightSharding(PatchFamily):
         patch.set_attr(model, "forward", wrapper(model.forward), keep_when_disabled=True)
         _refuse_weight_moves(model, patch, ("enable_group_offload", "enable_layerwise_casting"))
         _refuse_lora(model, patch, ("load_lora_adapter",))
+        install_sharded_save(patch, model, [model], world, name)
 
 
 def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:
