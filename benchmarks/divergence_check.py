@@ -1,7 +1,7 @@
 """Cost per training step of the check that refuses ranks whose trainable weights diverged (issue 45).
 
 The weight row of every patched call's same-input table follows the values of the parameters that require
-grad (:class:`hfpatch.distributed.agreement_live.TrainableWeights`): after an optimizer step, the next call
+grad (:class:`hfpatch.distributed.agreement.trainable.TrainableWeights`): after an optimizer step, the next call
 digests them again; a training forward with no step since reads their version counters; a call under
 ``no_grad`` with no step since compares one integer. This script times :meth:`WeightWatch.row
 <hfpatch.distributed.agreement.WeightWatch.row>` (the whole of the check's local work; its row rides in the

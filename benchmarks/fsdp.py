@@ -36,7 +36,7 @@ the resident set before the call, after a first load has paid the imports) of ``
 N, shard_weights=True)`` and of loading whole then sharding (``DiffusionPipeline.from_pretrained`` +
 ``hfpatch.apply``), against ``1.2 / N`` of the two models plus their largest tensor plus what loading the other
 components costs in the same measure (the pipeline loaded without the transformer and encoder); and the time of
-the full same-bytes check (``check_files="full"``: ``hfpatch.loading_files.agree_contents``, the slowest rank;
+the full same-bytes check (``check_files="full"``: ``hfpatch.loading.files.agree_contents``, the slowest rank;
 the node's ranks split the files) per GB of the files checked, the files in the page cache (a cold read adds the
 disk's time), with one process hashing them all (``sha256_file``) for reference.
 
@@ -319,7 +319,7 @@ def measure_resident(folder: str) -> dict[str, Any]:
     import torch.distributed as dist
     from diffusers import DiffusionPipeline, WanPipeline
 
-    import hfpatch.loading_files as loading_files
+    import hfpatch.loading.files as loading_files
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -374,7 +374,7 @@ def resident_rows(folder: Path) -> dict[str, Any]:
     """The resident-set rows and the full check's cost (see the module docstring)."""
     import time
 
-    from hfpatch.loading_files import sha256_file
+    from hfpatch.loading.files import sha256_file
 
     files = sorted(
         str(p) for name in ("transformer", "text_encoder") for p in (folder / name).glob("*.safetensors")

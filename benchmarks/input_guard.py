@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.distributed import agreement
+from hfpatch.distributed.agreement import inputs as agreement  # check_same_inputs and its callers by name
 from hfpatch.distributed.collectives import count_comm
 from hfpatch.patches.dit import sequence_parallel as _sequence_parallel
 from hfpatch.patches.vae import layers as vae_layers

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hfpatch import cli, demo
+from hfpatch import cli
+from hfpatch.cli import demo
 
 
 def _hfpatch(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -48,7 +49,7 @@ def test_cli_demo_two_ranks_passes_and_reports():
     latents, videos = [float(row[1]) for row in rows], [float(row[2]) for row in rows]
     assert latents[:2] == [0.0, 0.0]  # two-call CFG parallel is bit-exact
     assert all(0.0 <= v <= TWO_RANK_PIXEL_ATOL for v in videos[:2]), videos  # split VAE: fp32 reassociation
-    # Ulysses too changes only the order of fp32 sums (the demo's atol; see hfpatch.demo.DEFAULT_ATOL)
+    # Ulysses too changes only the order of fp32 sums (the demo's atol; see hfpatch.cli.demo.DEFAULT_ATOL)
     assert all(0.0 <= x <= demo.DEFAULT_ATOL for x in latents[2:] + videos[2:]), (latents, videos)
     for row in rows:  # memory, bytes, then the unpatched and the patched call's time
         assert row[4] in ("KiB", "MiB") and row[-2].endswith("s") and row[-1].endswith("s"), row

@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 import torch
 
-from hfpatch import cli, generate
+from hfpatch import cli
+from hfpatch.cli import generate
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ and compares with ``DiffusionPipeline.from_pretrained`` followed by ``hfpatch.ap
   measure (slices read into plain tensors, no file mapped: with the mapped reads it was 1.10-1.48x the models at
   world 2).
 * Ranks that read different bytes, at world 2 and 4: the last rank's copy differs by one ulp in one value of its
-  own rows, outside the three windows the sampled check reads (``hfpatch.loading_files.sampled_windows``), in a
+  own rows, outside the three windows the sampled check reads (``hfpatch.loading.files.sampled_windows``), in a
   local folder and in a hub-style cache (blobs and snapshot symlinks, offline): every rank raises the same
   ``LoadError`` naming the file before any weight is read; ``check_files="sampled"`` (the check before issue 46)
   loads it silently.
@@ -104,11 +104,11 @@ def _big_pipe() -> Any:
 def _one_ulp(folder: Path, world: int, rank: int) -> str:
     """Change ONE value of ``folder`` (a hard-linked copy: the file is replaced, never written through the link)
     by one ulp, where the sampled check cannot see it: in the second transformer shard, in rows ``rank`` of
-    ``world`` reads, outside the three windows ``hfpatch.loading_files.sampled_windows`` names. Returns the
+    ``world`` reads, outside the three windows ``hfpatch.loading.files.sampled_windows`` names. Returns the
     file's path relative to the pipeline folder."""
     import json
 
-    from hfpatch.loading_files import sampled_windows
+    from hfpatch.loading.files import sampled_windows
     from hfpatch.patches.checkpoint import shard_rows
 
     path = sorted((folder / "transformer").glob("*-of-*.safetensors"))[1]
@@ -407,7 +407,7 @@ def _error_cases(paths: dict[str, str]) -> dict[str, str]:
     """Each problem raises the same error on every rank (the caller compares the ranks)."""
     from peft import LoraConfig
 
-    import hfpatch.loading as loading
+    import hfpatch.loading.pretrained as loading
 
     rank = dist.get_rank()
     load = hfpatch.from_pretrained
@@ -440,7 +440,7 @@ def _error_cases(paths: dict[str, str]) -> dict[str, str]:
 
 def _hub_case(paths: dict[str, str]) -> dict[str, Any]:
     """A hub id on two nodes of two ranks: downloaded once per node (a local fake), read from its cache."""
-    import hfpatch.loading as loading
+    import hfpatch.loading.pretrained as loading
 
     rank = dist.get_rank()
     node, local = rank // 2, rank % 2
@@ -673,7 +673,7 @@ def test_disagreement_names_a_blob_modified_in_place(tmp_path):
     """A hub blob whose bytes no longer match its sha256 name is refused even where every rank shares it."""
     import hashlib
 
-    from hfpatch.loading_files import disagreement, file_identities, hash_share
+    from hfpatch.loading.files import disagreement, file_identities, hash_share
 
     blobs = tmp_path / "blobs"
     blobs.mkdir()

@@ -70,7 +70,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.distributed.agreement": (
         "FIELDS InputMismatchError SLOTS WeightMismatchError WeightWatch bulk_digest bytes_per_check "
         "check_same_inputs content_digest describe_inputs install_call_guard named_arguments weight_digests "
-        "weights_mismatch_message"
+        "weight_watch_of weights_mismatch_message"
     ),
     "hfpatch.distributed.collectives": (
         "CommCounter PendingP2P all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange "
@@ -207,6 +207,9 @@ MOVED = {
     "hfpatch.patches.wan_vae": "hfpatch.patches.vae.wan",
     "hfpatch.patches.pipefusion_flux": "hfpatch.patches.pipefusion.flux",
     "hfpatch.patches.wan_streaming": "hfpatch.streaming.transformer",
+    # issue 47: the command line is one package
+    "hfpatch.generate": "hfpatch.cli.generate",
+    "hfpatch.demo": "hfpatch.cli.demo",
 }
 
 

@@ -343,7 +343,7 @@ def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor
     return torch.einsum("bhqk,bhkd->bhqd", probs, v.to(acc)).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, mask=None):
+def math_backward(dout, q, k, v, out, lse, scale, mask=None):
     """``(dq, dk, dv)`` from the merged ``out``/``lse``, in the accumulation dtype; ``mask`` (bool, True = attend)
     as in the forward (:mod:`hfpatch.attention.masked` passes its tiles' masks)."""
     acc = accum_dtype(q.dtype)
@@ -504,7 +504,7 @@ def _efficient_head_dims(head_dim: int, dtype: torch.dtype) -> bool:
     return head_dim % (8 if dtype in HALF else 4) == 0
 
 
-register_backend(AttentionBackend("math", _math_forward, _math_backward, lambda device, dtype: True))
+register_backend(AttentionBackend("math", _math_forward, math_backward, lambda device, dtype: True))
 register_backend(
     AttentionBackend(
         "flash_cpu",

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import ring_shift
 from .layout import group_rank, group_size, valid_prefix
-from .local import _math_backward, accum_dtype, local_attention, local_attention_backward
+from .local import accum_dtype, local_attention, local_attention_backward, math_backward
 from .merge import merge_attention
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -203,7 +203,7 @@ def _tile_backward(dout, q, k, v, out, lse, mask: bool | Tensor, scale: float, b
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(acc), 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale
         )
-    return _math_backward(dout, q, k, v, out, lse, scale, mask)
+    return math_backward(dout, q, k, v, out, lse, scale, mask)
 
 
 def _tiles(length: int, tile: int) -> Iterator[tuple[int, int]]:

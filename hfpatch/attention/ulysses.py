@@ -25,7 +25,10 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import all_gather, all_to_all
-from . import exchange
+from .exchange.geometry import head_geometry
+from .exchange.overlap import start_sequence_to_heads
+from .exchange.plans import out_plans
+from .exchange.to_sequence import finish_out, start_out
 from .layout import group_rank, group_size, head_sizes
 
 __all__ = ["gather_joint_heads", "heads_to_sequence", "sequence_to_heads", "slice_joint_heads"]
@@ -40,7 +43,7 @@ def sequence_to_heads(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: in
     if group_size(group) == 1 or torch.compiler.is_compiling():
         sizes = head_sizes(heads, group_size(group))
         return all_to_all(x_bshd, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
-    return exchange.start_sequence_to_heads(x_bshd, group, heads).wait()
+    return start_sequence_to_heads(x_bshd, group, heads).wait()
 
 
 def heads_to_sequence(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: int) -> Tensor:
@@ -50,9 +53,9 @@ def heads_to_sequence(x_bshd: Tensor, group: dist.ProcessGroup | None, heads: in
     if group_size(group) == 1 or torch.compiler.is_compiling():
         sizes = head_sizes(heads, group_size(group))
         return all_to_all(x_bshd, scatter_dim=1, gather_dim=2, group=group, gather_sizes=sizes)
-    geo = exchange.head_geometry(x_bshd, group, heads)
-    plan = exchange.out_plans(geo, image_rows=x_bshd.shape[1], joined_sources=False)[0]
-    return exchange.finish_out([plan], [exchange.start_out(plan, [x_bshd], None)], [x_bshd])
+    geo = head_geometry(x_bshd, group, heads)
+    plan = out_plans(geo, image_rows=x_bshd.shape[1], joined_sources=False)[0]
+    return finish_out([plan], [start_out(plan, [x_bshd], None)], [x_bshd])
 
 
 def slice_joint_heads(x_bshd: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -38,8 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import exchange as _exchange
 from .exchange import ExchangeConfig
+from .exchange.geometry import geometry
+from .exchange.plans import in_plans, out_plans
+from .exchange.to_heads import finish_in, start_in
+from .exchange.to_sequence import finish_out, start_out
 from .layout import group_rank, group_size
 from .ring import ring_attention
 from .ulysses import gather_joint_heads, heads_to_sequence, sequence_to_heads, slice_joint_heads
@@ -338,27 +341,27 @@ def _ulysses_dense(q, k, v, joint, joint_position, joint_key_mask, valid_len, sc
     front = joint_position == "front"
     text = 0 if joint is None else joint[0].shape[1]
     joints = (None, None, None) if joint is None else joint
-    geo = _exchange.geometry(q, group, q.shape[2], valid_len)
-    plans = _exchange.in_plans(geo, 3, text_len=text, front=front, trim=True, config=config, keys=1)
-    out_plans = _exchange.out_plans(
+    geo = geometry(q, group, q.shape[2], valid_len)
+    plans = in_plans(geo, 3, text_len=text, front=front, trim=True, config=config, keys=1)
+    back_plans = out_plans(
         geo, image_rows=geo.total, text_len=text, kernel_front=front, final_front=front, config=config
     )
     mask = _joined_mask(joint_key_mask, geo.total, front)
     window = 3 if len(plans) > 1 else 2  # overlapped: a chunk's q, k and v all in flight
-    started = [_exchange.start_in(plans[0], (q, k, v), joints, window)]
+    started = [start_in(plans[0], (q, k, v), joints, window)]
     outs, pending, final = [], [], None
     for c, plan in enumerate(plans):
         if c + 1 < len(plans):
-            started.append(_exchange.start_in(plans[c + 1], (q, k, v), joints, window))
-        q_c, k_c, v_c = _exchange.finish_in(plan, started[c], (q, k, v), joints)
+            started.append(start_in(plans[c + 1], (q, k, v), joints, window))
+        q_c, k_c, v_c = finish_in(plan, started[c], (q, k, v), joints)
         started[c] = None
         # An idle chunk (no head of this rank in it) keeps its empty buffer as output: it stays in the graph, so
         # the backward runs the same exchanges as on the other ranks.
         outs.append(q_c if q_c.shape[2] == 0 else attend(q_c, k_c, v_c, mask, scale))
         del q_c, k_c, v_c  # without autograd, free this chunk's buffers before the next one
-        pending.append(_exchange.start_out(out_plans[c], outs, final, front))
+        pending.append(start_out(back_plans[c], outs, final, front))
         final = pending[-1].final
-    return _exchange.finish_out(out_plans, pending, outs)
+    return finish_out(back_plans, pending, outs)
 
 
 def _ulysses_ring(q, k, v, joint, joint_position, joint_key_mask, valid_len, scale, backend, ulysses_group,
@@ -370,22 +373,22 @@ def _ulysses_ring(q, k, v, joint, joint_position, joint_key_mask, valid_len, sca
     ulysses = group_size(ulysses_group)
     serial = None if config is None else ExchangeConfig(dtype=config.dtype, scale=config.scale,
                                                         exact_keys=config.exact_keys, training=config.training)  # fmt: skip
-    geo = _exchange.geometry(q, ulysses_group, q.shape[2], valid_len, group_rank(ring_group) * ulysses)
-    plan = _exchange.in_plans(geo, 3, config=serial, keys=1)[0]
+    geo = geometry(q, ulysses_group, q.shape[2], valid_len, group_rank(ring_group) * ulysses)
+    plan = in_plans(geo, 3, config=serial, keys=1)[0]
     none = (None, None, None)
-    q_h, k_h, v_h = _exchange.finish_in(plan, _exchange.start_in(plan, (q, k, v), none), (q, k, v), none)
+    q_h, k_h, v_h = finish_in(plan, start_in(plan, (q, k, v), none), (q, k, v), none)
     jq, jk, jv = none if joint is None else (slice_joint_heads(t, ulysses_group) for t in joint)
     out, joint_out = ring_attention(
         q_h, k_h, v_h, group=ring_group, valid_len=valid_len, joint_query=jq, joint_key=jk, joint_value=jv,
         joint_key_mask=joint_key_mask, scale=scale, backend=backend,
     )  # fmt: skip
     del q_h, k_h, v_h, jq, jk, jv
-    out_plan = _exchange.out_plans(
+    out_plan = out_plans(
         geo, image_rows=geo.world * geo.local, text_len=text, final_front=front, joined_sources=False,
         config=serial,
     )[0]  # fmt: skip
     sources = [out] if joint_out is None else [out, joint_out]
-    return _exchange.finish_out([out_plan], [_exchange.start_out(out_plan, sources, None, front)], sources)
+    return finish_out([out_plan], [start_out(out_plan, sources, None, front)], sources)
 
 
 def ulysses_attention(

@@ -124,7 +124,9 @@ def is_peer_failure(exc: BaseException) -> bool:
 _GROUPS: dict[str, tuple[str, timedelta]] = {}
 
 
-def _register_group(group: Any, axis: str, timeout: timedelta) -> None:
+def register_group(group: Any, axis: str, timeout: timedelta) -> None:
+    """Name a process group hfpatch created (``axis``: what it splits) with its timeout, for the messages of
+    :class:`CollectiveError` and the waiting notices."""
     ranks = dist.get_process_group_ranks(group)
     _GROUPS[group.group_name] = (f"{axis} group of global ranks {ranks}", timeout)
 
@@ -142,7 +144,8 @@ def describe_group(group: Any) -> str:
         return "process group"
 
 
-def _group_timeout(group: Any) -> timedelta | None:
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout hfpatch created ``group`` with (``None`` for ``None`` and for a group hfpatch did not create)."""
     known = _GROUPS.get(getattr(group, "group_name", None)) if group is not None else None
     return None if known is None else known[1]
 
@@ -160,13 +163,13 @@ def wait_timeout(group: Any) -> timedelta | None:
         return None
     if backend != "gloo":
         return None
-    return _group_timeout(group) or default_timeout()
+    return group_timeout(group) or default_timeout()
 
 
 def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError:
     """The :class:`CollectiveError` for ``exc``, raised by ``op`` over ``group`` (``raise ... from exc``)."""
     where = describe_group(group)
-    timeout = _group_timeout(group)
+    timeout = group_timeout(group)
     if timeout is None and (group is None or group is dist.group.WORLD):
         limit = "the default group's timeout"
     elif timeout is None:
@@ -409,7 +412,7 @@ def _world_group(key: tuple, timeout: timedelta) -> Any:
     """hfpatch's copy of the world group, with ``timeout`` (the user's default group is left untouched)."""
     if key not in _WORLD_GROUPS:
         group = dist.new_group(timeout=timeout)
-        _register_group(group, "hfpatch world", timeout)
+        register_group(group, "hfpatch world", timeout)
         _WORLD_GROUPS[key] = group
     return _WORLD_GROUPS[key]
 
@@ -496,14 +499,16 @@ def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_
             _timed_group(group, timeout)
         if group is not world and group.group_name not in _GROUPS:  # sp: only a flattened group is new
             names = {"sp": "sp (ring x ulysses)", "pipefusion_sp": "pipefusion x sp"}
-            _register_group(group, names.get(axis, axis), timeout)
+            register_group(group, names.get(axis, axis), timeout)
     groups["vae"] = world if config.vae > 1 else None
     groups["world"] = world  # every rank of the plan (same-input checks of a pipeline call)
     return ParallelMesh(config, mesh, groups)
 
 
 # ----------------------------------------------------------------------------------------------- handshake
-def _default_store() -> Any:
+def default_store() -> Any:
+    """The default group's store (hosted by rank 0 or the launcher): where :func:`exchange` and the notices of
+    :mod:`hfpatch.distributed.waiting` post."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -519,7 +524,7 @@ def exchange(tag: str, payload: dict[str, Any], *, what: str, hint: str = "") ->
         CollectiveError: Not every rank posted within the timeout (``what`` names the call they must all
             make, ``hint`` adds to the message), or the store is gone (the rank that hosts it exited).
     """
-    store = _default_store()
+    store = default_store()
     me, world = dist.get_rank(), dist.get_world_size()
     timeout = default_timeout()
     keys: list[str] = []

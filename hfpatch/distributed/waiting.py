@@ -103,7 +103,7 @@ def all_gather_noticed(gathered: list[Any], local: Any, group: Any, what: str) -
     if interval is None:
         work.wait()
         return
-    from .runtime import _default_store, _group_timeout, describe_group
+    from .runtime import default_store, describe_group, group_timeout
 
     gloo = dist.get_backend(group) == "gloo"
     name = group.group_name
@@ -114,7 +114,7 @@ def all_gather_noticed(gathered: list[Any], local: Any, group: Any, what: str) -
         return
     me = dist.get_rank()
     try:
-        store = _default_store()
+        store = default_store()
         store.set(_key(group, me), str(call))
     except Exception:  # no store, or its host is gone: the collective reports the failure
         store = None
@@ -133,7 +133,7 @@ def all_gather_noticed(gathered: list[Any], local: Any, group: Any, what: str) -
             continue
         if not missing:  # every rank arrived since: the collective completes
             continue
-        timeout = _group_timeout(group)
+        timeout = group_timeout(group)
         limit = f"HFPATCH_TIMEOUT_S={timeout.total_seconds():g}s" if timeout else "the group's timeout"
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         logger.warning(

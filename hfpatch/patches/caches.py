@@ -65,7 +65,7 @@ CACHE_HOOKS: dict[str, str] = {
 }
 
 
-def _hooks(model: torch.nn.Module) -> list[tuple[str, Any]]:
+def cache_hooks(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """``(hook name, hook)`` of every diffusers cache hook on ``model`` and its submodules."""
     found = []
     for module in model.modules():
@@ -78,7 +78,7 @@ def _hooks(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
 def cache_names(model: torch.nn.Module) -> list[str]:
     """The diffusers step caches enabled on ``model`` (sorted class-style names)."""
-    return sorted({CACHE_HOOKS[name] for name, _ in _hooks(model)})
+    return sorted({CACHE_HOOKS[name] for name, _ in cache_hooks(model)})
 
 
 def check_caches(model: torch.nn.Module, *, sequence: int, cfg: int, data: int, two_call_cfg: bool) -> None:
@@ -90,7 +90,7 @@ def check_caches(model: torch.nn.Module, *, sequence: int, cfg: int, data: int, 
         two_call_cfg: CFG parallel puts the cond and uncond calls on different ranks (true CFG pipelines).
     """
     name = type(model).__name__
-    hooks = _hooks(model)
+    hooks = cache_hooks(model)
     caches = {CACHE_HOOKS[hook_name] for hook_name, _ in hooks}
     parallel = sequence * cfg * data > 1
     if "SeaCache" in caches and parallel:
@@ -186,7 +186,7 @@ def agree_caches(model: torch.nn.Module, state: Any, patch: Any) -> list[FirstBl
     Returns the installed :class:`FirstBlockDecision` objects (one per FirstBlockCache).
     """
     installed = []
-    for hook_name, hook in _hooks(model):
+    for hook_name, hook in cache_hooks(model):
         if hook_name == "fbc_leader_block_hook":
             decision = FirstBlockDecision(hook, state, model)
             patch.set_attr(hook, "_should_compute_remaining_blocks", decision)

@@ -3,10 +3,12 @@
 A pipeline's denoisers are its components whose class is in :data:`PER_SAMPLE_ARGS` (found by type, with the
 forward arguments that carry a batch dim) and the diffusers models named in :data:`DENOISER_NAMES`:
 :mod:`hfpatch.patches.pipeline` splits their calls, :mod:`hfpatch.patches.fsdp` shards their weights.
+:func:`pipeline_denoisers` finds them; :func:`known_class` names the most specific class of an object that a
+table (such as :data:`PER_SAMPLE_ARGS`) lists.
 
->>> from hfpatch.patches.denoisers import _transformers
+>>> from hfpatch.patches.denoisers import pipeline_denoisers
 >>> from hfpatch.testing import tiny_wan_pipe
->>> [type(model).__name__ for model in _transformers(tiny_wan_pipe())]
+>>> [type(model).__name__ for model in pipeline_denoisers(tiny_wan_pipe())]
 ['WanTransformer3DModel']
 """
 
@@ -61,7 +63,7 @@ def _class_names(obj: Any) -> list[str]:
     return [cls.__name__ for cls in type(obj).__mro__]
 
 
-def _known(obj: Any, table: Any) -> str | None:
+def known_class(obj: Any, table: Any) -> str | None:
     """The most specific class name of ``obj`` that is a key of (or listed in) ``table``."""
     return next((name for name in _class_names(obj) if name in table), None)
 
@@ -72,14 +74,14 @@ def _is_diffusers_model(obj: Any) -> bool:
     )
 
 
-def _transformers(pipe: Any) -> list[torch.nn.Module]:
+def pipeline_denoisers(pipe: Any) -> list[torch.nn.Module]:
     """The pipeline's denoisers, in component order: components whose class is in :data:`PER_SAMPLE_ARGS`
     (found by type), and diffusers models named in :data:`DENOISER_NAMES`."""
     found: list[torch.nn.Module] = []
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        known = _known(component, PER_SAMPLE_ARGS) is not None
+        known = known_class(component, PER_SAMPLE_ARGS) is not None
         if known or (name in DENOISER_NAMES and _is_diffusers_model(component)):
             if all(component is not f for f in found):
                 found.append(component)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patches.wan_attention import wan_self_attention_qkv
-from .kv_cache import StreamingConfig, StreamingKVCache, to_device, weights_version
+from .kv_cache import StreamingConfig, StreamingKVCache, weights_version
 from .sequence_parallel import (
     ShardedCall,
     StreamShard,
@@ -28,7 +28,7 @@ from .sequence_parallel import (
 
 
 @dataclass
-class _Call:
+class StreamingCall:
     """What the processors of one transformer call need (set by the patched ``forward``).
 
     Only tensors, lists of tensors and per-stream constants: a compiled forward reads nothing from here that
@@ -55,13 +55,7 @@ class _Call:
     sp: ShardedCall | None = None
 
 
-def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor:
-    """Token positions of whole frames (frame ``f`` covers ``[f * tokens_per_frame, (f + 1) * tokens_per_frame)``)."""
-    frame = torch.tensor(frames, dtype=torch.long)[:, None]
-    return to_device((frame * tokens_per_frame + torch.arange(tokens_per_frame)).flatten(), device)
-
-
-class _CallState:
+class StreamingCallState:
     """The call in flight; shared by the patched methods and processors of one transformer.
 
     ``shard``: this rank's place in a sequence-parallel split (``None``: one process); ``check_inputs``: run the
@@ -70,12 +64,12 @@ class _CallState:
     """
 
     def __init__(self, shard: StreamShard | None = None, check_inputs: bool = True) -> None:
-        self.call: _Call | None = None
+        self.call: StreamingCall | None = None
         self.shard = shard
         self.check_inputs = check_inputs
         self.modules: dict[str, torch.nn.Module] = {}
 
-    def current(self) -> _Call:
+    def current(self) -> StreamingCall:
         if self.call is None:
             raise RuntimeError(
                 "a streaming-patched Wan attention module was called outside the transformer's forward; "
@@ -103,7 +97,7 @@ class StreamingSelfAttnProcessor:
     the input attends within the input.
     """
 
-    def __init__(self, state: _CallState, config: StreamingConfig, layer: int) -> None:
+    def __init__(self, state: StreamingCallState, config: StreamingConfig, layer: int) -> None:
         self.state, self.config, self.layer = state, config, layer
 
     def __call__(
@@ -136,7 +130,7 @@ class StreamingSelfAttnProcessor:
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
-    def _buffers(self, call: _Call, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, call: StreamingCall, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if call.keys is None:  # the cache's first call (eager): allocate from layer 0's keys
             if self.layer == 0:
                 call.cache.ensure_allocated(k, call.tokens_per_frame)
@@ -167,7 +161,9 @@ class StreamingSelfAttnProcessor:
         values.index_copy_(1, call.write_index, v.detach())
         return _attend(q, k_all, v_all)
 
-    def _block_causal(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _block_causal(
+        self, call: StreamingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         outs = [
             _attend(q[:, start:end], k.index_select(1, index), v.index_select(1, index))
             for start, end, index in call.blocks
@@ -200,7 +196,7 @@ class StreamingCrossAttnProcessor:
     ``to_k``/``to_v`` on every call.
     """
 
-    def __init__(self, state: _CallState, layer: int) -> None:
+    def __init__(self, state: StreamingCallState, layer: int) -> None:
         self.state, self.layer = state, layer
 
     def __call__(
@@ -225,7 +221,7 @@ class StreamingCrossAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _cached_text(
+def cached_text(
     model: Any, cache: StreamingKVCache, prompt: torch.Tensor, shard: StreamShard | None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's text keys/values for ``prompt`` (this rank's part under a split): the cached ones while

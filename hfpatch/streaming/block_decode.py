@@ -1,6 +1,7 @@
 """The decode of each streamed block in :mod:`hfpatch.streaming.pipeline`: a block's latents to pixel frames
 through the streaming Wan decoder, run inline, or on a side CUDA stream so that the next block's denoising
-overlaps it, and the choice between the two for a device.
+overlaps it (:class:`InlineDecode`, :class:`SideStreamDecode`), and the choice between the two for a device
+(:func:`decode_runner`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def _pixel_frames(decoder: StreamingWanDecoder, vae_dtype, x0, mean, std) -> tor
     return (decoder.decode(z) / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
 
 
-class _InlineDecode:
+class InlineDecode:
     """Decode a block when it is done, on the current stream (CPU, or ``overlap_decode=False``)."""
 
     deferred = False
@@ -33,7 +34,7 @@ class _InlineDecode:
         return job
 
 
-class _SideStreamDecode(_InlineDecode):
+class SideStreamDecode(InlineDecode):
     """Decode on a second CUDA stream, so the VAE runs while the transformer works on the next block.
 
     The side stream waits for the block's latents (an event recorded on the current stream), and the
@@ -68,6 +69,6 @@ class _SideStreamDecode(_InlineDecode):
         return frames
 
 
-def _decode_runner(device: torch.device, overlap_decode: bool) -> type[_InlineDecode]:
+def decode_runner(device: torch.device, overlap_decode: bool) -> type[InlineDecode]:
     """How a stream decodes its blocks: on a side CUDA stream (``overlap_decode`` on CUDA) or in line."""
-    return _SideStreamDecode if overlap_decode and device.type == "cuda" else _InlineDecode
+    return SideStreamDecode if overlap_decode and device.type == "cuda" else InlineDecode

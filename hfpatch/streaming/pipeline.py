@@ -49,9 +49,9 @@ import torch.distributed as dist
 from ..core.config import ModelFacts, ParallelConfig, resolve_parallel
 from ..distributed.agreement import check_same_inputs
 from ..distributed.collectives import all_gather
-from .block_decode import _decode_runner
-from .block_decode import _InlineDecode as _InlineDecode  # the decode runners stay reachable here
-from .block_decode import _SideStreamDecode as _SideStreamDecode
+from .block_decode import InlineDecode as _InlineDecode  # noqa: F401  (reachable under its former name)
+from .block_decode import SideStreamDecode as _SideStreamDecode  # noqa: F401  (reachable under its former name)
+from .block_decode import decode_runner as _decode_runner
 from .kv_cache import StreamingConfig, StreamingKVCache
 from .vae import StreamingWanDecoder
 
@@ -115,7 +115,7 @@ def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.de
     return diffusers_randn_tensor(tuple(shape), generator=generator, device=device, dtype=dtype)
 
 
-def _renoise(x0: torch.Tensor, t: float, generator: Generators, num_train_timesteps: int) -> torch.Tensor:
+def renoise(x0: torch.Tensor, t: float, generator: Generators, num_train_timesteps: int) -> torch.Tensor:
     """Flow-matching forward process ``(1 - sigma) x0 + sigma * noise`` at timestep ``t``."""
     if t == 0:
         return x0
@@ -412,7 +412,7 @@ class StreamingWanPipeline:
             v = self._velocity(x, t, prompt, negative, guidance, offset, context, context_noise)
             x0 = x - (t / self.num_train_timesteps) * v
             if i + 1 < len(steps):
-                x = _renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
+                x = renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
         return x0
 
     def _context_pass(self, x0, prompt, negative, guidance, offset, context_noise) -> None:

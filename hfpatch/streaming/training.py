@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .kv_cache import StreamingConfig, StreamingKVCache
-from .pipeline import Generators, _renoise, randn_tensor
+from .pipeline import Generators, randn_tensor, renoise
 
 __all__ = ["ChunkInfo", "StreamingTrainingModel"]
 
@@ -233,9 +233,9 @@ class StreamingTrainingModel:
                 ).sample
                 x0 = x - (t / self.num_train_timesteps) * v
             if i < exit_step:
-                x = _renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
+                x = renoise(x0, steps[i + 1], generator, self.num_train_timesteps)
         with torch.no_grad():
-            context = _renoise(x0.detach(), self.context_noise, generator, self.num_train_timesteps)
+            context = renoise(x0.detach(), self.context_noise, generator, self.num_train_timesteps)
             self.transformer(
                 context,
                 torch.full((batch,), self.context_noise, device=device),

@@ -56,14 +56,13 @@ from ..core.registry import PatchFamily
 from ..distributed.agreement import check_same_inputs
 from ..distributed.gradients import average_input_gradients
 from .attention_processors import (
+    StreamingCall,
+    StreamingCallState,
     StreamingCrossAttnProcessor,
     StreamingSelfAttnProcessor,
-    _cached_text,
-    _Call,
-    _CallState,
-    _token_index,
+    cached_text,
 )
-from .kv_cache import StreamingConfig, StreamingKVCache, visible_frames
+from .kv_cache import StreamingConfig, StreamingKVCache, to_device, visible_frames
 from .sequence_parallel import (
     StreamShard,
 )
@@ -71,11 +70,17 @@ from .sequence_parallel import (
 __all__ = ["StreamingConfig", "WanStreamingPatch"]
 
 
-def _rope_forward(state: _CallState, rope: Any) -> Callable:
+def _token_index(frames: list[int], tokens_per_frame: int, device: torch.device) -> torch.Tensor:
+    """Token positions of whole frames (frame ``f`` covers ``[f * tokens_per_frame, (f + 1) * tokens_per_frame)``)."""
+    frame = torch.tensor(frames, dtype=torch.long)[:, None]
+    return to_device((frame * tokens_per_frame + torch.arange(tokens_per_frame)).flatten(), device)
+
+
+def _rope_forward(state: StreamingCallState, rope: Any) -> Callable:
     """``rope.forward`` at absolute frame positions ``frame_offset + i``, computed on the fly (no max length).
 
     Same frequencies and layout as ``WanRotaryPosEmbed.forward``; the height/width parts come from its table.
-    The positions come as a tensor (:attr:`_Call.positions`), so a compiled forward serves every block.
+    The positions come as a tensor (:attr:`StreamingCall.positions`), so a compiled forward serves every block.
     """
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
@@ -111,7 +116,7 @@ def _rope_forward(state: _CallState, rope: Any) -> Callable:
     return forward
 
 
-def _condition_forward(state: _CallState, original: Callable) -> Callable:
+def _condition_forward(state: StreamingCallState, original: Callable) -> Callable:
     """``condition_embedder.forward`` computing per-token timestep embeddings once per frame."""
 
     def forward(timestep, encoder_hidden_states, encoder_hidden_states_image=None, timestep_seq_len=None):
@@ -134,7 +139,7 @@ def _condition_forward(state: _CallState, original: Callable) -> Callable:
     return forward
 
 
-def _local_tokens_forward(state: _CallState, original: Callable) -> Callable:
+def _local_tokens_forward(state: StreamingCallState, original: Callable) -> Callable:
     """``patch_embedding.forward`` keeping this rank's tokens, ``[B, C, S_local]`` (the stock forward flattens and
     transposes it into ``[B, S_local, C]``)."""
 
@@ -148,7 +153,7 @@ def _local_tokens_forward(state: _CallState, original: Callable) -> Callable:
     return forward
 
 
-def _gather_forward(state: _CallState, original: Callable) -> Callable:
+def _gather_forward(state: StreamingCallState, original: Callable) -> Callable:
     """``proj_out.forward`` gathering every rank's tokens into the full sequence (identical on every rank)."""
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -184,14 +189,14 @@ class _Runner:
         self.compiled: dict[str, Callable] = {}
         self.static: set[int] = set()  # data_ptr of the tensors marked static for CUDA graphs
 
-    def kind(self, call: _Call) -> str | None:
+    def kind(self, call: StreamingCall) -> str | None:
         if not self.config.compile or call.keys is None or call.read_index is not None:
             return None  # no cache, a recache chunk, or the cache's first (allocating) call: eager
         return ("warmup" if call.key_mask is not None else "steady") + (
             "_grad" if torch.is_grad_enabled() else ""
         )
 
-    def __call__(self, call: _Call, *args: Any) -> Any:
+    def __call__(self, call: StreamingCall, *args: Any) -> Any:
         kind = self.kind(call)
         if kind is None:
             return self.original(*args)
@@ -223,7 +228,7 @@ class _Runner:
 
 
 def _transformer_forward(
-    state: _CallState, config: StreamingConfig, model: Any, original: Callable
+    state: StreamingCallState, config: StreamingConfig, model: Any, original: Callable
 ) -> Callable:
     """The transformer ``forward`` with ``frame_offset``, ``kv_cache`` and ``recache`` (cache mode runs block by
     block, a recache as one chunk); under a split, checked over the ranks first."""
@@ -342,7 +347,7 @@ def _transformer_forward(
             timestep = timestep.repeat_interleave(tokens_per_frame, dim=1)  # the stock per-token path
         device = hidden_states.device
         positions = torch.arange(frame_offset, frame_offset + frames, device=device)
-        call = _Call(tokens_per_frame, positions)
+        call = StreamingCall(tokens_per_frame, positions)
         if kv_cache is not None:
             if kv_cache.keys is not None:  # the dtype is checked by the processors (autocast decides it)
                 if shard is None:
@@ -367,7 +372,7 @@ def _transformer_forward(
                 else:
                     call.key_mask = kv_cache.key_mask(read + write, tokens_per_frame, device)
             if not torch.is_grad_enabled():
-                call.cross = _cached_text(model, kv_cache, encoder_hidden_states, shard)
+                call.cross = cached_text(model, kv_cache, encoder_hidden_states, shard)
         elif shard is not None:
             visible = _frame_visibility(config, frame_offset, frames)
             call.sp = shard.chunk_call(frames, tokens_per_frame, visible, device)
@@ -497,7 +502,7 @@ class WanStreamingPatch(PatchFamily):
         if config is None:
             return
         shard = StreamShard.from_mesh(mesh) if mesh.config.sequence_parallel > 1 else None
-        state = _CallState(shard, bool(options["check_inputs"]))
+        state = StreamingCallState(shard, bool(options["check_inputs"]))
         if shard is not None:
             for name, wrap in (("patch_embedding", _local_tokens_forward), ("proj_out", _gather_forward)):
                 module = getattr(target, name)

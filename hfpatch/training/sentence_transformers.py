@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .contrastive import ContrastiveLoss, GISTLoss, InfoNCELoss
-from .gradcache import GradCache, cross_rank_world, is_sentence_transformer, split_inputs
-from .gradcache_models import _unwrap
+from .contrastive import ContrastiveLoss, GISTLoss, InfoNCELoss, cross_rank_world
+from .gradcache import GradCache, is_sentence_transformer, split_inputs
+from .gradcache.encoders import inner_module
 from .vlm_split import VisionTokenSpec
 
 __all__ = ["GradCacheLoss", "row_blocked_equivalent", "tiny_sentence_transformer"]
@@ -160,7 +160,7 @@ def _model_slots(module: nn.Module, model: nn.Module) -> Iterator[tuple[nn.Modul
     """``(parent, name, child, is_trained_model)`` for every sentence-transformers model held by ``module`` (its
     submodules included; not looking inside the models themselves)."""
     for name, child in module.named_children():
-        if _unwrap(child) is _unwrap(model):
+        if inner_module(child) is inner_module(model):
             yield module, name, child, True
         elif is_sentence_transformer(child):
             yield module, name, child, False

@@ -421,7 +421,11 @@ def test_pipeline_parallel_apply_twice_is_noop_and_conflict_raises(two_rank_resu
         assert results["same_again"] is True
         # Only what differs, not both option dicts whole
         assert "already patched" in results["conflict"], results["conflict"]
-        assert "(plan: ParallelConfig(cfg=2) now, ParallelConfig(data=2) asked)" in results["conflict"]
+        # The test's registry has the pipeline family only: no VAE family, so the plans split no VAE (vae=1).
+        assert (
+            "(plan: ParallelConfig(cfg=2, vae=1) now, ParallelConfig(data=2, vae=1) asked)"
+            in results["conflict"]
+        )
         assert "WanTransformer3DModel" in results["repr"] and ".forward (was ABSENT)" in results["repr"]
 
 
@@ -445,7 +449,9 @@ def test_pipeline_parallel_four_ranks_cfg_and_data_equals_unpatched(rank_pool):
             assert result["shape"][0] == result["shape"][1], (rank, case, result)
             assert result["diff"] <= reassociation_tol(result["noise"]), (rank, case, result)
             assert result["restored"], (rank, case)
-        assert results["wan_cfg_data"]["plan"] == ParallelConfig(data=2, cfg=2)
+        assert results["wan_cfg_data"]["plan"] == ParallelConfig(
+            data=2, cfg=2, vae=1
+        )  # no VAE family registered
         for case in ("wan_auto", "wan22_auto", "sd3_auto"):
             assert results[case]["plan"] == ParallelConfig(cfg=2, ulysses=2), (case, results[case]["plan"])
 
@@ -456,7 +462,7 @@ def test_pipeline_parallel_three_ranks_data_and_ring_equals_unpatched(rank_pool)
             assert result["shape"][0] == result["shape"][1], (rank, case, result)
             assert result["diff"] <= reassociation_tol(result["noise"]), (rank, case, result)
             assert result["restored"], (rank, case)
-        assert results["wan_data"]["plan"] == ParallelConfig(data=3)
+        assert results["wan_data"]["plan"] == ParallelConfig(data=3, vae=1)  # no VAE family registered
         for case in ("wan_auto", "sd3_auto"):
             assert results[case]["plan"] == ParallelConfig(ring=3), (case, results[case]["plan"])
 

@@ -131,7 +131,7 @@ def test_cached_forward_without_rope_offset_breaks_equality(model, model64, monk
 
 
 def _rope_at(model, frames: int, offset: int):
-    from hfpatch.streaming.transformer import _Call
+    from hfpatch.streaming.attention_processors import StreamingCall as _Call
 
     state = model.blocks[0].attn1.processor.state
     state.call = _Call(tokens_per_frame=4, positions=torch.arange(offset, offset + frames))

@@ -49,19 +49,22 @@ from ...core.registry import PatchFamily
 from ...distributed.agreement import check_same_inputs, named_arguments
 from ...distributed.gradients import average_input_gradients
 from .sharding import (
-    _IMPLEMENTATIONS,
-    _OUTPUTS,
-    _VISION_MODES,
-    _attention_function,
-    _mask_interface,
-    _sharded_loss,
-    _Split,
-    _split_vision,
+    DecoderSplit,
+    attention_function,
     decoder_of,
+    mask_interface,
+    sharded_loss,
+    split_vision,
     vision_of,
 )
 
 __all__ = ["DecoderUSP"]
+
+#: Attention implementations whose semantics (softmax attention under ``create_causal_mask``'s mask) the
+#: patched model reproduces; rows with no key (left padding) are zeros as with SDPA.
+_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+_OUTPUTS = ("full", "shard")
+_VISION_MODES = ("split", "replicate")
 
 
 # ----------------------------------------------------------------------------------------------- family
@@ -155,12 +158,12 @@ class DecoderUSP(PatchFamily):
         if mesh.config.sequence_parallel == 1:
             return
         _, decoder = decoder_of(target)
-        split = _Split(mesh, options["sp_tile"], options["sp_output"])
+        split = DecoderSplit(mesh, options["sp_tile"], options["sp_output"])
 
         # 1. A name of its own in transformers' interfaces, and a config copy that selects it.
         implementation = f"hfpatch_sp_{id(split):x}"
-        AttentionInterface.register(implementation, _attention_function(split))
-        AttentionMaskInterface.register(implementation, _mask_interface)
+        AttentionInterface.register(implementation, attention_function(split))
+        AttentionMaskInterface.register(implementation, mask_interface)
 
         def unregister() -> None:
             AttentionInterface._global_mapping.pop(implementation, None)
@@ -235,11 +238,11 @@ class DecoderUSP(PatchFamily):
 
         vision = vision_of(target)
         if vision is not None and options["sp_vision"] == "split":
-            patch.wrap_method(vision, "forward", _split_vision(split, vision.spatial_merge_size))
+            patch.wrap_method(vision, "forward", split_vision(split, vision.spatial_merge_size))
 
         # 4. sp_output="shard" with labels: the loss over every real token, from sharded logits.
         if split.output == "shard" and hasattr(target, "lm_head"):
-            patch.set_attr(target, "_loss_function", _sharded_loss(target.loss_function, split))
+            patch.set_attr(target, "_loss_function", sharded_loss(target.loss_function, split))
 
         # 5. Every call: checks (the same on every rank, before any collective), same inputs, input grads.
         forward = type(target).forward

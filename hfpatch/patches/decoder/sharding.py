@@ -34,11 +34,6 @@ DECODERS: dict[str, str] = {
     "transformers.Qwen2VLForConditionalGeneration": "model.language_model",
     "transformers.Qwen2VLModel": "language_model",
 }
-#: Attention implementations whose semantics (softmax attention under ``create_causal_mask``'s mask) the
-#: patched model reproduces; rows with no key (left padding) are zeros as with SDPA.
-_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-_OUTPUTS = ("full", "shard")
-_VISION_MODES = ("split", "replicate")
 
 
 #: Class key -> path of its vision tower (Qwen-VL: it encodes images and videos frame by frame).
@@ -210,7 +205,7 @@ class ModelMask:
         return classify_tile(mask)
 
 
-def _mask_interface(
+def mask_interface(
     batch_size: int,
     q_length: int,
     kv_length: int,
@@ -250,7 +245,7 @@ def _mask_interface(
 
 
 # ----------------------------------------------------------------------------------------------- state
-class _Split:
+class DecoderSplit:
     """One patched model's groups and settings, shared by its hooks and its attention function."""
 
     def __init__(self, mesh: Any, tile: int, output: str) -> None:
@@ -291,7 +286,7 @@ class _Split:
         )
 
 
-def _attention_function(split: _Split) -> Callable:
+def attention_function(split: DecoderSplit) -> Callable:
     """The patch's entry in ``ALL_ATTENTION_FUNCTIONS``: transformers' signature, sequence-parallel inside."""
 
     def sequence_parallel_attention(
@@ -343,7 +338,7 @@ def _attention_function(split: _Split) -> Callable:
     return sequence_parallel_attention
 
 
-def _split_vision(split: _Split, merge: int) -> Callable:
+def split_vision(split: DecoderSplit, merge: int) -> Callable:
     """A vision tower ``forward`` that encodes this rank's run of frames (:func:`frame_split`) and all-gathers
     the merged features (and DeepStack's), whose backward sums the ranks' gradients back to each frame's owner."""
 
@@ -387,7 +382,7 @@ def _split_vision(split: _Split, merge: int) -> Callable:
     return wrap
 
 
-def _sharded_loss(original: Callable, split: _Split) -> Callable:
+def sharded_loss(original: Callable, split: DecoderSplit) -> Callable:
     """``model.loss_function`` for ``sp_output="shard"``: each rank scores its shard of the shifted labels,
     normalised by the GLOBAL count of real labels, and the ranks' sums are added (no mean of means)."""
 

@@ -40,7 +40,7 @@ from ...core.config import ModelFacts, ParallelConfig
 from ...core.patch import Patch
 from ...core.registry import class_key
 from .plans import PLANS, UNSUPPORTED
-from .processors import DISPATCH, SDPA, USPDispatchProcessor, _route_kind, usp_dispatch_processor
+from .processors import DISPATCH, SDPA, USPDispatchProcessor, route_kind, usp_dispatch_processor
 from .sequence_parallel import SequenceParallelFamily, SequenceShard
 from .vocabulary import AttentionRoute, DiTPlan, GatherOutput, SequencePlan, Spec, SplitInput, SplitOutput
 
@@ -198,7 +198,7 @@ class PlannedDiTUSP(SequenceParallelFamily):
                 )
         super().validate(target, config, options)
         for path, module, _ in self._routes(target):
-            if _route_kind(type(module.processor)) is None:
+            if route_kind(type(module.processor)) is None:
                 raise ValueError(
                     f"{type(target).__name__}.{path}: {type(module.processor).__name__} calls neither {DISPATCH} "
                     f"nor F.{SDPA} from its __call__, so hfpatch cannot route its attention"
@@ -233,13 +233,13 @@ class PlannedDiTUSP(SequenceParallelFamily):
                     check(target, named)
 
             patch.add_forward_pre_hook(target, refuse_arguments)  # before the plan's first collective
-        from ..caches import _hooks, agree_caches
+        from ..caches import agree_caches, cache_hooks
 
-        enabled = [hook for _, hook in _hooks(target)]
+        enabled = [hook for _, hook in cache_hooks(target)]
 
         def check_caches_unchanged(_module, args, kwargs):
             # A step cache enabled (or replaced) after apply would decide from this rank's shard alone.
-            if [hook for _, hook in _hooks(target)] != enabled:
+            if [hook for _, hook in cache_hooks(target)] != enabled:
                 raise RuntimeError(
                     f"{type(target).__name__}: a diffusers step cache was enabled or changed after hfpatch.apply; "
                     "its skip decisions would follow this rank's shard only. Enable the cache before "

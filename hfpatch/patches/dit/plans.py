@@ -15,12 +15,12 @@ True
 from __future__ import annotations
 
 from .vocabulary import (
-    _COGVIDEOX_LAYOUT,
-    _CONTROLNET,
-    _HUNYUAN_PLAN,
-    _IMAGE_TOKENS_PLAN,
-    _TOKEN_REPLACE_REFUSED,
-    _WAN_PLAN,
+    COGVIDEOX_LAYOUT,
+    CONTROLNET,
+    HUNYUAN_PLAN,
+    IMAGE_TOKENS_PLAN,
+    TOKEN_REPLACE_REFUSED,
+    WAN_PLAN,
     AttentionRoute,
     DiTPlan,
     FullLength,
@@ -30,13 +30,13 @@ from .vocabulary import (
     ReplicatedOutput,
     SplitInput,
     SplitOutput,
-    _kandinsky_heads,
-    _no_padded_patches,
-    _one_segment,
-    _same_caption_lengths,
-    _same_size_images,
     flux_like,
+    kandinsky_heads,
+    no_padded_patches,
+    one_segment,
     refused_unless,
+    same_caption_lengths,
+    same_size_images,
 )
 
 __all__ = ["PLANS", "UNSUPPORTED"]
@@ -44,13 +44,13 @@ __all__ = ["PLANS", "UNSUPPORTED"]
 #: Class key -> how hfpatch parallelises it. Classes whose ``_cp_plan`` is used say so by ``plan=None``.
 PLANS: dict[str, DiTPlan] = {
     "diffusers.WanTransformer3DModel": DiTPlan(
-        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=_WAN_PLAN
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=WAN_PLAN
     ),
     # ChronoEdit: Wan 2.1 I2V's forward with a temporal-skip rotary table (its own WanAttnProcessor class, the
     # same code). Wan's plan rather than its _cp_plan: the same memory argument. attn2's image keys are
     # attended with parallel_config=None by the stock code: local, exact (replicated keys, local queries).
     "diffusers.ChronoEditTransformer3DModel": DiTPlan(
-        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=_WAN_PLAN
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor",)),), plan=WAN_PLAN
     ),
     # Wan VACE: Wan's plan, plus the control video's patch embedding cut the same way (the hints the VACE
     # blocks add to the main blocks are per token); the VACE blocks' self-attention is routed too. A control
@@ -62,7 +62,7 @@ PLANS: dict[str, DiTPlan] = {
             AttentionRoute("vace_blocks.*.attn1", ("WanAttnProcessor",)),
         ),
         plan={
-            **{k: v for k, v in _WAN_PLAN.items() if k != ""},  # VACE takes timesteps [B] only
+            **{k: v for k, v in WAN_PLAN.items() if k != ""},  # VACE takes timesteps [B] only
             "vace_patch_embedding": (SplitOutput(dim=2, flatten_from=2),),
         },
     ),
@@ -100,7 +100,7 @@ PLANS: dict[str, DiTPlan] = {
     # splits them from the text) and the rotary table (cos, sin), each [S, D], are cut. The stock processor
     # concatenates [text, local video] before projecting and rotates [text_len:]: with the local rotary shard,
     # exactly this rank's video tokens (text = len - local_len, in front).
-    "diffusers.CogVideoXTransformer3DModel": _COGVIDEOX_LAYOUT,
+    "diffusers.CogVideoXTransformer3DModel": COGVIDEOX_LAYOUT,
     # HunyuanDiT: no _cp_plan. The patch embedding's output (no positions: rotary), the rotary table (cos, sin),
     # each [S, D], and ControlNet residuals are cut; the long skips between blocks are per token. attn2 is the
     # cross-attention to the replicated text (rotary on the local queries only): left alone, exact.
@@ -163,8 +163,8 @@ PLANS: dict[str, DiTPlan] = {
                 "single_transformer_blocks.*.attn", ("HunyuanVideoAttnProcessor2_0",), joint="back"
             ),
         ),
-        plan=_HUNYUAN_PLAN,
-        refuse_config=_TOKEN_REPLACE_REFUSED,
+        plan=HUNYUAN_PLAN,
+        refuse_config=TOKEN_REPLACE_REFUSED,
     ),
     # HunyuanVideo 1.5: no _cp_plan. HunyuanVideo's layout (video tokens cut at the patch embedding, rotary
     # tables [S, D] at the rope, text replicated and joined *behind* the video). The text (refined MLLM text,
@@ -175,7 +175,7 @@ PLANS: dict[str, DiTPlan] = {
         attention=(
             AttentionRoute("transformer_blocks.*.attn", ("HunyuanVideo15AttnProcessor2_0",), joint="back"),
         ),
-        plan=_HUNYUAN_PLAN,
+        plan=HUNYUAN_PLAN,
     ),
     # LTX-2 (audio + video): _cp_plan minus the text. Only the video tokens are cut (hidden_states, the
     # self-attention and a2v/v2a rotary tables: [B, S, D] for interleaved rope, [B, H, S, D/2] for split rope,
@@ -224,7 +224,7 @@ PLANS: dict[str, DiTPlan] = {
     "diffusers.ChromaTransformer2DModel": flux_like(
         "FluxAttnProcessor",
         plan={
-            "": (*_IMAGE_TOKENS_PLAN[""], SplitInput("attention_mask", dim=1, joint="front"), *_CONTROLNET),
+            "": (*IMAGE_TOKENS_PLAN[""], SplitInput("attention_mask", dim=1, joint="front"), *CONTROLNET),
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
@@ -232,7 +232,7 @@ PLANS: dict[str, DiTPlan] = {
     "diffusers.BriaTransformer2DModel": flux_like(
         "BriaAttnProcessor",
         plan={
-            "": (*_IMAGE_TOKENS_PLAN[""], *_CONTROLNET),
+            "": (*IMAGE_TOKENS_PLAN[""], *CONTROLNET),
             "proj_out": (GatherOutput(dim=1),),
         },
     ),
@@ -250,7 +250,7 @@ PLANS: dict[str, DiTPlan] = {
             AttentionRoute("mode_blocks.image.*.attn", ("Flux3AttnProcessor",)),
             AttentionRoute("single_transformer_blocks.*.attn", ("Flux3AttnProcessor",), joint="front"),
         ),
-        plan=_IMAGE_TOKENS_PLAN,
+        plan=IMAGE_TOKENS_PLAN,
         refuse={
             "image_cond_hidden_states": (
                 "the reference image tokens are a second sequence of their own length, joined behind the image "
@@ -263,7 +263,7 @@ PLANS: dict[str, DiTPlan] = {
     # block-causal variant builds a token x token mask: both refused.
     "diffusers.SkyReelsV2Transformer3DModel": DiTPlan(
         attention=(AttentionRoute("blocks.*.attn1", ("SkyReelsV2AttnProcessor",)),),
-        plan={k: v for k, v in _WAN_PLAN.items() if k != ""},
+        plan={k: v for k, v in WAN_PLAN.items() if k != ""},
         refuse={
             "enable_diffusion_forcing": (
                 "the per-frame timesteps become a per-token modulation inside forward, which no plan entry reaches"
@@ -283,7 +283,7 @@ PLANS: dict[str, DiTPlan] = {
             AttentionRoute("transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
             AttentionRoute("single_transformer_blocks.*.attn", ("HunyuanImageAttnProcessor",), joint="back"),
         ),
-        plan=_HUNYUAN_PLAN,
+        plan=HUNYUAN_PLAN,
     ),
     # CogView4: the patch embedding returns (image, text): the image tokens are cut, with the rotary table
     # ([S, D] each); the stock processor (SDPA) attends over [text, image].
@@ -356,7 +356,7 @@ PLANS: dict[str, DiTPlan] = {
             "all_final_layer.*": (GatherOutput(dim=1, joint="back"),),
         },
         refuse={"controlnet_block_samples": "the residuals span the packed [image, text] sequence"},
-        check=_same_size_images,
+        check=same_size_images,
         heads="n_heads",
     ),
     # Lumina-Image 2.0: the refiners run on the text and on the image apart; then one packed [text, image] sequence
@@ -378,7 +378,7 @@ PLANS: dict[str, DiTPlan] = {
             "layers.*": (SplitInput("image_rotary_emb", dim=1, joint="front"),),  # complex [B, T + S, D/2]
             "norm_out": (GatherOutput(dim=1, joint="front"),),
         },
-        check=_same_caption_lengths,
+        check=same_caption_lengths,
     ),
     # PRX: the image tokens query [text, image] keys (no text queries; the text is projected to keys/values
     # only, replicated). The image tokens are cut at their embedding, the rotary table ([B, 1, S, ...]) at the
@@ -416,7 +416,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "proj_out": (GatherOutput(dim=1),),
         },
-        check=_no_padded_patches,
+        check=no_padded_patches,
     ),
     # Mochi 1: the video tokens cut entering the first block (the patch embedding runs per frame), with the rotary
     # table ((cos, sin), each [S, H, D/2]); the stock processor (SDPA) attends once per sample over [video, that
@@ -460,7 +460,7 @@ PLANS: dict[str, DiTPlan] = {
             AttentionRoute("transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
             AttentionRoute("single_transformer_blocks.*.attn", ("MotifVideoAttnProcessor2_0",), joint="back"),
         ),
-        plan=_HUNYUAN_PLAN,
+        plan=HUNYUAN_PLAN,
         refuse_config={
             "num_decoder_layers": (
                 refused_unless(0),
@@ -522,7 +522,7 @@ PLANS: dict[str, DiTPlan] = {
     # ConsisID: CogVideoX's layout (the video tokens cut entering the first block, after the stock code separates
     # them from the text; rotary table [S, D] each); the face perceiver's queries are the video tokens and its
     # keys the replicated face embedding: local, exact.
-    "diffusers.ConsisIDTransformer3DModel": _COGVIDEOX_LAYOUT,
+    "diffusers.ConsisIDTransformer3DModel": COGVIDEOX_LAYOUT,
     # Ideogram 4: one packed sequence per sample (LLM tokens and output-image tokens, told apart by `indicator`) with
     # one row of position ids per token: every per-token input is cut at the model's input. Tokens attend within
     # their segment (segment_ids): one segment is a full (all True) token mask per shard, exact; several segments
@@ -540,7 +540,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "final_layer": (GatherOutput(dim=1),),
         },
-        check=_one_segment,
+        check=one_segment,
     ),
     # HiDream-I1: image tokens cut at the patch embedding, text (T5 and Llama layers) replicated and joined behind
     # the image tokens in dual- and single-stream blocks (HiDream's processor, SDPA); the rotary table over
@@ -574,7 +574,7 @@ PLANS: dict[str, DiTPlan] = {
             "visual_transformer_blocks.-1": (GatherOutput(dim=1),),
         },
         refuse={"sparse_params": "NABLA sparse attention picks key blocks from scores over the whole grid"},
-        heads=_kandinsky_heads,
+        heads=kandinsky_heads,
     ),
     # HunyuanVideo FramePack: HunyuanVideo's blocks over one packed sequence (the history latents, each patchified
     # at its own scale, then the current latents), cut entering the first block with its rotary table ([S, D]
@@ -600,7 +600,7 @@ PLANS: dict[str, DiTPlan] = {
             ),
             "single_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
         },
-        refuse_config=_TOKEN_REPLACE_REFUSED,
+        refuse_config=TOKEN_REPLACE_REFUSED,
     ),
     # Stable Audio Open: the audio latent frames cut at the input projection (the pre-convolution runs on the
     # whole clip first); the global (duration + time) token joins in front, replicated; the caller's rotary table
@@ -645,7 +645,7 @@ PLANS: dict[str, DiTPlan] = {
             "visual_transformer_blocks.-1": (GatherOutput(dim=1, index=0),),
             "audio_out_layer": (ReplicatedOutput(),),
         },
-        heads=_kandinsky_heads,
+        heads=kandinsky_heads,
     ),
     # Stable Audio 3: the memory tokens join in front of the audio frames (replicated); the rotary table is built
     # from the whole packed length before the first block, so the frames are cut entering it (their count taken at

@@ -502,7 +502,7 @@ def _processor_class(stock_cls: type, base: type[USPDispatchProcessor]) -> type[
     return type(name, (base,), {"__call__": __call__, "__module__": __name__, "__qualname__": name})
 
 
-def _route_kind(processor_cls: type) -> type[USPDispatchProcessor] | None:
+def route_kind(processor_cls: type) -> type[USPDispatchProcessor] | None:
     """The stand-in class that can route ``processor_cls``'s attention, or ``None``.
 
     ``dispatch_attention_fn`` (with ``parallel_config``) where the ``__call__`` reads it, bound per stand-in where it
@@ -530,10 +530,10 @@ def usp_dispatch_processor(
     """The stand-in of ``stock`` (:class:`USPDispatchProcessor` or :class:`USPSDPAProcessor`, by its code).
 
     >>> from diffusers.models.attention_processor import AttnProcessor2_0
-    >>> _route_kind(AttnProcessor2_0).__name__
+    >>> route_kind(AttnProcessor2_0).__name__
     'USPSDPAProcessor'
     """
-    base = _route_kind(type(stock))
+    base = route_kind(type(stock))
     if base is None:
         raise ValueError(f"{where}: {type(stock).__name__} attends through neither {DISPATCH} nor F.{SDPA}")
     return _processor_class(type(stock), base)(stock, state, joint, where)

@@ -235,7 +235,7 @@ _TEXT = "the text tokens stay replicated (joint part of the attention)"
 #: embedding's output instead of block 0's input (the full embedding is freed at once:
 #: tests/patches/test_usp_memory.py) and per-token timesteps [B, S] (Wan 2.2 expand_timesteps). attn2 attends to
 #: the replicated text/image.
-_WAN_PLAN: SequencePlan = {
+WAN_PLAN: SequencePlan = {
     "": (SplitInput("timestep", dim=1, ndim=2),),
     "rope": (SplitOutput(dim=1),),  # (cos, sin), each [1, S, 1, D]
     "patch_embedding": (SplitOutput(dim=2, flatten_from=2),),  # [B, C, F, H, W] -> tokens [B, C, S]
@@ -244,7 +244,7 @@ _WAN_PLAN: SequencePlan = {
 
 #: The packed image tokens [B, S, C] and their ids ([S, n], or deprecated [B, S, n]) cut at the model's input, the
 #: output gathered at ``proj_out``: the plan of every Flux-like model (and of Flux.1's _cp_plan minus the text).
-_IMAGE_TOKENS_PLAN: SequencePlan = {
+IMAGE_TOKENS_PLAN: SequencePlan = {
     "": (SplitInput("hidden_states", dim=1), SplitInput("img_ids", dim=-2)),
     "proj_out": (GatherOutput(dim=1),),
 }
@@ -252,7 +252,7 @@ _IMAGE_TOKENS_PLAN: SequencePlan = {
 
 #: Flux-style ControlNet residuals: lists of [B, S, D] added per image token (to the image part of the joint
 #: sequence in the single-stream blocks), cut like the tokens.
-_CONTROLNET = (
+CONTROLNET = (
     SplitInput("controlnet_block_samples", dim=1),
     SplitInput("controlnet_single_block_samples", dim=1),
 )
@@ -262,27 +262,27 @@ def flux_like(processor: str, single: str | None = None, **row: Any) -> DiTPlan:
     """The row of a Flux-like model: dual-stream ``transformer_blocks.*.attn`` (``processor``) and single-stream
     ``single_transformer_blocks.*.attn`` (``single``, default ``processor``) both attend over ``[text, image]``
     (text replicated, in front); the packed image tokens and their ids are cut at the model's input
-    (:data:`_IMAGE_TOKENS_PLAN`). ``row`` adds or overrides :class:`DiTPlan` fields.
+    (:data:`IMAGE_TOKENS_PLAN`). ``row`` adds or overrides :class:`DiTPlan` fields.
     """
     return DiTPlan(
         attention=(
             AttentionRoute("transformer_blocks.*.attn", (processor,), joint="front"),
             AttentionRoute("single_transformer_blocks.*.attn", (single or processor,), joint="front"),
         ),
-        **{"plan": _IMAGE_TOKENS_PLAN, **row},
+        **{"plan": IMAGE_TOKENS_PLAN, **row},
     )
 
 
 #: HunyuanVideo's layout (and its relatives'): the video tokens cut at the patch embedding's output, the rotary
 #: tables at the rope's, the output gathered at ``proj_out``.
-_HUNYUAN_PLAN: SequencePlan = {
+HUNYUAN_PLAN: SequencePlan = {
     "rope": (SplitOutput(dim=0),),  # (cos, sin), each [S, D]
     "x_embedder": (SplitOutput(dim=1),),  # tokens [B, S, C]
     "proj_out": (GatherOutput(dim=1),),
 }
 
 
-def _same_size_images(model: Any, named: dict[str, Any]) -> None:
+def same_size_images(model: Any, named: dict[str, Any]) -> None:
     """Z-Image: every sample's image tokens must start at the same place of the packed sequence."""
     images = named.get("x") or []
     if images and isinstance(images[0], list):
@@ -297,7 +297,7 @@ def _same_size_images(model: Any, named: dict[str, Any]) -> None:
         )
 
 
-def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
+def same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
     """Lumina 2: every sample's image tokens must start at the same place of the packed [text, image] sequence."""
     mask = named.get("encoder_attention_mask")
     if mask is not None and len(set(mask.sum(dim=1).tolist())) > 1:
@@ -308,7 +308,7 @@ def _same_caption_lengths(model: Any, named: dict[str, Any]) -> None:
         )
 
 
-def _one_segment(model: Any, named: dict[str, Any]) -> None:
+def one_segment(model: Any, named: dict[str, Any]) -> None:
     """Ideogram 4: one attention segment per sample (several make a block-diagonal mask over the sharded tokens)."""
     segments = named.get("segment_ids")
     if segments is not None and bool((segments != segments[:, :1]).any()):
@@ -319,7 +319,7 @@ def _one_segment(model: Any, named: dict[str, Any]) -> None:
         )
 
 
-def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
+def no_padded_patches(model: Any, named: dict[str, Any]) -> None:
     """JoyImage-Edit-Plus: no padded (masked) patch among the sharded tokens."""
     shapes, hidden_states = named.get("shape_list"), named.get("hidden_states")
     if shapes is None or hidden_states is None or named.get("encoder_hidden_states_mask") is None:
@@ -331,13 +331,13 @@ def _no_padded_patches(model: Any, named: dict[str, Any]) -> None:
         )
 
 
-def _kandinsky_heads(config: Any) -> int:
+def kandinsky_heads(config: Any) -> int:
     """Kandinsky 5's head count: its head size is the sum of the rotary axes."""
     return config.model_dim // sum(config.axes_dims)
 
 
 #: HunyuanVideo's and Framepack's token-replace I2V: its blocks treat the first frame's tokens apart by position.
-_TOKEN_REPLACE_REFUSED = {
+TOKEN_REPLACE_REFUSED = {
     "image_condition_type": (
         "token_replace",
         "the token-replace I2V blocks treat the first frame's tokens apart by position in the sequence",
@@ -345,7 +345,7 @@ _TOKEN_REPLACE_REFUSED = {
 }
 
 #: CogVideoX's plan, which ConsisID shares (see their rows in :data:`PLANS`).
-_COGVIDEOX_LAYOUT = DiTPlan(
+COGVIDEOX_LAYOUT = DiTPlan(
     attention=(AttentionRoute("transformer_blocks.*.attn1", ("CogVideoXAttnProcessor2_0",), joint="front"),),
     plan={
         "": (SplitInput("image_rotary_emb", dim=0),),

@@ -57,7 +57,7 @@ from ...core.registry import PatchFamily, class_key
 from ...distributed import runtime
 from ..checkpoint import CheckpointSource, shard_rows, source_of
 from .saving import install_sharded_save
-from .units import _AXES, shard_axes, shard_units
+from .units import shard_axes, shard_units
 
 __all__ = ["SHARD_OPTIONS", "WeightSharding"]
 
@@ -84,10 +84,10 @@ def _shard_mesh(mesh: Any, axes: tuple[str, ...]) -> Any:
     config = mesh.config
     world = config.world_size
     if axes:
-        shape = [getattr(config, axis) for axis in _AXES]
+        shape = [getattr(config, axis) for axis in runtime.AXES]
         grid = torch.arange(world).view(shape)
-        keep = [i for i, axis in enumerate(_AXES) if axis in axes]
-        rest = [i for i in range(len(_AXES)) if i not in keep]
+        keep = [i for i, axis in enumerate(runtime.AXES) if axis in axes]
+        rest = [i for i in range(len(runtime.AXES)) if i not in keep]
         size = 1
         for i in keep:
             size *= shape[i]
@@ -101,7 +101,7 @@ def _shard_mesh(mesh: Any, axes: tuple[str, ...]) -> Any:
         if not runtime.is_peer_failure(exc):
             raise
         raise runtime.collective_error("creating the shard_weights groups", None, exc) from exc
-    runtime._register_group(group, "shard_weights (" + (" x ".join(axes) or "all ranks") + ")", timeout)
+    runtime.register_group(group, "shard_weights (" + (" x ".join(axes) or "all ranks") + ")", timeout)
     device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     device_mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
     cache[axes] = device_mesh
@@ -186,9 +186,9 @@ def sharded_models(target: Any) -> list[tuple[str, torch.nn.Module]]:
     """
     if not _is_class(target, "diffusers.DiffusionPipeline"):
         return [(type(target).__name__, target)]
-    from ..denoisers import _transformers
+    from ..denoisers import pipeline_denoisers
 
-    denoisers = _transformers(target)
+    denoisers = pipeline_denoisers(target)
     found: list[tuple[str, torch.nn.Module]] = []
     for key, component in target.components.items():
         if not isinstance(component, torch.nn.Module) or any(component is m for _, m in found):

@@ -79,7 +79,7 @@ from ...distributed.agreement import install_call_guard
 from .layout import stage_ranges
 from .stages import (
     PIPEFUSION_OPTIONS,
-    _spans,
+    block_spans,
     check_pipefusion_options,
     gather_stage_output,
     install_model_hooks,
@@ -114,9 +114,9 @@ def _describe(model: Any, indices: list[int]) -> str:
     dual = len(model.transformer_blocks)
     parts = []
     if first := [i for i in indices if i < dual]:
-        parts.append(f"transformer_blocks {_spans(first)}")
+        parts.append(f"transformer_blocks {block_spans(first)}")
     if second := [i - dual for i in indices if i >= dual]:
-        parts.append(f"single_transformer_blocks {_spans(second)}")
+        parts.append(f"single_transformer_blocks {block_spans(second)}")
     return f"{type(model).__name__}." + ", ".join(parts)
 
 

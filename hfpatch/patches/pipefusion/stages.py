@@ -2,7 +2,8 @@
 
 The machinery shared with :mod:`hfpatch.patches.pipefusion.flux` (Flux's two block lists and joint text/image
 sequence) lives here too: :class:`PipeFusionState`, :func:`check_pipefusion_options`,
-:func:`install_model_hooks`, :func:`wrap_stage_blocks`, :func:`release_other_blocks`.
+:func:`install_model_hooks`, :func:`wrap_stage_blocks`, :func:`release_other_blocks`, :func:`stage_rows`,
+:func:`gather_stage_output`, :func:`block_spans`.
 
 After ``hfpatch.apply(pipe, parallel=ParallelConfig(pipefusion=P), pipefusion_patches=M,
 pipefusion_warmup=W)`` on every rank of a ``P``-rank group (xDiT's PipeFusion, arXiv 2405.14430):
@@ -62,7 +63,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...core.config import ParallelConfig
 from ...core.patch import Patch
@@ -70,75 +70,12 @@ from ...distributed.agreement import named_arguments
 from ...distributed.collectives import all_gather
 from ..checkpoint import load_tensors, source_of
 from .layout import check_stage_counts
-from .state import HANDOFF, OUTPUT, PipeFusionState, _Call
+from .state import OUTPUT, PipeFusionCall, PipeFusionState
 
 __all__ = ["PIPEFUSION_OPTIONS", "check_pipefusion_options"]
 
 
-# ----------------------------------------------------------------------------------------------- stage runner
-def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tensor]]) -> Callable[..., Any]:
-    """Replacement ``forward`` of ``blocks[0]``: runs this rank's stage (``blocks``: the stock forwards of its
-    blocks) for the whole call, patch by patch, and returns the final hidden states on the last stage (its
-    input, a placeholder, elsewhere: the output is sent by the last stage after the model's output layers)."""
-
-    def run_stage(
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        call = state.call
-        if call is None:
-            raise RuntimeError(f"{state.name}.blocks ran outside a PipeFusion call of the model")
-        outputs: list[torch.Tensor] = []
-        sending: list[dist.Work] = []
-        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
-        per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
-        shard = call.shard
-        rows, sliced = stage_rows(call)
-        source, all_temb, all_rotary = hidden_states, temb, rotary_emb
-        if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
-            index_ = shard.local_index
-            source = hidden_states.index_select(1, index_) if state.is_first else hidden_states
-            all_temb = temb.index_select(1, index_) if per_token else temb
-            if rotary_emb is not None:
-                all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
-
-        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
-            start, end = rows[index]
-            buffer = hidden_states.new_empty((batch, end - start, channels))
-            return buffer, state.recv(buffer, state.stage - 1)
-
-        pending = post_recv(0) if not state.is_first else None
-        for index, (start, end) in enumerate(rows):
-            if state.is_first:
-                x = source[:, start:end]
-            else:
-                x, works = pending
-                if index + 1 < len(rows):  # the next patch arrives while this one computes
-                    pending = post_recv(index + 1)
-                state.wait(works, "PipeFusion receive")
-            temb_patch = all_temb[:, start:end] if per_token and sliced else all_temb
-            rotary = all_rotary
-            if sliced and all_rotary is not None:
-                rotary = tuple(r[:, start:end] for r in all_rotary)
-            call.current, call.index = (start, end), index
-            for block in blocks:
-                x = block(x, encoder_hidden_states, temb_patch, rotary)
-            if state.is_last:
-                outputs.append(x)
-            else:
-                state.wait(sending, "PipeFusion send")  # at most one patch in flight
-                sending = state.send(x, state.stage + 1, HANDOFF)
-        state.wait(sending, "PipeFusion send")
-        if not state.is_last:
-            return hidden_states  # placeholder: the model output comes from the last stage
-        return gather_stage_output(state, call, outputs)
-
-    return run_stage
-
-
-def stage_rows(call: _Call) -> tuple[list[tuple[int, int]], bool]:
+def stage_rows(call: PipeFusionCall) -> tuple[list[tuple[int, int]], bool]:
     """The row ranges a stage runs one after the other in ``call`` (the patches' tokens; with sequence
     parallel, this rank's local rows: its shard of every patch, all at once when synchronous), and whether
     they are slices (``False``: a synchronous call without sequence parallel runs the stock tensors)."""
@@ -148,18 +85,15 @@ def stage_rows(call: _Call) -> tuple[list[tuple[int, int]], bool]:
     return ([(0, shard.rows)] if call.synchronous else shard.local_rows), True
 
 
-def gather_stage_output(state: PipeFusionState, call: _Call, outputs: list[torch.Tensor]) -> torch.Tensor:
+def gather_stage_output(
+    state: PipeFusionState, call: PipeFusionCall, outputs: list[torch.Tensor]
+) -> torch.Tensor:
     """The last stage's outputs of every row range, as the whole ``[B, tokens, C]`` sequence in token order:
     concatenated, and with sequence parallel all-gathered over the stage's sp ranks (padding dropped)."""
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
     if call.shard is not None:
         out = all_gather(out, 1, state.sp_group).index_select(1, call.shard.global_rows)
     return out
-
-
-def _passthrough(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Replacement ``forward`` of every block but the first: the first one ran the whole stage."""
-    return hidden_states
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
@@ -415,7 +349,7 @@ def release_other_blocks(
     patch.on_remove(target, "pipefusion released weights", warn_released)
 
 
-def _spans(indices: list[int]) -> str:
+def block_spans(indices: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     spans: list[str] = []
     for i in indices:

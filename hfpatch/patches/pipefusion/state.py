@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import runtime
-from ...distributed.collectives import _record, _wait
+from ...distributed.collectives import record_sent, wait_works
 from .layout import SequenceShardLayout, patch_ranges
 
 __all__ = ["PipeFusionAttnProcessor", "PipeFusionState", "parameter_bytes"]
@@ -53,7 +53,7 @@ class _Stream:
 
 
 @dataclass
-class _Call:
+class PipeFusionCall:
     """The transformer call in progress."""
 
     stream: _Stream
@@ -123,11 +123,11 @@ class PipeFusionState:
         self._shards: dict[tuple, _ShardIndex] = {}
         self.streams: dict[tuple, _Stream] = {}
         self.context: tuple[str, int | None] | None = None  # open cache_context: (name, step_index)
-        self.call: _Call | None = None
+        self.call: PipeFusionCall | None = None
         self.released_bytes = 0
 
     # ------------------------------------------------------------------ calls
-    def begin(self, hidden_states: torch.Tensor, timestep: torch.Tensor, tokens: int) -> _Call:
+    def begin(self, hidden_states: torch.Tensor, timestep: torch.Tensor, tokens: int) -> PipeFusionCall:
         """Start a call: pick its stream, decide warm-up or pipelined, cut the patches. Pure per rank (the
         ranks decide alike from alike inputs), so a bad geometry raises on every rank before any send."""
         ranges = patch_ranges(tokens, self.patches)  # also checks that M fits the tokens
@@ -147,7 +147,7 @@ class PipeFusionState:
         stream.last_step, stream.last_timestep = step, now
         synchronous = stream.calls < self.warmup or self.patches == 1
         stream.calls += 1
-        self.call = _Call(stream, synchronous, [(0, tokens)] if synchronous else ranges)
+        self.call = PipeFusionCall(stream, synchronous, [(0, tokens)] if synchronous else ranges)
         if self.sp_world > 1:
             self.call.shard = self.shard_index(tokens, ranges, hidden_states.device)
         return self.call
@@ -189,7 +189,7 @@ class PipeFusionState:
             if not runtime.is_peer_failure(exc):
                 raise
             raise runtime.collective_error("PipeFusion send", self.group, exc) from exc
-        _record(kind, tensor.numel() * tensor.element_size())
+        record_sent(kind, tensor.numel() * tensor.element_size())
         return [work]
 
     def recv(self, into: torch.Tensor, from_stage: int) -> list[dist.Work]:
@@ -201,7 +201,7 @@ class PipeFusionState:
             raise runtime.collective_error("PipeFusion receive", self.group, exc) from exc
 
     def wait(self, works: list[dist.Work], what: str) -> None:
-        _wait(works, what, self.group)
+        wait_works(works, what, self.group)
 
     def __repr__(self) -> str:
         sp = f", sp={self.sp_index}/{self.sp_world}" if self.sp_world > 1 else ""
@@ -235,7 +235,7 @@ class PipeFusionAttnProcessor:
         self.layer = layer
         self._attention_backend = backend
 
-    def current_call(self, where: str) -> _Call:
+    def current_call(self, where: str) -> PipeFusionCall:
         """The model call this block runs in; ``where`` names the attention for the error outside one."""
         call = self.state.call
         if call is None:
@@ -246,7 +246,7 @@ class PipeFusionAttnProcessor:
         return call
 
     def attend(
-        self, call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, call: PipeFusionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         """``[B, s, H, D]`` attention of this patch's queries (this rank's rows of it under sequence parallel).
 
@@ -280,7 +280,7 @@ class PipeFusionAttnProcessor:
 
 def sequence_parallel_attention(
     state: PipeFusionState,
-    call: _Call,
+    call: PipeFusionCall,
     layer: Any,
     query: torch.Tensor,
     key: torch.Tensor,

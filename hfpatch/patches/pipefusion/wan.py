@@ -24,16 +24,16 @@ from ...distributed.agreement import install_call_guard
 from .layout import stage_ranges
 from .stages import (
     PIPEFUSION_OPTIONS,
-    _passthrough,
-    _spans,
-    _stage_runner,
+    block_spans,
     check_pipefusion_options,
+    gather_stage_output,
     install_model_hooks,
     release_other_blocks,
     stage_groups,
+    stage_rows,
     wrap_stage_blocks,
 )
-from .state import PipeFusionAttnProcessor, PipeFusionState
+from .state import HANDOFF, PipeFusionAttnProcessor, PipeFusionState
 
 __all__ = ["PipeFusionWanAttnProcessor", "WanPipeFusion", "apply_pipefusion"]
 
@@ -108,6 +108,73 @@ class WanPipeFusion(PatchFamily):
         if mesh.config.pipefusion == 1:
             return
         apply_pipefusion(target, patch, options=options, **stage_groups(mesh))
+
+
+def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tensor]]) -> Callable[..., Any]:
+    """Replacement ``forward`` of ``blocks[0]``: runs this rank's stage (``blocks``: the stock forwards of its
+    blocks) for the whole call, patch by patch, and returns the final hidden states on the last stage (its
+    input, a placeholder, elsewhere: the output is sent by the last stage after the model's output layers)."""
+
+    def run_stage(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        call = state.call
+        if call is None:
+            raise RuntimeError(f"{state.name}.blocks ran outside a PipeFusion call of the model")
+        outputs: list[torch.Tensor] = []
+        sending: list[dist.Work] = []
+        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
+        per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
+        shard = call.shard
+        rows, sliced = stage_rows(call)
+        source, all_temb, all_rotary = hidden_states, temb, rotary_emb
+        if shard is not None:  # sequence parallel in the stage: this rank's shards of every patch
+            index_ = shard.local_index
+            source = hidden_states.index_select(1, index_) if state.is_first else hidden_states
+            all_temb = temb.index_select(1, index_) if per_token else temb
+            if rotary_emb is not None:
+                all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
+
+        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
+            start, end = rows[index]
+            buffer = hidden_states.new_empty((batch, end - start, channels))
+            return buffer, state.recv(buffer, state.stage - 1)
+
+        pending = post_recv(0) if not state.is_first else None
+        for index, (start, end) in enumerate(rows):
+            if state.is_first:
+                x = source[:, start:end]
+            else:
+                x, works = pending
+                if index + 1 < len(rows):  # the next patch arrives while this one computes
+                    pending = post_recv(index + 1)
+                state.wait(works, "PipeFusion receive")
+            temb_patch = all_temb[:, start:end] if per_token and sliced else all_temb
+            rotary = all_rotary
+            if sliced and all_rotary is not None:
+                rotary = tuple(r[:, start:end] for r in all_rotary)
+            call.current, call.index = (start, end), index
+            for block in blocks:
+                x = block(x, encoder_hidden_states, temb_patch, rotary)
+            if state.is_last:
+                outputs.append(x)
+            else:
+                state.wait(sending, "PipeFusion send")  # at most one patch in flight
+                sending = state.send(x, state.stage + 1, HANDOFF)
+        state.wait(sending, "PipeFusion send")
+        if not state.is_last:
+            return hidden_states  # placeholder: the model output comes from the last stage
+        return gather_stage_output(state, call, outputs)
+
+    return run_stage
+
+
+def _passthrough(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Replacement ``forward`` of every block but the first: the first one ran the whole stage."""
+    return hidden_states
 
 
 def apply_pipefusion(
@@ -188,6 +255,6 @@ def apply_pipefusion(
             list(target.blocks),
             own,
             ("blocks",),
-            lambda i: f"{name}.blocks {_spans(i)}",
+            lambda i: f"{name}.blocks {block_spans(i)}",
         )
     return state

@@ -19,12 +19,17 @@ from tqdm import tqdm
 from ...core.config import ParallelConfig
 from ...distributed import runtime
 from ...distributed.collectives import all_gather, even_sizes
-from ..denoisers import PER_SAMPLE_ARGS, _known
-from .cfg_data import _BATCHED_CONTEXTS, TWO_CALL_CFG_PIPELINES, _holds_tensor, _rows, generic_split
+from ..denoisers import PER_SAMPLE_ARGS, known_class
+from .cfg_data import TWO_CALL_CFG_PIPELINES, generic_split, holds_tensor, leading_dim
 
 logger = logging.getLogger(__package__)  # hfpatch.patches.pipeline, as before the package was split
 
 __all__: list[str] = []
+
+
+#: ``cache_context`` names under which a pipeline outside the CFG tables may call its denoiser with cfg=2
+#: (``None``: no context): one call holding the whole batch, ``[uncond, cond]`` when guiding.
+_BATCHED_CONTEXTS: tuple[str | None, ...] = (None, "cond_uncond")
 
 
 # dtype codes of the metadata the cfg ranks exchange before gathering predictions (-1: any other dtype).
@@ -62,7 +67,7 @@ class _Pending:
 
 
 @dataclass
-class _State:
+class CallState:
     """Per-pipeline call state shared by the wrapped transformers (a Wan 2.2 pipe has two).
 
     ``phase`` is for the generic two-call CFG of pipelines outside the tables (reset by every ``__call__``):
@@ -134,7 +139,7 @@ class _PendingPrediction(torch.Tensor):
         return _plain(func, args, kwargs)
 
 
-class _ParallelForward:
+class ParallelForward:
     """Replacement ``forward`` of one transformer: splits the batch over data (and cfg) ranks.
 
     Args:
@@ -155,7 +160,7 @@ class _ParallelForward:
         mode: str | None,
         cfg_group: Any,
         data_group: Any,
-        state: _State,
+        state: CallState,
     ) -> None:
         self.model = model
         self.original = original
@@ -171,7 +176,7 @@ class _ParallelForward:
         self.name = type(model).__name__
         self.signature = inspect.signature(type(model).forward)
         parameters = list(self.signature.parameters.values())
-        known = _known(model, PER_SAMPLE_ARGS)
+        known = known_class(model, PER_SAMPLE_ARGS)
         # Known class: its table; any other: generic_split, per call (split_args/plain_args None).
         self.split_args: tuple[str, ...] | None = None
         self.plain_args: tuple[str, ...] | None = None
@@ -203,7 +208,7 @@ class _ParallelForward:
             )
         for name in self.plain_args:
             value = bound.arguments.get(name)
-            if isinstance(value, dict) and _holds_tensor(value):
+            if isinstance(value, dict) and holds_tensor(value):
                 raise TypeError(
                     f"{self.name}.forward got tensors in {name}={sorted(value)}; hfpatch data/CFG parallel "
                     "cannot tell whether they carry a batch dim. Use cfg=1 and data=1 for this call."
@@ -257,7 +262,7 @@ class _ParallelForward:
             value = holder[name]
             if isinstance(value, dict):  # a flat dict of per-sample tensors (see generic_split)
                 holder[name] = {
-                    k: v.narrow(0, start, length) if _rows(v) == batch else v for k, v in value.items()
+                    k: v.narrow(0, start, length) if leading_dim(v) == batch else v for k, v in value.items()
                 }
             else:
                 holder[name] = value.narrow(0, start, length)
@@ -385,7 +390,7 @@ class _ParallelForward:
         return hidden.new_empty((hidden.shape[0], channels, *hidden.shape[2:]))
 
     def _observed_two_call(self, bound: inspect.BoundArguments, names: tuple[str, ...]) -> torch.Tensor:
-        """Two-call CFG of a pipeline outside the tables (see :class:`_State`): watch the first step, then run
+        """Two-call CFG of a pipeline outside the tables (see :class:`CallState`): watch the first step, then run
         cond and uncond on different cfg ranks if it showed the supported pattern."""
         state = self.state
         if state.phase == "observe" and self.context == "cond" and state.seen:  # the second step begins

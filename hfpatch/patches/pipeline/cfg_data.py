@@ -70,12 +70,11 @@ True
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
-from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, _known
+from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS
 
 __all__ = [
     "BATCHED_CFG_PIPELINES",
@@ -91,52 +90,19 @@ TWO_CALL_CFG_PIPELINES: tuple[str, ...] = ("WanPipeline",)
 #: Pipelines that batch ``[uncond, cond]`` into one transformer call.
 BATCHED_CFG_PIPELINES: tuple[str, ...] = ("StableDiffusion3Pipeline",)
 
-#: ``cache_context`` names under which a pipeline outside the CFG tables may call its denoiser with cfg=2
-#: (``None``: no context): one call holding the whole batch, ``[uncond, cond]`` when guiding.
-_BATCHED_CONTEXTS: tuple[str | None, ...] = (None, "cond_uncond")
 
-
-def _batches_cfg(pipe: Any) -> bool:
-    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it has
-    ``do_classifier_free_guidance`` (a property, or a local of ``__call__`` as in PixArt) and its ``__call__``
-    builds ``torch.cat([latents] * 2)`` and makes no ``cache_context("uncond")`` call (a read of its source).
-    Only the plan depends on it: the calls themselves are checked when they come (``mode="generic"``)."""
-    try:
-        source = inspect.getsource(type(pipe).__call__)
-    except (OSError, TypeError):  # no source (compiled, interactive): not recognised
-        return False
-    guides = hasattr(type(pipe), "do_classifier_free_guidance") or "do_classifier_free_guidance" in source
-    return guides and "[latents] * 2" in source and 'cache_context("uncond")' not in source
-
-
-def _cfg_mode(pipe: Any) -> str:
-    """``"two_call"``/``"batched"`` for the CFG tables, else ``"generic"`` (decided from the calls)."""
-    if _known(pipe, TWO_CALL_CFG_PIPELINES):
-        return "two_call"
-    if _known(pipe, BATCHED_CFG_PIPELINES):
-        return "batched"
-    return "generic"
-
-
-def _plans_cfg(pipe: Any) -> bool:
-    """Whether ``parallel=N`` should plan a cfg degree: the tables, and pipelines that batch their CFG (a read
-    of ``__call__``'s source). Two-call pipelines outside the tables (Flux and QwenImage true CFG, opt-in per
-    call) get ``cfg=2`` only when asked for: without a negative prompt that rank would idle."""
-    return _known(pipe, TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES) is not None or _batches_cfg(pipe)
-
-
-def _holds_tensor(value: Any) -> bool:
+def holds_tensor(value: Any) -> bool:
     """Whether a dict/list/tuple/set holds a tensor, at any depth."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
+        return any(holds_tensor(v) for v in value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_tensor(v) for v in value)
+        return any(holds_tensor(v) for v in value)
     return False
 
 
-def _rows(value: Any) -> int | None:
+def leading_dim(value: Any) -> int | None:
     """The leading dim of a tensor of at least one dim, else ``None``."""
     return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
@@ -178,13 +144,13 @@ def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) ->
                 )
         elif (
             isinstance(value, dict)
-            and all(isinstance(v, torch.Tensor) or not _holds_tensor(v) for v in value.values())
-            and all(_rows(v) in (None, 1, batch) for v in value.values())
+            and all(isinstance(v, torch.Tensor) or not holds_tensor(v) for v in value.values())
+            and all(leading_dim(v) in (None, 1, batch) for v in value.values())
         ):
             # A flat dict of per-sample tensors (SDXL's added_cond_kwargs): its tensors follow the rule above.
-            if any(_rows(v) == batch for v in value.values()):
+            if any(leading_dim(v) == batch for v in value.values()):
                 split.append(name)
-        elif _holds_tensor(value):
+        elif holds_tensor(value):
             raise TypeError(
                 f"hfpatch data/CFG parallel cannot tell whether the tensors inside {model_name}.forward argument "
                 f"{name} ({type(value).__name__}) carry the batch dim. Use cfg=1 and data=1 for this call, or list "

@@ -16,14 +16,43 @@ from ...core.config import ModelFacts, ParallelConfig
 from ...core.registry import PatchFamily
 from ...distributed import runtime
 from ...distributed.agreement import install_call_guard
-from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, _transformers
-from .calls import _ParallelForward, _State
-from .cfg_data import _batches_cfg, _cfg_mode, _plans_cfg
+from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, known_class, pipeline_denoisers
+from .calls import CallState, ParallelForward
+from .cfg_data import BATCHED_CFG_PIPELINES, TWO_CALL_CFG_PIPELINES
 
 __all__ = ["PipelineParallel"]
 
 
-def _recording_cache_context(forward: _ParallelForward) -> Callable[[Callable], Callable]:
+def _batches_cfg(pipe: Any) -> bool:
+    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it has
+    ``do_classifier_free_guidance`` (a property, or a local of ``__call__`` as in PixArt) and its ``__call__``
+    builds ``torch.cat([latents] * 2)`` and makes no ``cache_context("uncond")`` call (a read of its source).
+    Only the plan depends on it: the calls themselves are checked when they come (``mode="generic"``)."""
+    try:
+        source = inspect.getsource(type(pipe).__call__)
+    except (OSError, TypeError):  # no source (compiled, interactive): not recognised
+        return False
+    guides = hasattr(type(pipe), "do_classifier_free_guidance") or "do_classifier_free_guidance" in source
+    return guides and "[latents] * 2" in source and 'cache_context("uncond")' not in source
+
+
+def _cfg_mode(pipe: Any) -> str:
+    """``"two_call"``/``"batched"`` for the CFG tables, else ``"generic"`` (decided from the calls)."""
+    if known_class(pipe, TWO_CALL_CFG_PIPELINES):
+        return "two_call"
+    if known_class(pipe, BATCHED_CFG_PIPELINES):
+        return "batched"
+    return "generic"
+
+
+def _plans_cfg(pipe: Any) -> bool:
+    """Whether ``parallel=N`` should plan a cfg degree: the tables, and pipelines that batch their CFG (a read
+    of ``__call__``'s source). Two-call pipelines outside the tables (Flux and QwenImage true CFG, opt-in per
+    call) get ``cfg=2`` only when asked for: without a negative prompt that rank would idle."""
+    return known_class(pipe, TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES) is not None or _batches_cfg(pipe)
+
+
+def _recording_cache_context(forward: ParallelForward) -> Callable[[Callable], Callable]:
     """Wrap ``model.cache_context`` so the forward knows whether it is the cond or the uncond call."""
 
     def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -101,7 +130,7 @@ class PipelineParallel(PatchFamily):
             if not hasattr(type(target), "do_classifier_free_guidance"):
                 raise ValueError(f"cfg=2 needs {name}.do_classifier_free_guidance, which it does not have")
         if config.cfg == 2 or config.data > 1:
-            models = _transformers(target)
+            models = pipeline_denoisers(target)
             if not models:
                 found = ", ".join(
                     type(c).__name__ for c in target.components.values() if isinstance(c, torch.nn.Module)
@@ -139,17 +168,17 @@ class PipelineParallel(PatchFamily):
             patch.set_attr(target, "_progress_bar_config", {**current, "disable": True})
             # ... and keep it off when set_progress_bar_config() replaces that dict after apply.
             patch.wrap_method(target, "progress_bar", _quiet_progress_bar(target))
-        state = _State(plan=config)
+        state = CallState(plan=config)
         if config.world_size > 1 and options["check_inputs"]:
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
             return
         mode = _cfg_mode(target) if config.cfg == 2 else None
-        for model in _transformers(target):
+        for model in pipeline_denoisers(target):
             forward = patch.wrap_method(
                 model,
                 "forward",
-                lambda original, model=model: _ParallelForward(
+                lambda original, model=model: ParallelForward(
                     model,
                     original,
                     target,
@@ -193,11 +222,11 @@ class PipelineParallel(PatchFamily):
             patch.wrap_method(target, "maybe_free_model_hooks", check_done)
 
     @staticmethod
-    def _guard_transformer_calls(pipe: Any, patch: Any, world_group: Any, state: _State) -> None:
+    def _guard_transformer_calls(pipe: Any, patch: Any, world_group: Any, state: CallState) -> None:
         """Every rank runs the same pipeline call: each transformer call first checks, over all ranks of the
         plan, its arguments and the pipeline settings it depends on (guidance, timesteps).
 
-        A cond-call error that cfg rank 0 deferred to the uncond call (see ``_ParallelForward._two_call``) is
+        A cond-call error that cfg rank 0 deferred to the uncond call (see ``ParallelForward._two_call``) is
         raised there if the uncond call's check times out: its sequence-parallel peers still wait in the
         failed cond call, so the check cannot complete, and the rank's own error says why.
         """
@@ -219,7 +248,7 @@ class PipelineParallel(PatchFamily):
             given.clear()
             return taken
 
-        for model in _transformers(pipe):
+        for model in pipeline_denoisers(pipe):
 
             def settings() -> dict[str, Any]:
                 try:

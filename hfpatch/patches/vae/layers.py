@@ -19,15 +19,49 @@ from .norms import batch_norm_forward as batch_norm_forward
 from .norms import group_norm_forward as group_norm_forward
 from .norms import sum_over_ranks as sum_over_ranks
 from .state import (
+    TileRun,
     VAEShardState,
-    _assemble,
-    _TileRun,
     exchange_rows,
     gather_rows,
     scatter_rows,
 )
 
 __all__: list[str] = []
+
+
+def _assemble(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    bottom: torch.Tensor,
+    zeros_top: int,
+    zeros_bottom: int,
+    pad: list[int],
+) -> torch.Tensor:
+    """``F.pad(cat([0 * zeros_top, top, x, bottom, 0 * zeros_bottom], H), pad)`` in one allocation.
+
+    ``pad`` is ``F.pad``'s list for the dims other than H (its H entries are ignored), e.g. ``[wl, wr]`` or
+    ``[wl, wr, 0, 0, t_front, t_back]``.
+    """
+    h = zeros_top + top.shape[-2] + x.shape[-2] + bottom.shape[-2] + zeros_bottom
+    shape = list(x.shape)
+    shape[-2] = h
+    shape[-1] += pad[0] + pad[1]
+    if x.dim() == 5:
+        shape[2] += pad[4] + pad[5]
+    out = x.new_zeros(shape)
+    w = slice(pad[0], pad[0] + x.shape[-1])
+    t = slice(pad[4], pad[4] + x.shape[2]) if x.dim() == 5 else slice(None)
+    row = zeros_top
+    # Assign even empty halos: every rank must build the same autograd graph, so that the engine runs the
+    # backward halo exchanges in the same order everywhere (a skipped node reorders the ready queue).
+    for part in (top, x, bottom):
+        rows = part.shape[-2]
+        if x.dim() == 5:
+            out[:, :, t, row : row + rows, w] = part
+        else:
+            out[..., row : row + rows, w] = part
+        row += rows
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- wrappers
@@ -495,7 +529,7 @@ def tiled_forward(
                 "torch.no_grad(), or call vae.disable_tiling() for training: the height split alone gives 1/N "
                 "activation memory"
             )
-        saved_mode, run = state.mode, _TileRun(state, per_call, starts)
+        saved_mode, run = state.mode, TileRun(state, per_call, starts)
         state.mode, state.tiles = "tiles", run
         try:
             with torch.no_grad():

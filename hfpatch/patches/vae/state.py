@@ -51,7 +51,7 @@ class VAEShardState:
     mode: str | None = None
     latent_rows: list[int] | None = None
     tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    tiles: _TileRun | None = None
+    tiles: TileRun | None = None
     checks: list[Callable[[], None]] = field(default_factory=list)
     name: str = "VAE"
     check_inputs: bool = True
@@ -146,44 +146,9 @@ def exchange_rows(
     return out.narrow(-2, 0, n_top), out.narrow(-2, out.shape[-2] - n_bottom, n_bottom)
 
 
-def _assemble(
-    x: torch.Tensor,
-    top: torch.Tensor,
-    bottom: torch.Tensor,
-    zeros_top: int,
-    zeros_bottom: int,
-    pad: list[int],
-) -> torch.Tensor:
-    """``F.pad(cat([0 * zeros_top, top, x, bottom, 0 * zeros_bottom], H), pad)`` in one allocation.
-
-    ``pad`` is ``F.pad``'s list for the dims other than H (its H entries are ignored), e.g. ``[wl, wr]`` or
-    ``[wl, wr, 0, 0, t_front, t_back]``.
-    """
-    h = zeros_top + top.shape[-2] + x.shape[-2] + bottom.shape[-2] + zeros_bottom
-    shape = list(x.shape)
-    shape[-2] = h
-    shape[-1] += pad[0] + pad[1]
-    if x.dim() == 5:
-        shape[2] += pad[4] + pad[5]
-    out = x.new_zeros(shape)
-    w = slice(pad[0], pad[0] + x.shape[-1])
-    t = slice(pad[4], pad[4] + x.shape[2]) if x.dim() == 5 else slice(None)
-    row = zeros_top
-    # Assign even empty halos: every rank must build the same autograd graph, so that the engine runs the
-    # backward halo exchanges in the same order everywhere (a skipped node reorders the ready queue).
-    for part in (top, x, bottom):
-        rows = part.shape[-2]
-        if x.dim() == 5:
-            out[:, :, t, row : row + rows, w] = part
-        else:
-            out[..., row : row + rows, w] = part
-        row += rows
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- tiling
 @dataclass(eq=False)
-class _TileRun:
+class TileRun:
     """Two passes of a stock tiled method: compute own tiles (others as fakes), exchange, replay the blend."""
 
     state: VAEShardState
