@@ -50,6 +50,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(typing|collections|contextlib|types|dataclasses|enum|pathlib|os|logging)(\..*)?"),
     (r"py:.*", r"(Tensor|Module|Any|Callable|Iterator|Iterable|Sequence|Mapping|Generator|Path|nn\..*)"),
     (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|type|object|None|NoneType)"),
+    (r"py:.*", r"c10d::.*"),  # torch.distributed's C++ classes as their annotations read (dist.Work)
 ]
 
 html_theme = "furo"

@@ -206,7 +206,12 @@ def info_lines(classes: bool = False) -> list[str]:
         for (name, role, options), keys in families.items():
             lines += [f"  {key}: {name} ({role}) [{options}]" for key in keys]
     else:
-        lines.append(f"patch families ({len(families)}; `hfpatch info --classes` lists every class):")
+        vae_families = sum(1 for _, role, _ in families if role == "vae")
+        grouping = f", the {vae_families} VAE families as one entry" if vae_families > 1 else ""
+        lines.append(
+            f"patch families ({len(families)}{grouping}; `hfpatch info --classes` lists every class),"
+        )
+        lines.append("  in parentheses the kind of object each patches:")
         # The VAE families (one per VAE architecture, the same options) make one entry.
         grouped: dict[tuple[str, str, str], tuple[list[str], list[str]]] = {}
         for (name, role, options), keys in families.items():
@@ -254,7 +259,7 @@ def info_lines(classes: bool = False) -> list[str]:
         else:
             lines += _wrapped(
                 f"VAE split by height: {len(split)} of the {len(rows)} diffusers autoencoder classes ",
-                ["(`hfpatch info --classes` gives why each other one is not)"],
+                ["(`hfpatch info --classes` says why the others are not split)"],
                 indent=2,
             )
     return lines

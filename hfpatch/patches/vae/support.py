@@ -51,8 +51,8 @@ REFUSED: dict[str, str] = {
         "conditioned on the upsampled latents and time-chunked SafeConv3d; no split family for it yet"
     ),
     "diffusers.AutoencoderKLMagvit": (
-        "not split yet (EasyAnimate): no family module for it; its causal 3D convs and GroupNorms are of kinds the "
-        "split already carries for the other video VAEs, so it is planned, not ruled out"
+        "EasyAnimate's VAE has no family module yet; its causal 3D convs and GroupNorms are of kinds the split "
+        "already carries for the other video VAEs, so it is planned, not ruled out"
     ),
     "diffusers.RFD4ProteinaAutoencoder": (
         "a protein-structure autoencoder (RFD4 Proteina): atoms and residues with pair-biased attention, no "

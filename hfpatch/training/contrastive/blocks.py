@@ -215,6 +215,7 @@ class BlockwiseLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, group, world, n_scalars, n_reps, grad, *tensors):
+        """The loss value; the gradients of the scalars and embeddings (``tensors``) are kept on ``ctx``."""
         scalars, reps, guides = (
             tensors[:n_scalars],
             tensors[n_scalars : n_scalars + n_reps],
@@ -228,6 +229,7 @@ class BlockwiseLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """The kept gradients times ``grad_out`` (no double backward)."""
         if torch.is_grad_enabled():  # create_graph=True: the kept gradients have no graph of their own
             raise RuntimeError(
                 "the row-blocked contrastive losses compute their gradients in the forward and support no "
