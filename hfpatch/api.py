@@ -33,6 +33,7 @@ import torch
 
 from .core.config import ModelFacts, ParallelConfig, resolve_parallel
 from .core.patch import MARKER, Patch, get_patch
+from .core.ranks import node_size
 from .core.registry import PatchFamily, Registry, class_key
 from .distributed import runtime
 from .distributed.agreement import (
@@ -243,7 +244,11 @@ def _plan(
     units = _units(target, registry or default_registry())
     world = runtime.launched_world_size()
     return resolve_parallel(
-        parallel, world, _merge_facts(units, target), pipefusion=options.get("pipefusion", False)
+        parallel,
+        world,
+        _merge_facts(units, target),
+        pipefusion=options.get("pipefusion", False),
+        node_size=node_size(),
     )
 
 
@@ -300,7 +305,9 @@ def _check(
     requested = _requested_world(parallel)
     runtime.check_launchable(requested or 1)  # no process group and no launcher: say how to launch
     world = runtime.launched_world_size()  # reads the launcher's environment; initialises nothing
-    config = resolve_parallel(parallel, world, facts, pipefusion=resolved_options.get("pipefusion", False))
+    config = resolve_parallel(
+        parallel, world, facts, pipefusion=resolved_options.get("pipefusion", False), node_size=node_size()
+    )
 
     existing = get_patch(target)
     if existing is not None:

@@ -56,9 +56,9 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.core.compile": (
         "check_compile_backend check_cuda_graphs compile_function compiled_variant fresh_copy"
     ),
-    "hfpatch.core.config": "ModelFacts ParallelConfig plan_parallel resolve_parallel",
+    "hfpatch.core.config": "ModelFacts ParallelConfig crosses_nodes plan_parallel resolve_parallel",
     "hfpatch.core.patch": "ABSENT MARKER Patch PatchError get_patch",
-    "hfpatch.core.ranks": "data_coordinates data_position launched_world_size rank world_size",
+    "hfpatch.core.ranks": "data_coordinates data_position launched_world_size node_size rank world_size",
     "hfpatch.core.registry": "PatchFamily Registry class_key",
     "hfpatch.core.wrappers": "unwrap_model unwrap_once",
     "hfpatch.demo": (

@@ -9,9 +9,10 @@ ParallelConfig(data=1, cfg=1, ring=3, ulysses=2, vae=6)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
-__all__ = ["ModelFacts", "ParallelConfig", "plan_parallel", "resolve_parallel"]
+__all__ = ["ModelFacts", "ParallelConfig", "crosses_nodes", "plan_parallel", "resolve_parallel"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -109,11 +110,33 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_parallel(n: int, facts: ModelFacts, pipefusion: bool = False) -> ParallelConfig:
+def crosses_nodes(ulysses: int, world: int, node_size: int | None) -> bool:
+    """Whether a Ulysses group of ``ulysses`` ranks spans two nodes of ``node_size`` ranks in a world of ``world``.
+
+    hfpatch's mesh puts Ulysses innermost, so its groups are runs of consecutive global ranks, and a launcher
+    (torchrun) numbers each node's ranks consecutively: a group stays inside a node when its size divides the node
+    size (or the world fits in one node). ``None`` (node size unknown) or nodes of unequal size: no constraint.
+
+    >>> crosses_nodes(4, 8, 4), crosses_nodes(8, 8, 4), crosses_nodes(8, 8, None), crosses_nodes(3, 6, 2)
+    (False, True, False, True)
+    """
+    if node_size is None or node_size < 1 or world <= node_size or world % node_size:
+        return False
+    return node_size % ulysses != 0
+
+
+def plan_parallel(
+    n: int, facts: ModelFacts, pipefusion: bool = False, node_size: int | None = None
+) -> ParallelConfig:
     """Plan ``n`` ranks: CFG parallel when the pipeline guides, then Ulysses up to the head count, then Ring.
 
     Ulysses gets the largest divisor of the remaining ranks that also divides the head count (Ulysses moves
-    less data than Ring and needs no online softmax); the rest is Ring, which has no head constraint.
+    less data than Ring and needs no online softmax); the rest is Ring, which has no head constraint. On several
+    nodes of ``node_size`` ranks, Ulysses (an all-to-all, on the fast links) stays inside a node: its degree also
+    divides the node size, and CFG, data, PipeFusion and Ring (point-to-point) take the ranks across nodes.
+
+    >>> plan_parallel(8, ModelFacts(num_heads=24), node_size=4)   # two nodes of 4: Ring across them
+    ParallelConfig(data=1, cfg=1, ring=2, ulysses=4, vae=8)
 
     ``pipefusion=True`` (``hfpatch.apply(..., pipefusion=True)``; never the default, PipeFusion is approximate
     after its warm-up) gives the ranks left after CFG to PipeFusion instead: its degree is the largest divisor
@@ -133,16 +156,21 @@ def plan_parallel(n: int, facts: ModelFacts, pipefusion: bool = False) -> Parall
     cfg = 2 if facts.guides and n % 2 == 0 else 1
     rest = n // cfg
     if pipefusion:
-        return _plan_pipefusion(n, cfg, facts)
+        return _plan_pipefusion(n, cfg, facts, node_size)
     if facts.num_heads is None:
         # No sequence-parallel transformer (a VAE; a UNet pipeline): CFG parallel when it fills every rank,
         # else the VAE splits over every rank and the denoiser runs whole on each.
         return ParallelConfig(cfg=2, vae=n) if cfg == 2 and rest == 1 else ParallelConfig(vae=n)
-    ulysses = max(d for d in _divisors(rest) if facts.num_heads % d == 0)
+    ulysses = _ulysses_degree(rest, facts.num_heads, n, node_size)
     return ParallelConfig(cfg=cfg, ring=rest // ulysses, ulysses=ulysses, vae=n)
 
 
-def _plan_pipefusion(n: int, cfg: int, facts: ModelFacts) -> ParallelConfig:
+def _ulysses_degree(ranks: int, heads: int, world: int, node_size: int | None) -> int:
+    """The largest divisor of ``ranks`` that divides the head count and keeps each Ulysses group in one node."""
+    return max(d for d in _divisors(ranks) if heads % d == 0 and not crosses_nodes(d, world, node_size))
+
+
+def _plan_pipefusion(n: int, cfg: int, facts: ModelFacts, node_size: int | None = None) -> ParallelConfig:
     """``plan_parallel(n, facts, pipefusion=True)`` once CFG took ``cfg`` ranks."""
     if facts.num_blocks is None:
         raise ValueError(
@@ -152,8 +180,7 @@ def _plan_pipefusion(n: int, cfg: int, facts: ModelFacts) -> ParallelConfig:
     rest = n // cfg
     stages = max(d for d in _divisors(rest) if d <= facts.num_blocks)
     sp = rest // stages  # ranks per stage: sequence parallel inside it
-    heads = facts.num_heads or 1
-    ulysses = max(d for d in _divisors(sp) if heads % d == 0)
+    ulysses = _ulysses_degree(sp, facts.num_heads or 1, n, node_size)
     return ParallelConfig(cfg=cfg, pipefusion=stages, ring=sp // ulysses, ulysses=ulysses, vae=n)
 
 
@@ -196,7 +223,11 @@ def check_config(config: ParallelConfig, facts: ModelFacts) -> None:
 
 
 def resolve_parallel(
-    parallel: int | ParallelConfig | None, world_size: int, facts: ModelFacts, pipefusion: bool = False
+    parallel: int | ParallelConfig | None,
+    world_size: int,
+    facts: ModelFacts,
+    pipefusion: bool = False,
+    node_size: int | None = None,
 ) -> ParallelConfig:
     """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
 
@@ -207,6 +238,9 @@ def resolve_parallel(
         world_size: Ranks available (``torch.distributed`` world size, or the torchrun world about to start).
         facts: What the planner knows about the target.
         pipefusion: Let the planner of an int ``parallel`` give PipeFusion a degree (:func:`plan_parallel`).
+        node_size: Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``; ``None``: unknown). The planner keeps Ulysses
+            inside a node; an explicit config whose Ulysses groups span nodes runs, with a warning naming the
+            degrees that would not.
 
     Raises:
         ValueError: If the degrees do not fit the world or the target.
@@ -225,7 +259,7 @@ def resolve_parallel(
             )
         config = parallel
     elif isinstance(parallel, int) and not isinstance(parallel, bool):
-        config = plan_parallel(parallel, facts, pipefusion)
+        config = plan_parallel(parallel, facts, pipefusion, node_size)
     else:
         raise TypeError(
             f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}"
@@ -237,7 +271,22 @@ def resolve_parallel(
             f"{world_size}"
         )
     check_config(config, facts)
+    if isinstance(parallel, ParallelConfig) and crosses_nodes(config.ulysses, config.world_size, node_size):
+        _warn_ulysses_across_nodes(config, node_size, facts)
     product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
     if not facts.splits_vae and product > 1 and config.vae == product:
         config = replace(config, vae=1)  # no VAE to split: the plan says so (its default is every rank)
     return config
+
+
+def _warn_ulysses_across_nodes(config: ParallelConfig, node_size: int | None, facts: ModelFacts) -> None:
+    """Say that ``config``'s Ulysses all-to-all spans nodes, and which degrees would not."""
+    heads = facts.num_heads or config.ulysses
+    inside = _ulysses_degree(config.ulysses, heads, config.world_size, node_size)
+    proposal = replace(config, ring=config.ring * config.ulysses // inside, ulysses=inside)
+    warnings.warn(  # the same text from the same place shows once (the warnings module's default filter)
+        f"hfpatch: {config} puts Ulysses groups of {config.ulysses} ranks across nodes of {node_size} ranks: its "
+        f"all-to-all then runs over the link between nodes. {proposal} keeps each Ulysses group inside a node and "
+        "passes Ring's keys and values between nodes instead (pass parallel=N to let the planner choose)",
+        stacklevel=4,
+    )

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 
-__all__ = ["data_coordinates", "data_position", "launched_world_size", "rank", "world_size"]
+__all__ = ["data_coordinates", "data_position", "launched_world_size", "node_size", "rank", "world_size"]
 
 #: The environment a launcher (torchrun, accelerate launch) sets on every rank.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -35,6 +35,17 @@ def world_size() -> int:
 def rank() -> int:
     """Rank in the default process group, 0 when torch.distributed is not initialised."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def node_size() -> int | None:
+    """Ranks per node as the launcher announced them (torchrun's ``LOCAL_WORLD_SIZE``); ``None`` when unknown.
+
+    >>> import os
+    >>> node_size() == (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    True
+    """
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def launched_world_size() -> int:
