@@ -20,7 +20,8 @@ from ...core.config import ParallelConfig
 from ...distributed import runtime
 from ...distributed.collectives import all_gather, even_sizes
 from ..denoisers import PER_SAMPLE_ARGS, known_class
-from .cfg_data import TWO_CALL_CFG_PIPELINES, generic_split, holds_tensor, leading_dim
+from . import cfg_data
+from .cfg_data import generic_split, holds_tensor, leading_dim
 
 logger = logging.getLogger(__package__)  # hfpatch.patches.pipeline, as before the package was split
 
@@ -539,12 +540,12 @@ class ParallelForward:
             f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. For "
             "pipelines outside hfpatch's CFG tables it splits only calls that hold the whole batch (no "
             "cache_context, or cache_context('cond_uncond')); the two-call pattern (cache_context('cond') then "
-            f"('uncond')) is supported for {', '.join(TWO_CALL_CFG_PIPELINES)} only. Apply with cfg=1 (data=N "
+            f"('uncond')) is supported for {', '.join(cfg_data.TWO_CALL_CFG_PIPELINES)} only. Apply with cfg=1 (data=N "
             "still splits the prompts)."
         )
         return RuntimeError(
             f"hfpatch CFG parallel (cfg=2) saw {what} on {self.name} in {type(self.pipe).__name__}. It supports "
             "the pattern of diffusers' "
-            f"{', '.join(TWO_CALL_CFG_PIPELINES)}: per step one call in cache_context('cond'), then one in "
+            f"{', '.join(cfg_data.TWO_CALL_CFG_PIPELINES)}: per step one call in cache_context('cond'), then one in "
             "cache_context('uncond') when do_classifier_free_guidance. Apply with cfg=1 for other call patterns."
         )

@@ -70,11 +70,12 @@ True
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS
+from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, known_class
 
 __all__ = [
     "BATCHED_CFG_PIPELINES",
@@ -157,3 +158,34 @@ def generic_split(model_name: str, arguments: dict[str, Any], batch_arg: str) ->
                 f"{model_name} in hfpatch.patches.pipeline.PER_SAMPLE_ARGS."
             )
     return tuple(split)
+
+
+# ----------------------------------------------------------------------------------------------- CFG mode
+# They read the tables above at call time: code (and tests) that rebinds a table here is seen at the next apply.
+def batches_cfg(pipe: Any) -> bool:
+    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it has
+    ``do_classifier_free_guidance`` (a property, or a local of ``__call__`` as in PixArt) and its ``__call__``
+    builds ``torch.cat([latents] * 2)`` and makes no ``cache_context("uncond")`` call (a read of its source).
+    Only the plan depends on it: the calls themselves are checked when they come (``mode="generic"``)."""
+    try:
+        source = inspect.getsource(type(pipe).__call__)
+    except (OSError, TypeError):  # no source (compiled, interactive): not recognised
+        return False
+    guides = hasattr(type(pipe), "do_classifier_free_guidance") or "do_classifier_free_guidance" in source
+    return guides and "[latents] * 2" in source and 'cache_context("uncond")' not in source
+
+
+def cfg_mode(pipe: Any) -> str:
+    """``"two_call"``/``"batched"`` for the CFG tables, else ``"generic"`` (decided from the calls)."""
+    if known_class(pipe, TWO_CALL_CFG_PIPELINES):
+        return "two_call"
+    if known_class(pipe, BATCHED_CFG_PIPELINES):
+        return "batched"
+    return "generic"
+
+
+def plans_cfg(pipe: Any) -> bool:
+    """Whether ``parallel=N`` should plan a cfg degree: the tables, and pipelines that batch their CFG (a read
+    of ``__call__``'s source). Two-call pipelines outside the tables (Flux and QwenImage true CFG, opt-in per
+    call) get ``cfg=2`` only when asked for: without a negative prompt that rank would idle."""
+    return known_class(pipe, TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES) is not None or batches_cfg(pipe)

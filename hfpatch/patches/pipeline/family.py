@@ -16,40 +16,11 @@ from ...core.config import ModelFacts, ParallelConfig
 from ...core.registry import PatchFamily
 from ...distributed import runtime
 from ...distributed.agreement import install_call_guard
-from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, known_class, pipeline_denoisers
+from ..denoisers import DENOISER_NAMES, PER_SAMPLE_ARGS, pipeline_denoisers
 from .calls import CallState, ParallelForward
-from .cfg_data import BATCHED_CFG_PIPELINES, TWO_CALL_CFG_PIPELINES
+from .cfg_data import batches_cfg, cfg_mode, plans_cfg
 
 __all__ = ["PipelineParallel"]
-
-
-def _batches_cfg(pipe: Any) -> bool:
-    """Whether a pipeline outside the CFG tables shows diffusers' batched-CFG pattern: it has
-    ``do_classifier_free_guidance`` (a property, or a local of ``__call__`` as in PixArt) and its ``__call__``
-    builds ``torch.cat([latents] * 2)`` and makes no ``cache_context("uncond")`` call (a read of its source).
-    Only the plan depends on it: the calls themselves are checked when they come (``mode="generic"``)."""
-    try:
-        source = inspect.getsource(type(pipe).__call__)
-    except (OSError, TypeError):  # no source (compiled, interactive): not recognised
-        return False
-    guides = hasattr(type(pipe), "do_classifier_free_guidance") or "do_classifier_free_guidance" in source
-    return guides and "[latents] * 2" in source and 'cache_context("uncond")' not in source
-
-
-def _cfg_mode(pipe: Any) -> str:
-    """``"two_call"``/``"batched"`` for the CFG tables, else ``"generic"`` (decided from the calls)."""
-    if known_class(pipe, TWO_CALL_CFG_PIPELINES):
-        return "two_call"
-    if known_class(pipe, BATCHED_CFG_PIPELINES):
-        return "batched"
-    return "generic"
-
-
-def _plans_cfg(pipe: Any) -> bool:
-    """Whether ``parallel=N`` should plan a cfg degree: the tables, and pipelines that batch their CFG (a read
-    of ``__call__``'s source). Two-call pipelines outside the tables (Flux and QwenImage true CFG, opt-in per
-    call) get ``cfg=2`` only when asked for: without a negative prompt that rank would idle."""
-    return known_class(pipe, TWO_CALL_CFG_PIPELINES + BATCHED_CFG_PIPELINES) is not None or _batches_cfg(pipe)
 
 
 def _recording_cache_context(forward: ParallelForward) -> Callable[[Callable], Callable]:
@@ -122,11 +93,11 @@ class PipelineParallel(PatchFamily):
         Pipelines that guide in another pattern report False, so ``parallel=N`` plans no CFG degree for
         them and puts every rank into sequence parallelism instead.
         """
-        return ModelFacts(guides=_plans_cfg(target), name=type(target).__name__)
+        return ModelFacts(guides=plans_cfg(target), name=type(target).__name__)
 
     def validate(self, target: Any, config: ParallelConfig, options: dict[str, Any]) -> None:
         name = type(target).__name__
-        if config.cfg == 2 and _cfg_mode(target) != "generic":
+        if config.cfg == 2 and cfg_mode(target) != "generic":
             if not hasattr(type(target), "do_classifier_free_guidance"):
                 raise ValueError(f"cfg=2 needs {name}.do_classifier_free_guidance, which it does not have")
         if config.cfg == 2 or config.data > 1:
@@ -142,8 +113,8 @@ class PipelineParallel(PatchFamily):
                 )
             from ..caches import check_caches
 
-            mode = _cfg_mode(target)
-            two_call = mode == "two_call" or (mode == "generic" and not _batches_cfg(target))
+            mode = cfg_mode(target)
+            two_call = mode == "two_call" or (mode == "generic" and not batches_cfg(target))
             for model in models:  # a step cache must decide alike on the ranks that split each call
                 check_caches(
                     model,
@@ -152,7 +123,7 @@ class PipelineParallel(PatchFamily):
                     data=config.data,
                     two_call_cfg=two_call,
                 )
-            if _cfg_mode(target) == "two_call" and config.cfg == 2:
+            if cfg_mode(target) == "two_call" and config.cfg == 2:
                 for model in models:
                     if not callable(getattr(model, "cache_context", None)):
                         raise ValueError(
@@ -173,7 +144,7 @@ class PipelineParallel(PatchFamily):
             self._guard_transformer_calls(target, patch, mesh.group("world"), state)
         if config.cfg == 1 and config.data == 1:
             return
-        mode = _cfg_mode(target) if config.cfg == 2 else None
+        mode = cfg_mode(target) if config.cfg == 2 else None
         for model in pipeline_denoisers(target):
             forward = patch.wrap_method(
                 model,
