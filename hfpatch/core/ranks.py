@@ -38,14 +38,20 @@ def rank() -> int:
 
 
 def node_size() -> int | None:
-    """Ranks per node as the launcher announced them (torchrun's ``LOCAL_WORLD_SIZE``); ``None`` when unknown.
+    """Ranks per node as torchrun announced them: ``LOCAL_WORLD_SIZE``, when ``GROUP_WORLD_SIZE`` nodes of it make
+    ``WORLD_SIZE``; ``None`` when unknown. (accelerate on CPU writes ``LOCAL_WORLD_SIZE`` itself, 1 when no launcher
+    set it, so it alone is not trusted: a wrong node size would change the plan.)
 
     >>> import os
-    >>> node_size() == (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    >>> node_size() is None or node_size() * int(os.environ["GROUP_WORLD_SIZE"]) == int(os.environ["WORLD_SIZE"])
     True
     """
-    text = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    local, nodes, world = (
+        os.environ.get(k, "") for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE")
+    )
+    if not (local.isdigit() and nodes.isdigit() and world.isdigit()) or int(local) < 1:
+        return None
+    return int(local) if int(local) * int(nodes) == int(world) else None
 
 
 def launched_world_size() -> int:

@@ -150,3 +150,23 @@ def test_two_agents_plan_ulysses_inside_each_node_and_equal_unpatched(two_nodes)
         for case in (transformer, pipeline):
             assert len(case["ulysses_nodes"]) == 2 and len(set(case["ulysses_nodes"])) == 1, (rank, case)
             assert case["diff"] <= reassociation_tol(case["noise"]), (rank, case)
+
+
+def test_the_node_size_is_torchruns_and_only_when_consistent(monkeypatch):
+    """torchrun sets ``LOCAL_WORLD_SIZE`` and ``GROUP_WORLD_SIZE``; accelerate on CPU writes ``LOCAL_WORLD_SIZE=1``
+    by itself when no launcher set it (the suite's rank pools): that alone must not shrink the Ulysses degree."""
+    from hfpatch.core.ranks import node_size
+
+    cases = [
+        ({"LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "4"}, 2),
+        ({"LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "8"}, 8),
+        ({"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "4"}, None),  # accelerate's guess, no torchrun
+        ({"LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "4"}, None),  # inconsistent
+        ({}, None),
+    ]
+    for env, expected in cases:
+        for name in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert node_size() == expected, env
