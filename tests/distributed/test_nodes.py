@@ -118,7 +118,9 @@ def two_nodes(tmp_path_factory) -> list[dict]:
     """Two torchrun agents of two ranks on this host, one c10d rendezvous."""
     out = tmp_path_factory.mktemp("nodes") / "result.json"
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HFPATCH_TIMEOUT_S": "120"}
+    tests = str(SCRIPT.parents[1])  # the script imports the suite's shared helpers (tests/pipe_helpers.py)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HFPATCH_TIMEOUT_S": "120", "PYTHONPATH": path}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hfpatch-two-nodes",

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from pipe_helpers import wan_pipe_call  # tests/, on PYTHONPATH (test_nodes.py sets it for the agents)
 
 import hfpatch
 from hfpatch.distributed import runtime
@@ -22,16 +23,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
 
 
 def _pipe_call(pipe) -> torch.Tensor:
-    return pipe(
-        prompt_embeds=wan_prompt_embeds(batch=1),
-        negative_prompt_embeds=wan_prompt_embeds(batch=1, seed=2),
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=2,
-        output_type="latent",
-        generator=torch.Generator().manual_seed(0),
-    ).frames
+    return wan_pipe_call(pipe, output_type="latent")
 
 
 def _groups(plan, axis: str, nodes: list[int]) -> list[list[int]]:

@@ -26,6 +26,7 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         if not runtime.is_peer_failure(exc):
             raise
         raise runtime.collective_error("all_reduce", group, exc) from exc
+    # A ring all-reduce sends 2 (W - 1) / W of the tensor per rank.
     record_sent("all_reduce", 2 * (world - 1) * out.numel() * out.element_size() // world)
     return out
 
@@ -51,14 +52,4 @@ def _(x, group):
 
 
 def _all_reduce_mean(x: torch.Tensor, pg: ProcessGroup | None) -> torch.Tensor:
-    out = x.contiguous().clone()
-    world = size_of(pg)
-    try:
-        dist.all_reduce(out, group=pg)
-    except RuntimeError as exc:
-        if not runtime.is_peer_failure(exc):
-            raise
-        raise runtime.collective_error("all_reduce", pg, exc) from exc
-    # A ring all-reduce sends 2 (W - 1) / W of the tensor per rank.
-    record_sent("all_reduce", 2 * (world - 1) * out.numel() * out.element_size() // world)
-    return out.div_(world)
+    return all_reduce_sum(x, pg).div_(size_of(pg))

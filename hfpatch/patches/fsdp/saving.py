@@ -36,7 +36,7 @@ from ...core.patch import Patch
 from ...distributed import runtime
 from ...distributed.agreement import check_same_inputs, named_arguments
 
-__all__ = ["full_state_dict", "install_sharded_save"]
+__all__ = ["compact", "full_state_dict", "install_sharded_save"]
 
 # True while rank 0 writes a sharded save: a model's own save_pretrained, called by the pipeline's, runs stock.
 _WRITING: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_sharded_save", default=False)
@@ -58,11 +58,15 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             full[key] = full[first[id(value)]]
             continue
         first[id(value)] = key
-        tensor = gathered.pop(key)
         # An unevenly sharded tensor comes back as a view of its padded gather: the hub's shard split sizes a
         # tensor by its storage, so such a view would move the file boundaries of a max_shard_size save.
-        full[key] = tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        full[key] = compact(gathered.pop(key))
     return full
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy of it when it is a view into a larger storage (a gathered shard's padding)."""
+    return tensor.contiguous().clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
 
 
 def _unsharded_class(model: torch.nn.Module) -> type:

@@ -56,7 +56,7 @@ from ...core.patch import Patch
 from ...core.registry import PatchFamily, class_key
 from ...distributed import runtime
 from ..checkpoint import CheckpointSource, shard_rows, source_of
-from .saving import install_sharded_save
+from .saving import compact, install_sharded_save
 from .units import shard_axes, shard_units
 
 __all__ = ["SHARD_OPTIONS", "WeightSharding"]
@@ -272,7 +272,7 @@ def _full_tensor(param: Any, mesh: Any) -> torch.Tensor:
     whole = DTensor.from_local(
         local, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     ).full_tensor()
-    return whole.contiguous().clone() if whole.untyped_storage().nbytes() != whole.nbytes else whole
+    return compact(whole)
 
 
 def _snapshot(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, dict, dict[str, dict]]]:
