@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import platform
 import subprocess
 import sys
@@ -57,13 +56,9 @@ def _int_in_range(low: int, high: int | None = None, why: str = "") -> Callable[
 
 def _tolerance(text: str) -> float:
     """An argparse ``type=``: a finite float ``>= 0``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    from .arguments import _finite_float
+
+    return _finite_float(text, at_least=0.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
             "command and computes the unpatched pipeline's output; what can be checked without the weights "
             "(degrees vs the world size, output suffixes, the model's classes) is a usage error (exit status 2) "
             "before any weight loads.",
+        )
+    )
+    from .plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(
+        commands.add_parser(
+            "plan",
+            help="the plan parallel=N*G gets on N nodes of G GPUs, and the bytes each rank sends per step inside a "
+            "node and across nodes (reads configs only)",
+            description="Build the pipeline from its configs on the meta device (no weights, no process group), "
+            "plan it as hfpatch.apply would on --nodes x --gpus-per-node ranks (Ulysses inside a node; CFG, "
+            "data and Ring across nodes), and print the bytes each rank sends in one denoising step, inside its "
+            "node and across nodes (Wan and Flux token layouts).",
         )
     )
     demo = commands.add_parser(
@@ -228,41 +236,43 @@ def info_lines(classes: bool = False) -> list[str]:
                 lines += _wrapped("      families: ", names)
             lines += _wrapped("      options: ", [options])
     lines += missing
-    try:
-        from ..patches.dit.family import support_table
-
-        rows = support_table()
-    except ImportError as exc:
-        lines.append(f"sequence parallel by diffusers transformer class: unavailable ({exc})")
-    else:
-        supported = [name for name, how in rows if not how.startswith("not supported")]
-        if classes:
-            lines.append("sequence parallel by diffusers transformer class:")
-            lines += [f"  {name}: {how}" for name, how in rows]
-        else:
-            lines += _wrapped(
-                f"sequence parallel: {len(supported)} of the {len(rows)} diffusers transformer classes ",
-                ["(`hfpatch info --classes` gives each one's plan, or why it is not split)"],
-                indent=2,
-            )
-    try:
-        from ..patches.vae.support import support_table as vae_support_table
-
-        rows = vae_support_table()
-    except ImportError as exc:
-        lines.append(f"VAE split by diffusers autoencoder class: unavailable ({exc})")
-    else:
-        split = [name for name, how in rows if how.startswith("split")]
-        if classes:
-            lines.append("VAE split by diffusers autoencoder class:")
-            lines += [f"  {name}: {how}" for name, how in rows]
-        else:
-            lines += _wrapped(
-                f"VAE split by height: {len(split)} of the {len(rows)} diffusers autoencoder classes ",
-                ["(`hfpatch info --classes` says why the others are not split)"],
-                indent=2,
-            )
+    lines += _support_lines(
+        "hfpatch.patches.dit.family",
+        "sequence parallel by diffusers transformer class",
+        lambda how: not how.startswith("not supported"),
+        "sequence parallel: {} of the {} diffusers transformer classes ",
+        "(`hfpatch info --classes` gives each one's plan, or why it is not split)",
+        classes,
+    )
+    lines += _support_lines(
+        "hfpatch.patches.vae.support",
+        "VAE split by diffusers autoencoder class",
+        lambda how: how.startswith("split"),
+        "VAE split by height: {} of the {} diffusers autoencoder classes ",
+        "(`hfpatch info --classes` says why the others are not split)",
+        classes,
+    )
     return lines
+
+
+def _support_lines(
+    module: str,
+    title: str,
+    counts: Callable[[str], bool],
+    summary: str,
+    hint: str,
+    classes: bool,
+) -> list[str]:
+    """``module``'s ``support_table()``: every class with ``classes``, else how many ``counts`` (``summary`` takes
+    the count and the total) and the ``hint``; a table whose diffusers classes fail to import says so."""
+    try:
+        rows = importlib.import_module(module).support_table()
+    except ImportError as exc:
+        return [f"{title}: unavailable ({exc})"]
+    if classes:
+        return [f"{title}:", *(f"  {name}: {how}" for name, how in rows)]
+    counted = sum(1 for _, how in rows if counts(how))
+    return _wrapped(summary.format(counted, len(rows)), [hint], indent=2)
 
 
 def benchmark_dir() -> Path | None:
@@ -323,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .generate import main as generate
 
         return generate(args)
+    if args.command == "plan":
+        from .plan import main as plan
+
+        return plan(args)
     if args.command == "info":
         print("\n".join(info_lines(classes=args.classes)))
         return 0

@@ -58,13 +58,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _finite_float(text: str) -> float:
+def _finite_float(text: str, at_least: float | None = None) -> float:
+    """An argparse ``type=``: a finite float (``>= at_least`` when given)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    if not math.isfinite(value) or (at_least is not None and value < at_least):
+        bound = "" if at_least is None else f" >= {at_least:g}"
+        raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text}")
     return value
 
 

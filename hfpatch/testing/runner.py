@@ -1,8 +1,9 @@
 """Run a function on N local gloo ranks and collect each rank's result.
 
-Built on ``torch.multiprocessing`` (spawn) and ``torch.distributed``; no launcher of its own. Spawning a
-rank costs seconds (importing torch and diffusers), so :class:`RankPool` keeps N initialised ranks alive
-and runs many functions on them; :func:`run_ranks` is the one-shot form.
+Built on ``torch.multiprocessing`` and ``torch.distributed``; no launcher of its own. A fresh rank costs seconds
+(importing torch, diffusers and transformers: about 6 s of CPU each on a 2-core machine), so ranks are forked from
+the standard library's forkserver, which imports them once (``PRELOAD``); :class:`RankPool` keeps N initialised
+ranks alive and runs many functions on them; :func:`run_ranks` is the one-shot form.
 
 Functions must be importable by the children (module-level functions of an importable module).
 
@@ -26,6 +27,10 @@ import torch.multiprocessing as mp
 
 __all__ = ["RankError", "RankPool", "run_ranks"]
 
+#: Modules the forkserver imports once before it forks any rank (a module that fails to import is skipped by
+#: the server and imported by each rank as it needs it).
+PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "accelerate", "peft", "hfpatch")
+
 
 class RankError(RuntimeError):
     """A function raised on one or more ranks; carries the remote traceback of each failing rank."""
@@ -44,9 +49,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
 def _worker(
-    rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    threads: int,
+    environ: dict[str, str],
+    tasks: Any,
+    results: Any,
 ) -> None:
+    # A forked rank inherits the forkserver's environment, frozen when the server started: take the caller's,
+    # as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -90,6 +110,9 @@ def _worker(
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
+    from hfpatch.distributed.liveness import stop_heartbeat
+
+    stop_heartbeat()  # rank 0 hosts the store and may exit first
     dist.destroy_process_group()
     # Every result is in the parent already: skip the interpreter's teardown of a heap of models and modules
     # (about 10 s per pool on a 2-core machine).
@@ -107,14 +130,22 @@ class RankPool:
         threads: torch intra-op threads per rank (1 avoids oversubscribing small CI machines), set again
             before every call: a call that changes it (accelerate's ``PartialState`` on CPU does) leaves no
             trace in the next.
+        start_method: ``"forkserver"`` (the default where the platform has it: ranks forked from a server that
+            imported ``PRELOAD`` once) or ``"spawn"`` (each rank imports everything itself).
 
     After a failure or a timeout the ranks are torn down (a rank may be stuck in a collective) and the
     next :meth:`run` starts fresh ones.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1):
+    def __init__(
+        self, world_size: int, timeout_s: float = 120.0, threads: int = 1, start_method: str | None = None
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        method = start_method or _default_start_method()
+        if method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+        self.start_method = method
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.threads = threads
@@ -123,14 +154,27 @@ class RankPool:
         self._results: Any = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # Only the first call in a process takes effect (the server then runs until the process exits).
+            ctx.set_forkserver_preload(list(PRELOAD))
         port = _free_port()
+        environ = dict(os.environ)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.timeout_s,
+                    self.threads,
+                    environ,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)

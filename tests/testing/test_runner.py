@@ -70,3 +70,24 @@ def test_pool_ranks_keep_their_thread_count(rank_pool):
     assert pool.run(_threads_under_accelerate) == [(1, "1"), (1, "1")]
     assert pool.run(_set_threads, 2) == [2, 2]
     assert pool.run(torch.get_num_threads) == [1, 1]  # reset before every call
+
+
+def _environment_and_preloaded(name: str) -> tuple[str | None, bool]:
+    import sys
+
+    return os.environ.get(name), "diffusers" in sys.modules
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_and_forkserver_ranks_start_preloaded(start_method, monkeypatch):
+    # A forkserver's children inherit the server's environment, frozen when the first pool started it: the
+    # ranks must see the caller's (as spawned ones do), or a variable set since would silently not reach them.
+    monkeypatch.setenv("HFPATCH_RUNNER_PROBE", start_method)
+    with RankPool(2, start_method=start_method) as pool:
+        preloaded = start_method == "forkserver"  # spawned ranks import only what the task needs
+        assert pool.run(_environment_and_preloaded, "HFPATCH_RUNNER_PROBE") == [(start_method, preloaded)] * 2
+
+
+def test_start_method_is_checked():
+    with pytest.raises(ValueError, match="start_method"):
+        RankPool(2, start_method="fork")

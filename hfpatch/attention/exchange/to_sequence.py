@@ -58,6 +58,23 @@ class PendingOut:
         self.unpacks = []
 
 
+def _receive_into(
+    dest: Tensor, fp8: bool, heads: int, peer: int, recvs: list[tuple], unpacks: list[tuple]
+) -> None:
+    """Post the receives of ``dest``'s rows from ``peer`` (one per sample; on the FP8 wire, bytes and the
+    ``heads`` per-head scales) into new buffers, and note where :func:`finish_out` unpacks them."""
+    batch = dest.shape[0]
+    if not fp8:
+        buf = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        recvs += [(buf[b], peer) for b in range(batch)]
+        unpacks.append((dest, buf, None))
+    else:
+        buf = torch.empty(dest.shape, dtype=torch.uint8, device=dest.device)
+        scales = torch.empty(batch, heads, dtype=torch.float32, device=dest.device)
+        recvs += [(buf[b], peer) for b in range(batch)] + [(scales, peer)]
+        unpacks.append((dest, buf, scales))
+
+
 def start_out(
     plan: OutPlan, sources: Sequence[Tensor], final: Tensor | None, front: bool = True
 ) -> PendingOut:
@@ -92,15 +109,7 @@ def start_out(
             theirs = width(plan.heads[peer])
             if geo.real[me] and theirs:
                 dest = final[:, fi : fi + geo.real[me], plan.heads[peer]]
-                if plan.wire is None:
-                    buf = torch.empty(dest.shape, dtype=final.dtype, device=final.device)
-                    recvs += [(buf[b], peer) for b in range(geo.batch)]
-                    unpacks.append((dest, buf, None))
-                else:
-                    buf = torch.empty(dest.shape, dtype=torch.uint8, device=final.device)
-                    scales = torch.empty(geo.batch, theirs, dtype=torch.float32, device=final.device)
-                    recvs += [(buf[b], peer) for b in range(geo.batch)] + [(scales, peer)]
-                    unpacks.append((dest, buf, scales))
+                _receive_into(dest, plan.wire is not None, theirs, peer, recvs, unpacks)
         if plan.text_source is not None:
             text = sources[plan.text_source].detach()[:, plan.text : plan.text + plan.text_len]
             ft = slice(plan.final_text, plan.final_text + plan.text_len)
@@ -121,15 +130,7 @@ def start_out(
                 if peer == me or not theirs:
                     continue
                 dest = final[:, ft, plan.heads[peer]]
-                if plan.wire is None:
-                    buf = torch.empty(dest.shape, dtype=final.dtype, device=final.device)
-                    text_recvs += [(buf[b], peer) for b in range(geo.batch)]
-                    unpacks.append((dest, buf, None))
-                else:
-                    buf = torch.empty(dest.shape, dtype=torch.uint8, device=final.device)
-                    scales = torch.empty(geo.batch, theirs, dtype=torch.float32, device=final.device)
-                    text_recvs += [(buf[b], peer) for b in range(geo.batch)] + [(scales, peer)]
-                    unpacks.append((dest, buf, scales))
+                _receive_into(dest, plan.wire is not None, theirs, peer, text_recvs, unpacks)
     p2p = [start_p2p(sends, recvs, geo.group, "all_to_all")]
     if plan.text_source is not None:  # the joint (text) heads: an all-gather
         p2p.append(start_p2p(text_sends, text_recvs, geo.group, "all_gather"))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .digests import content_digest, hash_text, to_int64
+from .marks import mark_calls
 from .weights import WEIGHTS_SLOT, current_watch, weights_mismatch
 
 __all__ = [
@@ -283,9 +284,7 @@ def install_call_guard(
     """
     from ..runtime import CollectiveError
 
-    tokens: list[contextvars.Token] = []
-
-    def check_call(_module: Any, args: tuple, kwargs: dict) -> None:
+    def check_call(args: tuple, kwargs: dict) -> bool:
         named = named_arguments(type(module).forward, (module, *args), kwargs)
         named.pop("self", None)
         if extra is not None:
@@ -299,14 +298,9 @@ def install_call_guard(
             if earlier is None:
                 raise
             raise earlier  # noqa: B904 - the CollectiveError stays attached as __context__
-        tokens.append(_AGREED.set(True))
+        return True
 
-    def clear_mark(_module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
-        if tokens:
-            _AGREED.reset(tokens.pop())
-
-    patch.add_forward_pre_hook(module, check_call, prepend=True)
-    patch.add_forward_hook(module, clear_mark, always_call=True)
+    mark_calls(patch, module, _AGREED, check_call)
 
 
 def named_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:

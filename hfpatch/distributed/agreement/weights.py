@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .digests import bulk_digest, hash_text
+from .marks import mark_calls
 from .trainable import DIVERGENCE_CAUSES, TrainableWeights, count_optimizer_steps, divergence_note
 
 __all__ = [
@@ -310,17 +311,7 @@ class WeightWatch:
 
     def enter(self, patch: Any, module: torch.nn.Module) -> None:
         """Make the same-input checks inside every call of ``module`` include this watch (first pre-hook)."""
-        tokens: list[contextvars.Token] = []
-
-        def watch_weights(_module: Any, _args: tuple, _kwargs: dict) -> None:
-            tokens.append(_WATCH.set(self))
-
-        def unwatch_weights(_module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
-            if tokens:
-                _WATCH.reset(tokens.pop())
-
-        patch.add_forward_pre_hook(module, watch_weights, prepend=True)
-        patch.add_forward_hook(module, unwatch_weights, always_call=True)
+        mark_calls(patch, module, _WATCH, lambda _args, _kwargs: self)
         _WATCHES[module] = self
 
 

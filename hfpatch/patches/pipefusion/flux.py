@@ -218,7 +218,6 @@ def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]])
         if call is None:
             raise RuntimeError(f"{state.name} blocks ran outside a PipeFusion call of the model")
         text = encoder_hidden_states.shape[1]
-        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
         rows, sliced = stage_rows(call)
         shard = call.shard
         # the joint token of every row (sorted: a run of rows is its text rows, then its image rows)
@@ -235,12 +234,7 @@ def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]])
         images: list[torch.Tensor] = []
         sending: list[dist.Work] = []
 
-        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
-            start, end = rows[index]
-            buffer = hidden_states.new_empty((batch, end - start, channels))
-            return buffer, state.recv(buffer, state.stage - 1)
-
-        pending = post_recv(0) if not state.is_first else None
+        pending = state.recv_rows(hidden_states, rows[0]) if not state.is_first else None
         for index, (start, end) in enumerate(rows):
             own_text = bisect_left(joint, text, start, end) - start  # text rows of this run: its head
             if source is not None:
@@ -251,7 +245,7 @@ def _flux_stage_runner(state: PipeFusionState, blocks: list[Callable[..., Any]])
             else:
                 received, works = pending
                 if index + 1 < len(rows):  # the next patch arrives while this one computes
-                    pending = post_recv(index + 1)
+                    pending = state.recv_rows(hidden_states, rows[index + 1])
                 state.wait(works, "PipeFusion receive")
                 txt, img = received[:, :own_text], received[:, own_text:]
             rotary = _slice_rotary(all_rotary, start, end) if sliced else all_rotary

@@ -200,6 +200,13 @@ class PipeFusionState:
                 raise
             raise runtime.collective_error("PipeFusion receive", self.group, exc) from exc
 
+    def recv_rows(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Post the receive of rows ``start:end`` (dim 1) of the previous stage's hidden states into a new buffer
+        of ``like``'s batch, channels, dtype and device; return it with the pending work."""
+        start, end = rows
+        buffer = like.new_empty((like.shape[0], end - start, like.shape[-1]))
+        return buffer, self.recv(buffer, self.stage - 1)
+
     def wait(self, works: list[dist.Work], what: str) -> None:
         wait_works(works, what, self.group)
 

@@ -126,7 +126,6 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
             raise RuntimeError(f"{state.name}.blocks ran outside a PipeFusion call of the model")
         outputs: list[torch.Tensor] = []
         sending: list[dist.Work] = []
-        batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
         per_token = temb.ndim == 4  # Wan 2.2 per-token modulation [B, S, 6, C]
         shard = call.shard
         rows, sliced = stage_rows(call)
@@ -138,19 +137,14 @@ def _stage_runner(state: PipeFusionState, blocks: list[Callable[..., torch.Tenso
             if rotary_emb is not None:
                 all_rotary = tuple(r.index_select(1, index_) for r in rotary_emb)
 
-        def post_recv(index: int) -> tuple[torch.Tensor, list[dist.Work]]:
-            start, end = rows[index]
-            buffer = hidden_states.new_empty((batch, end - start, channels))
-            return buffer, state.recv(buffer, state.stage - 1)
-
-        pending = post_recv(0) if not state.is_first else None
+        pending = state.recv_rows(hidden_states, rows[0]) if not state.is_first else None
         for index, (start, end) in enumerate(rows):
             if state.is_first:
                 x = source[:, start:end]
             else:
                 x, works = pending
                 if index + 1 < len(rows):  # the next patch arrives while this one computes
-                    pending = post_recv(index + 1)
+                    pending = state.recv_rows(hidden_states, rows[index + 1])
                 state.wait(works, "PipeFusion receive")
             temb_patch = all_temb[:, start:end] if per_token and sliced else all_temb
             rotary = all_rotary
