@@ -33,7 +33,7 @@ import torch
 
 from .core.config import ModelFacts, ParallelConfig, resolve_parallel
 from .core.patch import MARKER, Patch, get_patch
-from .core.ranks import node_size
+from .core.ranks import topology
 from .core.registry import PatchFamily, Registry, class_key
 from .distributed import runtime
 from .distributed.agreement import (
@@ -45,7 +45,7 @@ from .distributed.agreement import (
 )
 from .patches import default_registry
 
-__all__ = ["ApplyMismatchError", "WeightMismatchError", "apply", "get_patch"]
+__all__ = ["ApplyMismatchError", "WeightMismatchError", "apply", "get_patch", "plan_of"]
 
 
 class ApplyMismatchError(ValueError):
@@ -236,20 +236,35 @@ def _model_digest(target: Any) -> str:
     return hashlib.blake2b("|".join(parts).encode(), digest_size=6).hexdigest()
 
 
-def _plan(
-    target: Any, parallel: Any, options: dict[str, Any], registry: Registry | None = None
-) -> ParallelConfig:
-    """The plan ``apply(target, parallel, **options)`` resolves, without the families' checks and without
-    patching anything (``hfpatch.from_pretrained`` reads it to know which weights each rank keeps)."""
-    units = _units(target, registry or default_registry())
-    world = runtime.launched_world_size()
-    return resolve_parallel(
-        parallel,
-        world,
-        _merge_facts(units, target),
-        pipefusion=options.get("pipefusion", False),
-        node_size=node_size(),
+def plan_of(
+    target: Any,
+    parallel: int | ParallelConfig | None,
+    world_size: int,
+    *,
+    node_size: int | None = None,
+    peer_access: bool | None = None,
+    pipefusion: bool = False,
+) -> tuple[ParallelConfig, ModelFacts]:
+    """The plan ``hfpatch.apply(target, parallel)`` resolves on ``world_size`` ranks of ``node_size`` per node, and
+    the facts it planned from; patches nothing, runs no family check and starts no group (``hfpatch plan`` calls
+    it on a pipeline built on the meta device).
+
+    >>> from hfpatch.testing import tiny_wan_transformer
+    >>> plan_of(tiny_wan_transformer(), 8, 8, node_size=4)[0]  # 4 heads, two nodes of 4
+    ParallelConfig(data=1, cfg=1, ring=2, ulysses=4, vae=1)
+    """
+    facts = _merge_facts(_units(target, default_registry()), target)
+    config = resolve_parallel(
+        parallel, world_size, facts, pipefusion=pipefusion, node_size=node_size, peer_access=peer_access
     )
+    return config, facts
+
+
+def _plan(target: Any, parallel: Any, options: dict[str, Any]) -> ParallelConfig:
+    """The plan ``apply(target, parallel, **options)`` resolves in this launch, without the families' checks and
+    without patching anything (``hfpatch.from_pretrained`` reads it to know which weights each rank keeps)."""
+    world = runtime.launched_world_size()
+    return plan_of(target, parallel, world, pipefusion=options.get("pipefusion", False), **topology())[0]
 
 
 def _differences(existing: Patch, config: ParallelConfig, options: dict[str, Any]) -> list[str]:
@@ -306,7 +321,7 @@ def _check(
     runtime.check_launchable(requested or 1)  # no process group and no launcher: say how to launch
     world = runtime.launched_world_size()  # reads the launcher's environment; initialises nothing
     config = resolve_parallel(
-        parallel, world, facts, pipefusion=resolved_options.get("pipefusion", False), node_size=node_size()
+        parallel, world, facts, pipefusion=resolved_options.get("pipefusion", False), **topology()
     )
 
     existing = get_patch(target)

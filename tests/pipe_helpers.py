@@ -9,6 +9,13 @@ import torch
 
 from hfpatch.testing import wan_prompt_embeds
 
+#: ``hfpatch generate`` of the tiny Wan folder (``tiny_wan_pipe(text_encoder=True)``): CFG, 5 frames of 32 x 32,
+#: 2 steps, the tiny tokenizers' length.
+WAN_GENERATE_ARGS = [
+    "--prompt", "a cat", "--negative-prompt", "blurry", "--height", "32", "--width", "32", "--frames", "5",
+    "--steps", "2", "--pipeline-kwargs", '{"max_sequence_length": 8}',
+]  # fmt: skip
+
 
 def wan_pipe_call(pipe: Any, **overrides: Any) -> torch.Tensor:
     """The tiny Wan pipeline with CFG (5 frames of 32 x 32, 2 steps, seed 0); ``overrides`` replace arguments."""

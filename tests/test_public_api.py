@@ -23,7 +23,7 @@ PUBLIC: dict[str, str | None] = {
         "data_parallel_loaders data_parallel_sampler from_pretrained get_patch prepare_accelerator "
         "register_ddp_hook register_patch step_generator step_rng"
     ),
-    "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch",
+    "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch plan_of",  # plan_of: issue 48
     "hfpatch.loading": "LoadError from_pretrained",
     "hfpatch.generate": (
         "CACHES ModelInfo UsageError add_arguments check_arguments check_model inspect_model load_pipeline main "
@@ -58,7 +58,9 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.core.config": "ModelFacts ParallelConfig crosses_nodes plan_parallel resolve_parallel",
     "hfpatch.core.patch": "ABSENT MARKER Patch PatchError get_patch",
-    "hfpatch.core.ranks": "data_coordinates data_position launched_world_size node_size rank world_size",
+    "hfpatch.core.ranks": (  # peer_access, topology: issue 48
+        "data_coordinates data_position launched_world_size node_size peer_access rank topology world_size"
+    ),
     "hfpatch.core.registry": "PatchFamily Registry class_key",
     "hfpatch.core.wrappers": "unwrap_model unwrap_once",
     "hfpatch.demo": (
@@ -84,6 +86,8 @@ PUBLIC: dict[str, str | None] = {
         "all_reduce_gradients grad_averaged_over_group grad_scaled_by_group grads_averaged_over_group "
         "register_ddp_hook"
     ),
+    "hfpatch.distributed.traffic": "KINDS StepShape across inside step_traffic",  # issue 48
+    "hfpatch.distributed.liveness": "BEAT_S WINDOW_S ensure_heartbeat silent_ranks stop_heartbeat",  # issue 48
     "hfpatch.distributed.runtime": (
         "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
         "describe_group ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank "

@@ -125,8 +125,17 @@ def crosses_nodes(ulysses: int, world: int, node_size: int | None) -> bool:
     return node_size % ulysses != 0
 
 
+def _island(node_size: int | None, peer_access: bool | None) -> int | None:
+    """Ranks that reach each other over fast links: a node, or one GPU when the node's GPUs lack peer access."""
+    return 1 if peer_access is False else node_size
+
+
 def plan_parallel(
-    n: int, facts: ModelFacts, pipefusion: bool = False, node_size: int | None = None
+    n: int,
+    facts: ModelFacts,
+    pipefusion: bool = False,
+    node_size: int | None = None,
+    peer_access: bool | None = None,
 ) -> ParallelConfig:
     """Plan ``n`` ranks: CFG parallel when the pipeline guides, then Ulysses up to the head count, then Ring.
 
@@ -137,6 +146,14 @@ def plan_parallel(
 
     >>> plan_parallel(8, ModelFacts(num_heads=24), node_size=4)   # two nodes of 4: Ring across them
     ParallelConfig(data=1, cfg=1, ring=2, ulysses=4, vae=8)
+
+    ``peer_access=False`` (GPUs on PCIe that cannot reach each other directly,
+    :func:`hfpatch.core.ranks.peer_access`): every byte between two GPUs crosses host memory, so no link is
+    fast; an all-to-all waits for all of them at once, while Ring's point-to-point passes overlap with the
+    attention of the block in hand. The planner then keeps Ulysses at 1 (CFG, then Ring).
+
+    >>> plan_parallel(4, ModelFacts(num_heads=24, guides=True), peer_access=False)
+    ParallelConfig(data=1, cfg=2, ring=2, ulysses=1, vae=4)
 
     ``pipefusion=True`` (``hfpatch.apply(..., pipefusion=True)``; never the default, PipeFusion is approximate
     after its warm-up) gives the ranks left after CFG to PipeFusion instead: its degree is the largest divisor
@@ -155,13 +172,14 @@ def plan_parallel(
         raise ValueError(f"parallel must be a positive int or a ParallelConfig, got {n!r}")
     cfg = 2 if facts.guides and n % 2 == 0 else 1
     rest = n // cfg
+    island = _island(node_size, peer_access)
     if pipefusion:
-        return _plan_pipefusion(n, cfg, facts, node_size)
+        return _plan_pipefusion(n, cfg, facts, island)
     if facts.num_heads is None:
         # No sequence-parallel transformer (a VAE; a UNet pipeline): CFG parallel when it fills every rank,
         # else the VAE splits over every rank and the denoiser runs whole on each.
         return ParallelConfig(cfg=2, vae=n) if cfg == 2 and rest == 1 else ParallelConfig(vae=n)
-    ulysses = _ulysses_degree(rest, facts.num_heads, n, node_size)
+    ulysses = _ulysses_degree(rest, facts.num_heads, n, island)
     return ParallelConfig(cfg=cfg, ring=rest // ulysses, ulysses=ulysses, vae=n)
 
 
@@ -228,6 +246,7 @@ def resolve_parallel(
     facts: ModelFacts,
     pipefusion: bool = False,
     node_size: int | None = None,
+    peer_access: bool | None = None,
 ) -> ParallelConfig:
     """Turn the user's ``parallel`` argument into checked degrees for ``world_size`` ranks.
 
@@ -241,6 +260,8 @@ def resolve_parallel(
         node_size: Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``; ``None``: unknown). The planner keeps Ulysses
             inside a node; an explicit config whose Ulysses groups span nodes runs, with a warning naming the
             degrees that would not.
+        peer_access: Whether the node's GPUs reach each other directly (``None``: unknown, or CPU). Without it
+            the planner keeps Ulysses at 1, and an explicit Ulysses degree above 1 runs with a warning.
 
     Raises:
         ValueError: If the degrees do not fit the world or the target.
@@ -259,7 +280,7 @@ def resolve_parallel(
             )
         config = parallel
     elif isinstance(parallel, int) and not isinstance(parallel, bool):
-        config = plan_parallel(parallel, facts, pipefusion, node_size)
+        config = plan_parallel(parallel, facts, pipefusion, node_size, peer_access)
     else:
         raise TypeError(
             f"parallel must be None, an int or hfpatch.ParallelConfig, got {type(parallel).__name__}"
@@ -271,22 +292,35 @@ def resolve_parallel(
             f"{world_size}"
         )
     check_config(config, facts)
-    if isinstance(parallel, ParallelConfig) and crosses_nodes(config.ulysses, config.world_size, node_size):
-        _warn_ulysses_across_nodes(config, node_size, facts)
+    island = _island(node_size, peer_access)
+    if isinstance(parallel, ParallelConfig) and crosses_nodes(config.ulysses, config.world_size, island):
+        _warn_ulysses_across_nodes(config, island, facts, peer_access is False)
     product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
     if not facts.splits_vae and product > 1 and config.vae == product:
         config = replace(config, vae=1)  # no VAE to split: the plan says so (its default is every rank)
     return config
 
 
-def _warn_ulysses_across_nodes(config: ParallelConfig, node_size: int | None, facts: ModelFacts) -> None:
-    """Say that ``config``'s Ulysses all-to-all spans nodes, and which degrees would not."""
+def _warn_ulysses_across_nodes(
+    config: ParallelConfig, island: int | None, facts: ModelFacts, no_peer_access: bool
+) -> None:
+    """Say that ``config``'s Ulysses all-to-all spans slow links, and which degrees would not."""
     heads = facts.num_heads or config.ulysses
-    inside = _ulysses_degree(config.ulysses, heads, config.world_size, node_size)
+    inside = _ulysses_degree(config.ulysses, heads, config.world_size, island)
     proposal = replace(config, ring=config.ring * config.ulysses // inside, ulysses=inside)
+    if no_peer_access:
+        text = (
+            f"hfpatch: {config} runs Ulysses groups of {config.ulysses} ranks on GPUs without peer access: every "
+            f"all-to-all goes through host memory. {proposal} passes Ring's keys and values instead, overlapped "
+            "with attention (pass parallel=N to let the planner choose)"
+        )
+    else:
+        text = (
+            f"hfpatch: {config} puts Ulysses groups of {config.ulysses} ranks across nodes of {island} ranks: its "
+            f"all-to-all then runs over the link between nodes. {proposal} keeps each Ulysses group inside a node "
+            "and passes Ring's keys and values between nodes instead (pass parallel=N to let the planner choose)"
+        )
     warnings.warn(  # the same text from the same place shows once (the warnings module's default filter)
-        f"hfpatch: {config} puts Ulysses groups of {config.ulysses} ranks across nodes of {node_size} ranks: its "
-        f"all-to-all then runs over the link between nodes. {proposal} keeps each Ulysses group inside a node and "
-        "passes Ring's keys and values between nodes instead (pass parallel=N to let the planner choose)",
+        text,
         stacklevel=4,
     )

@@ -16,12 +16,23 @@ that :class:`hfpatch.Patch` (``patch.data_rank``) needs nothing above the core.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .config import ParallelConfig
 
-__all__ = ["data_coordinates", "data_position", "launched_world_size", "node_size", "rank", "world_size"]
+__all__ = [
+    "data_coordinates",
+    "data_position",
+    "launched_world_size",
+    "node_size",
+    "peer_access",
+    "rank",
+    "topology",
+    "world_size",
+]
 
 #: The environment a launcher (torchrun, accelerate launch) sets on every rank.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -52,6 +63,39 @@ def node_size() -> int | None:
     if not (local.isdigit() and nodes.isdigit() and world.isdigit()) or int(local) < 1:
         return None
     return int(local) if int(local) * int(nodes) == int(world) else None
+
+
+def peer_access() -> bool | None:
+    """Whether this node's GPUs reach each other directly (NVLink, or PCIe peer-to-peer); ``None`` on CPU, or
+    when this process sees fewer than two GPUs (a launcher that gives each rank one device: it cannot tell).
+
+    Consumer GPUs on PCIe often lack it: their all-to-all then goes through host memory, as slow as a link
+    between nodes, and the planner keeps Ulysses off it (:func:`hfpatch.core.config.plan_parallel`).
+
+    >>> import torch
+    >>> peer_access() is None or torch.cuda.device_count() > 1
+    True
+    """
+    if not torch.cuda.is_available():
+        return None
+    local = torch.cuda.device_count()
+    if local < 2:
+        return None
+    used = min(
+        local, node_size() or local
+    )  # the devices this node's ranks take (LOCAL_RANK -> cuda:LOCAL_RANK)
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(used) for j in range(used) if i != j)
+
+
+def topology() -> dict[str, Any]:
+    """The planner's view of the machines, as keyword arguments of :func:`~hfpatch.core.config.resolve_parallel`:
+    ``node_size`` (:func:`node_size`) and ``peer_access`` (:func:`peer_access`). Every rank of a node reads the
+    same; nodes that differ plan differently and ``hfpatch.apply``'s handshake says so on every rank.
+
+    >>> sorted(topology())
+    ['node_size', 'peer_access']
+    """
+    return {"node_size": node_size(), "peer_access": peer_access()}
 
 
 def launched_world_size() -> int:

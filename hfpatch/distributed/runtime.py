@@ -177,9 +177,20 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
     else:
         limit = f"HFPATCH_TIMEOUT_S={_seconds(timeout)}s"
     me = dist.get_rank() if dist.is_initialized() else 0
+    from .liveness import silent_ranks
+
+    silent = silent_ranks(group)
+    lost = ""
+    if len(silent or ()) == 1:
+        lost = f" Rank {silent[0]} of the group shows no heartbeat: its process is gone (a crash, an exit, a lost node)."
+    elif silent:
+        lost = (
+            f" Ranks {', '.join(map(str, silent))} of the group show no heartbeat: their processes are gone (a crash, "
+            "an exit, a lost node)."
+        )
     return CollectiveError(
         f"hfpatch: {op} over the {where} failed on rank {me}: another rank of the group failed, exited or "
-        f"did not get there within {limit}. Every rank of the group must make each patched call: a call made "
+        f"did not get there within {limit}.{lost} Every rank of the group must make each patched call: a call made "
         "on some ranks only (e.g. under `if rank == 0:`) waits here until the timeout; run such a call under "
         "`with patch.disabled():` to compute it unpatched on its own. Otherwise the rank that failed first "
         f"shows the cause in its own log; this rank only saw: {_first_line(exc)}",
@@ -429,6 +440,9 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "pipefusion_sp", "vae", "world")})
     ensure_process_group(config.world_size)
+    from .liveness import ensure_heartbeat
+
+    ensure_heartbeat()  # so that a rank lost later is named by the others' errors
     timeout = default_timeout()
     backend = dist.get_backend()
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.config import ModelFacts, ParallelConfig, resolve_parallel
-from ..core.ranks import node_size
+from ..core.ranks import topology
 from ..distributed.agreement import check_same_inputs
 from ..distributed.collectives import all_gather
 from .block_decode import InlineDecode as _InlineDecode  # noqa: F401  (reachable under its former name)
@@ -225,7 +225,7 @@ def _stream_plan(parallel: int | ParallelConfig | None, transformer: Any) -> Par
 
     heads = transformer.config.num_attention_heads
     facts = ModelFacts(num_heads=heads, name="StreamingWanPipeline", pipeline=True)
-    plan = resolve_parallel(parallel, runtime.launched_world_size(), facts, node_size=node_size())
+    plan = resolve_parallel(parallel, runtime.launched_world_size(), facts, **topology())
     if plan.data > 1 or plan.pipefusion > 1:
         raise ValueError(
             f"StreamingWanPipeline splits one stream over its ranks (cfg, ring, ulysses, vae), got {plan}; for "

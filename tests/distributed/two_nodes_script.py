@@ -1,20 +1,30 @@
 """Run by ``tests/distributed/test_nodes.py`` under two torchrun agents (``--nnodes 2 --nproc-per-node 2``): what a
-rank sees of the plan, its mesh and its outputs on two nodes; rank 0 writes them as JSON to ``sys.argv[1]``."""
+rank sees of the plan, its mesh and its outputs on two nodes; rank 0 writes them as JSON to ``sys.argv[1]``.
+
+With a saved tiny Wan folder (``sys.argv[2]``) and a work folder (``sys.argv[3]``) it also runs, on the same ranks:
+``hfpatch generate`` of the folder (as ``torchrun -m hfpatch generate`` would: the CLI's ``main`` in the launched
+rank), writing ``generate.pt``; ``hfpatch.from_pretrained`` of a hub id whose download is a local fake into a
+cache folder per node (``GROUP_RANK``), which must run once per node, on local rank 0; and a LoRA training step."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pipe_helpers import wan_pipe_call  # tests/, on PYTHONPATH (test_nodes.py sets it for the agents)
+from pipe_helpers import (  # tests/, on PYTHONPATH (test_nodes.py sets it for the agents)
+    WAN_GENERATE_ARGS,
+    wan_pipe_call,
+)
 
 import hfpatch
 from hfpatch.distributed import runtime
 from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
-from hfpatch.testing.tolerance import rel_error, rounding_noise, to_fp64
+from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
 
 
 def _inputs() -> tuple[torch.Tensor, ...]:
@@ -33,7 +43,91 @@ def _groups(plan, axis: str, nodes: list[int]) -> list[list[int]]:
     return [nodes[r] for r in ranks]
 
 
-def main(path: str) -> None:
+REPO, COMMIT = "hfpatch/tiny-wan", "0123456789abcdef0123456789abcdef01234567"
+
+
+def _from_hub(folder: str, work: Path) -> dict:
+    """``hfpatch.from_pretrained(REPO, 4)`` with each node's cache; the download is the folder copied in the hub's
+    layout (no hub here). Its output against loading the folder whole and applying the same plan."""
+    from diffusers import DiffusionPipeline
+
+    import hfpatch.loading.pretrained as loading
+
+    node = int(os.environ["GROUP_RANK"])
+    cache = work / f"cache-node{node}"
+    real, calls = loading._snapshot, []
+
+    def snapshot(repo_id, revision, cache_dir, local_files_only):
+        calls.append("cache" if local_files_only else "download")
+        if not local_files_only:
+            base = Path(cache_dir, "models--" + repo_id.replace("/", "--"))
+            (base / "refs").mkdir(parents=True)
+            (base / "refs" / "main").write_text(COMMIT)
+            shutil.copytree(folder, base / "snapshots" / COMMIT)
+        return real(repo_id, revision, cache_dir, True)  # the real resolution, offline
+
+    loading._snapshot = snapshot
+    try:
+        pipe, patch = hfpatch.from_pretrained(REPO, 4, cache_dir=str(cache))
+    finally:
+        loading._snapshot = real
+    out = _pipe_call(pipe)
+    patch.remove()
+    whole = DiffusionPipeline.from_pretrained(folder)
+    patch = hfpatch.apply(whole, parallel=4)
+    expected = _pipe_call(whole)
+    patch.remove()
+    return {
+        "calls": calls,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "equal": bool(torch.equal(out, expected)),
+    }
+
+
+def _lora_model() -> torch.nn.Module:
+    from peft import LoraConfig
+
+    model = tiny_wan_transformer()
+    with torch.random.fork_rng(devices=[]):  # the same adapter on every rank and model
+        torch.manual_seed(5)
+        model.add_adapter(
+            LoraConfig(
+                r=2,
+                lora_alpha=4,
+                target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                init_lora_weights=False,
+            )
+        )
+    return model.train()
+
+
+def _lora_grads(model: torch.nn.Module, args: tuple, weight: torch.Tensor, reduce: bool = False) -> dict:
+    model.zero_grad(set_to_none=True)
+    (model(*args).sample * weight).sum().backward()
+    if reduce:  # a plain loop's one line after backward(): the mean over the group that split the work
+        hfpatch.all_reduce_gradients(model)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _lora_step() -> dict:
+    """A LoRA training step of the README recipe's shape at ``parallel=4`` (``ring=2 x ulysses=2`` across the
+    two nodes): every LoRA gradient against one process's, within reassociation of its fp32-vs-fp64 noise."""
+    args = _inputs()
+    weight = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(7))
+    reference = _lora_grads(_lora_model(), args, weight)
+    reference64 = _lora_grads(to_fp64(_lora_model()), to_fp64(args), weight.double())
+    model = _lora_model()
+    patch = hfpatch.apply(model, parallel=4)
+    grads = _lora_grads(model, args, weight, reduce=True)
+    patch.remove()
+    worst = max(
+        rel_error(grads[n], reference[n]) / reassociation_tol(rounding_noise(reference[n], reference64[n]))
+        for n in reference
+    )
+    return {"plan": repr(patch.plan), "tensors": len(reference), "worst_error_over_tolerance": worst}
+
+
+def main(path: str, folder: str | None = None, work: str | None = None) -> None:
     dist.init_process_group("gloo")
     nodes: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
@@ -67,6 +161,17 @@ def main(path: str) -> None:
         "noise": noise,
     }
     patch.remove()
+    if folder is not None and work is not None:
+        from hfpatch.cli import main as hfpatch_command
+
+        out = Path(work) / "generate.pt"
+        # the planner's degrees over the two nodes with the VAE on one rank: two-call CFG and Ulysses are bit-exact
+        degrees = ["--cfg", "2", "--ulysses", "2", "--vae", "1"]
+        result["generate"] = hfpatch_command(
+            ["generate", folder, *WAN_GENERATE_ARGS, *degrees, "--out", str(out)]
+        )
+        result["hub"] = _from_hub(folder, Path(work))
+        result["lora"] = _lora_step()
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, result)
     if dist.get_rank() == 0:
@@ -76,4 +181,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
