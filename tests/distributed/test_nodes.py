@@ -343,7 +343,7 @@ def test_two_agents_generate_lora_step_and_download_once_per_node_as_one_process
         assert hub["equal"], (rank, hub)
 
 
-LOST_TIMEOUT_S = 20
+LOST_TIMEOUT_S = 10
 
 
 def _listening(port: int) -> bool:
