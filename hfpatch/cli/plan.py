@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _folder(model: str) -> str:
     if os.path.isdir(model):
         return model
+    if (
+        os.sep in model.rstrip(os.sep).split("/", 1)[-1]
+        or model.startswith((".", os.sep))
+        or os.path.exists(model)
+    ):
+        raise ValueError(f"{model} is not a pipeline folder (a local path that is not a directory)")
     from huggingface_hub import snapshot_download
 
     # Configs, scheduler and tokenizer files only: no weights.
@@ -221,8 +227,19 @@ def plan_report(
 
 
 def main(args: argparse.Namespace) -> int:
-    """``hfpatch plan``: print :func:`plan_report` for ``args.model``."""
-    pipe = skeleton(_folder(args.model))
+    """``hfpatch plan``: print :func:`plan_report` for ``args.model``; 2 when its configs cannot be read."""
+    import sys
+
+    try:
+        pipe = skeleton(_folder(args.model))
+    except (
+        Exception
+    ) as exc:  # a missing folder, a hub id that cannot be fetched, a folder without model_index.json
+        print(
+            f"hfpatch plan: cannot read the configs of {args.model}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
     lines = plan_report(
         pipe,
         args.nodes,

@@ -245,6 +245,10 @@ def test_plan_command_prints_the_plan_and_bytes_per_link_from_configs_only(tmp_p
     # cfg ranks on different nodes: only the CFG exchange and the check cross; Ulysses stays inside
     assert "all_to_all           2.00 KiB            0 B" in text, text
     assert "all_gather              256 B          680 B" in text, text
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):  # a folder that is not there: a usage error, no traceback
+        assert main(["plan", str(tmp_path / "missing")]) == 2
+    assert "hfpatch plan: cannot read the configs of" in errors.getvalue(), errors.getvalue()
 
 
 def _free_port() -> int:
