@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 from pipe_helpers import (  # tests/, on PYTHONPATH (test_nodes.py sets it for the agents)
     WAN_GENERATE_ARGS,
+    lora_step,
     wan_pipe_call,
 )
 
 import hfpatch
 from hfpatch.distributed import runtime
 from hfpatch.testing import tiny_wan_pipe, tiny_wan_transformer, wan_prompt_embeds
-from hfpatch.testing.tolerance import reassociation_tol, rel_error, rounding_noise, to_fp64
+from hfpatch.testing.tolerance import rel_error, rounding_noise, to_fp64
 
 
 def _inputs() -> tuple[torch.Tensor, ...]:
@@ -84,49 +85,6 @@ def _from_hub(folder: str, work: Path) -> dict:
     }
 
 
-def _lora_model() -> torch.nn.Module:
-    from peft import LoraConfig
-
-    model = tiny_wan_transformer()
-    with torch.random.fork_rng(devices=[]):  # the same adapter on every rank and model
-        torch.manual_seed(5)
-        model.add_adapter(
-            LoraConfig(
-                r=2,
-                lora_alpha=4,
-                target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-                init_lora_weights=False,
-            )
-        )
-    return model.train()
-
-
-def _lora_grads(model: torch.nn.Module, args: tuple, weight: torch.Tensor, reduce: bool = False) -> dict:
-    model.zero_grad(set_to_none=True)
-    (model(*args).sample * weight).sum().backward()
-    if reduce:  # a plain loop's one line after backward(): the mean over the group that split the work
-        hfpatch.all_reduce_gradients(model)
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-
-
-def _lora_step() -> dict:
-    """A LoRA training step of the README recipe's shape at ``parallel=4`` (``ring=2 x ulysses=2`` across the
-    two nodes): every LoRA gradient against one process's, within reassociation of its fp32-vs-fp64 noise."""
-    args = _inputs()
-    weight = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(7))
-    reference = _lora_grads(_lora_model(), args, weight)
-    reference64 = _lora_grads(to_fp64(_lora_model()), to_fp64(args), weight.double())
-    model = _lora_model()
-    patch = hfpatch.apply(model, parallel=4)
-    grads = _lora_grads(model, args, weight, reduce=True)
-    patch.remove()
-    worst = max(
-        rel_error(grads[n], reference[n]) / reassociation_tol(rounding_noise(reference[n], reference64[n]))
-        for n in reference
-    )
-    return {"plan": repr(patch.plan), "tensors": len(reference), "worst_error_over_tolerance": worst}
-
-
 def main(path: str, folder: str | None = None, work: str | None = None) -> None:
     dist.init_process_group("gloo")
     nodes: list[int] = [0] * dist.get_world_size()
@@ -171,7 +129,7 @@ def main(path: str, folder: str | None = None, work: str | None = None) -> None:
             ["generate", folder, *WAN_GENERATE_ARGS, *degrees, "--out", str(out)]
         )
         result["hub"] = _from_hub(folder, Path(work))
-        result["lora"] = _lora_step()
+        result["lora"] = lora_step(4)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, result)
     if dist.get_rank() == 0:
