@@ -58,20 +58,6 @@ def _folder(model: str) -> str:
     return snapshot_download(model, allow_patterns=["*.json", "*.txt", "*.model", "*.tiktoken"])
 
 
-def skeleton(folder: str) -> Any:
-    """The pipeline of ``folder`` with its models on the meta device (configs read, weights not)."""
-    import diffusers
-
-    from ..loading.models import component_dtype, meta_model, model_components
-
-    cls = getattr(diffusers, diffusers.DiffusionPipeline.load_config(folder)["_class_name"])
-    metas = {
-        name: meta_model(c, library, os.path.join(folder, name), component_dtype(None, name))
-        for name, (c, library) in model_components(folder).items()
-    }
-    return cls.from_pretrained(folder, **metas)
-
-
 def _defaults(pipe: Any) -> dict[str, Any]:
     """The ``height``, ``width`` and ``num_frames`` the pipeline's ``__call__`` uses when not given."""
     found = {
@@ -230,11 +216,12 @@ def main(args: argparse.Namespace) -> int:
     """``hfpatch plan``: print :func:`plan_report` for ``args.model``; 2 when its configs cannot be read."""
     import sys
 
+    from ..loading.pretrained import meta_pipeline
+
+    # A missing folder, a hub id that cannot be fetched, a folder without model_index.json: one line, status 2.
     try:
-        pipe = skeleton(_folder(args.model))
-    except (
-        Exception
-    ) as exc:  # a missing folder, a hub id that cannot be fetched, a folder without model_index.json
+        pipe = meta_pipeline(_folder(args.model))[0]
+    except Exception as exc:
         print(
             f"hfpatch plan: cannot read the configs of {args.model}: {type(exc).__name__}: {exc}",
             file=sys.stderr,

@@ -81,9 +81,8 @@ def peer_access() -> bool | None:
     local = torch.cuda.device_count()
     if local < 2:
         return None
-    used = min(
-        local, node_size() or local
-    )  # the devices this node's ranks take (LOCAL_RANK -> cuda:LOCAL_RANK)
+    # The devices this node's ranks take (LOCAL_RANK -> cuda:LOCAL_RANK).
+    used = min(local, node_size() or local)
     return all(torch.cuda.can_device_access_peer(i, j) for i in range(used) for j in range(used) if i != j)
 
 

@@ -8,7 +8,7 @@ thread that bumps its counter in the default group's store (hosted by rank 0 or 
 :class:`~hfpatch.distributed.runtime.CollectiveError` for a peer failure reads the group's counters twice,
 :data:`WINDOW_S` apart: a counter that did not move belongs to a rank whose process is gone.
 
->>> silent_ranks(None) is None  # no process group: nothing to say
+>>> silent_ranks(None, None) is None  # no process group: nothing to say
 True
 """
 
@@ -32,12 +32,6 @@ _KEY = "hfpatch/heartbeat/{}"
 _BEATING: dict[str, Any] = {}
 
 
-def _default_store() -> Any:
-    # The store torch's default group was created with (what runtime.default_store returns; not imported from
-    # there: runtime's errors read this module).
-    return dist.distributed_c10d._get_default_store()
-
-
 def _beat(store: Any, key: str, stop: threading.Event, world: int) -> None:
     while not stop.is_set():
         if not (dist.is_initialized() and id(dist.group.WORLD) == world):
@@ -49,20 +43,22 @@ def _beat(store: Any, key: str, stop: threading.Event, world: int) -> None:
         stop.wait(BEAT_S)
 
 
-def ensure_heartbeat() -> None:
-    """Start this rank's heartbeat for the default group (once per group; a no-op without one)."""
+def ensure_heartbeat(store: Any) -> None:
+    """Start this rank's heartbeat in the default group's ``store`` (once per group; a no-op without one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    store = _default_store()
     name = id(dist.group.WORLD)  # a new default group (destroy, then init again) gets a heartbeat of its own
     if _BEATING.get("group") == name and _BEATING["thread"].is_alive():
         return
     previous = _BEATING.get("stop")
     if previous is not None:
         previous.set()
-    own = store.clone()  # its own connection: a blocking wait of the main thread does not hold it up
     key = _KEY.format(dist.get_rank())
-    own.add(key, 1)  # the first beat before any collective, so a rank lost at once is seen
+    try:
+        own = store.clone()  # its own connection: a blocking wait of the main thread does not hold it up
+        own.add(key, 1)  # the first beat before any collective, so a rank lost at once is seen
+    except Exception:  # the store is already gone: the collectives that follow report it
+        return
     stop = threading.Event()
     thread = threading.Thread(
         target=_beat, args=(own, key, stop, name), name="hfpatch-heartbeat", daemon=True
@@ -81,17 +77,17 @@ def stop_heartbeat() -> None:
     _BEATING.pop("group", None)
 
 
-def silent_ranks(group: Any, window_s: float = WINDOW_S) -> list[int] | None:
-    """Global ranks of ``group`` (the default group when ``None`` and one exists) whose heartbeat did not move in
-    ``window_s`` seconds: their processes are gone. ``None`` when it cannot tell (no heartbeat here, or the store
-    cannot be reached: its host, rank 0 or the launcher's agent, is gone too)."""
+def silent_ranks(group: Any, store: Any, window_s: float = WINDOW_S) -> list[int] | None:
+    """Global ranks of ``group`` (the default group when ``None`` and one exists) whose heartbeat in the default
+    group's ``store`` did not move in ``window_s`` seconds: their processes are gone. ``None`` when it cannot tell
+    (no heartbeat here, or the store cannot be reached: its host, rank 0 or the launcher's agent, is gone too)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if _BEATING.get("group") != id(dist.group.WORLD) or not _BEATING["thread"].is_alive():
         return None  # this rank does not beat in this group: the others may not either
     try:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        probe = _default_store().clone()
+        probe = store.clone()
         probe.set_timeout(timedelta(seconds=max(window_s, 1.0)))
         me = dist.get_rank()
         before = {r: probe.add(_KEY.format(r), 0) for r in ranks if r != me}

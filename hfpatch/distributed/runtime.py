@@ -179,7 +179,7 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
     me = dist.get_rank() if dist.is_initialized() else 0
     from .liveness import silent_ranks
 
-    silent = silent_ranks(group)
+    silent = silent_ranks(group, default_store()) if dist.is_initialized() else None
     lost = ""
     if len(silent or ()) == 1:
         lost = f" Rank {silent[0]} of the group shows no heartbeat: its process is gone (a crash, an exit, a lost node)."
@@ -440,9 +440,6 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "pipefusion_sp", "vae", "world")})
     ensure_process_group(config.world_size)
-    from .liveness import ensure_heartbeat
-
-    ensure_heartbeat()  # so that a rank lost later is named by the others' errors
     timeout = default_timeout()
     backend = dist.get_backend()
     # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
@@ -457,6 +454,11 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         groups = {**same_groups.groups, "vae": world if config.vae > 1 else None}
         _MESHES[key] = ParallelMesh(config, same_groups.device_mesh, groups)
         return _MESHES[key]
+    from .liveness import ensure_heartbeat
+
+    ensure_heartbeat(
+        default_store()
+    )  # with the first groups of this default group: a rank lost later is named
     try:
         result = _build_mesh(config, backend, timeout, world_key)
     except RuntimeError as exc:

@@ -121,47 +121,52 @@ def step_traffic(
     table = SLOTS * FIELDS * 8
     out = []
     for me in range(world):
-        coords = list(_unravel(me, dims))
-
-        def peers(*free: str, me: int = me, coords: list[int] = coords) -> list[int]:
-            """The other ranks whose coordinates differ from this rank's on the ``free`` axes only."""
-            ranges = [range(d) if axis in free else [c] for axis, d, c in zip(AXES, dims, coords)]
-            return [_ravel(list(c), dims) for c in itertools.product(*ranges) if _ravel(list(c), dims) != me]
-
+        coords = _unravel(me, dims)
         sent: dict[str, tuple[int, int]] = {}
         if u > 1:
             per_peer = rank_calls * shape.layers * 4 * qkv // u
-            sent["all_to_all"] = _split(per_peer, me, peers("ulysses"), node_size)
+            sent["all_to_all"] = _split(per_peer, me, _peers(coords, dims, ("ulysses",)), node_size)
         if r > 1:
-            after = list(coords)
+            after = coords.copy()
             after[AXES.index("ring")] = (coords[AXES.index("ring")] + 1) % r
             per_step = rank_calls * shape.layers * 2 * (r - 1) * qkv
             sent["ring"] = _split(per_step, me, [_ravel(after, dims)], node_size)
-        gathers = [(0, 0)]
+        gathers = []
         if sp > 1:
             shard = shape.batch * n * shape.out_features * shape.element_size
-            gathers.append(_split(rank_calls * shard, me, peers("ring", "ulysses"), node_size))
+            gathers.append(
+                _split(rank_calls * shard, me, _peers(coords, dims, ("ring", "ulysses")), node_size)
+            )
         if u > 1 and shape.joint_text:
             text = shape.batch * shape.joint_text * (shape.heads // u) * shape.head_dim * shape.element_size
-            gathers.append(_split(rank_calls * shape.layers * text, me, peers("ulysses"), node_size))
+            gathers.append(
+                _split(rank_calls * shape.layers * text, me, _peers(coords, dims, ("ulysses",)), node_size)
+            )
         if plan.cfg == 2:
             prediction = shape.batch * shape.latent_numel * shape.element_size + _CFG_META_BYTES
-            gathers.append(_split(prediction, me, peers("cfg"), node_size))
-        if any(gathers[1:]):
+            gathers.append(_split(prediction, me, _peers(coords, dims, ("cfg",)), node_size))
+        if gathers:
             sent["all_gather"] = (sum(g[0] for g in gathers), sum(g[1] for g in gathers))
-        sample = peers("cfg", "ring", "ulysses")
+        sample = _peers(coords, dims, ("cfg", "ring", "ulysses"))
         if sample:
             sent["guard"] = _split(pipeline_calls * table, me, sample, node_size)
         out.append(sent)
     return out
 
 
-def _unravel(index: int, dims: list[int]) -> tuple[int, ...]:
+def _peers(coords: list[int], dims: list[int], free: tuple[str, ...]) -> list[int]:
+    """The other ranks whose mesh coordinates differ from ``coords`` on the ``free`` axes only."""
+    ranges = [range(d) if axis in free else [c] for axis, d, c in zip(AXES, dims, coords)]
+    me = _ravel(coords, dims)
+    return [rank for rank in (_ravel(list(c), dims) for c in itertools.product(*ranges)) if rank != me]
+
+
+def _unravel(index: int, dims: list[int]) -> list[int]:
     coords = []
     for d in reversed(dims):
         coords.append(index % d)
         index //= d
-    return tuple(reversed(coords))
+    return coords[::-1]
 
 
 def _ravel(coords: list[int], dims: list[int]) -> int:

@@ -23,7 +23,7 @@ from ..patches.checkpoint import CheckpointSource, TensorEntry, attach_source, d
 from . import files as loading_files
 from .models import component_dtype, meta_model, model_components, target_dtypes
 
-__all__ = ["LoadError", "from_pretrained"]
+__all__ = ["LoadError", "from_pretrained", "meta_pipeline"]
 
 #: safetensors dtype names -> torch dtypes.
 _DTYPES = {
@@ -324,6 +324,25 @@ def _pipeline_class(folder: str, pipeline_class: Any) -> type:
     return found
 
 
+def meta_pipeline(
+    folder: str, torch_dtype: Any = None, pipeline_class: Any = None
+) -> tuple[Any, dict[str, tuple[type, str]], dict[str, torch.nn.Module]]:
+    """The pipeline of ``folder`` with its diffusers and transformers models on the meta device (configs read,
+    no weight): ``(pipeline, {name: (class, library)}, {name: meta model})``; the rest (scheduler, tokenizers)
+    loads as diffusers loads it.
+
+    Raises:
+        LoadError: ``pipeline_class`` or the class ``model_index.json`` names is not a diffusers class.
+    """
+    cls = _pipeline_class(folder, pipeline_class)
+    components = model_components(folder)
+    metas = {
+        name: meta_model(c, library, os.path.join(folder, name), component_dtype(torch_dtype, name))
+        for name, (c, library) in components.items()
+    }
+    return cls.from_pretrained(folder, **metas), components, metas
+
+
 def _shard_count(value: Any, config: ParallelConfig) -> int:
     from ..patches.fsdp import shard_axes
 
@@ -349,14 +368,8 @@ def _prepare(
     from ..patches.fsdp import shard_units, sharded_models
 
     load = _Load(folder=folder)
-    cls = _pipeline_class(folder, pipeline_class)
-    components = model_components(folder)
+    skeleton, components, metas = meta_pipeline(folder, torch_dtype, pipeline_class)
     dtypes = {name: component_dtype(torch_dtype, name) for name in components}
-    metas = {
-        name: meta_model(c, library, os.path.join(folder, name), dtypes[name])
-        for name, (c, library) in components.items()
-    }
-    skeleton = cls.from_pretrained(folder, **metas)  # the rest (scheduler, tokenizers) is small
     load.config = config = api._plan(skeleton, parallel, options)
     chosen: dict[str, str] = {}
     shard = options.get("shard_weights", False)
