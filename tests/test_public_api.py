@@ -45,12 +45,15 @@ PUBLIC: dict[str, str | None] = {
         "AttentionBackend accum_dtype available_backends local_attention local_attention_backward "
         "register_backend resolve_backend to_layout"
     ),
-    "hfpatch.attention.masked": "CausalMask DenseMask TileMask classify_tile kv_repeats masked_usp_attention",
+    "hfpatch.attention.masked": (
+        "CausalMask DenseMask TileMask classify_tile kv_repeats masked_usp_attention ring_work"  # ring_work: issue 49
+    ),
     "hfpatch.attention.merge": "merge_attention merge_blocks",
     "hfpatch.attention.ring": "ring_attention",
     "hfpatch.attention.sharded_keys": "sharded_keys_attention",
     "hfpatch.attention.ulysses": "gather_joint_heads heads_to_sequence sequence_to_heads slice_joint_heads",
     "hfpatch.attention.usp": "sdpa_bshd ulysses_attention usp_attention usp_attention_joined",
+    "hfpatch.attention.zigzag": "ZigzagLayout ZigzagMask",  # issue 49
     "hfpatch.cli": "benchmark_dir benchmarks build_parser info_lines main",
     "hfpatch.core": None,
     "hfpatch.core.compile": (
@@ -99,7 +102,8 @@ PUBLIC: dict[str, str | None] = {
         "CheckpointSource TensorEntry attach_source detach_source load_tensors shard_rows source_of"
     ),
     "hfpatch.patches.decoder": (
-        "DECODERS DecoderUSP ModelMask decoder_of frame_split sequence_sum shard_tokens vision_of"
+        "DECODERS DecoderUSP ModelMask ORDERS decoder_of frame_split output_shard sequence_order sequence_sum shard_tokens "
+        "vision_of"
     ),
     "hfpatch.patches.dit": (
         "AttentionRoute DiTPlan PLANS PlannedDiTUSP UNSUPPORTED USPDispatchProcessor USPSDPAProcessor "

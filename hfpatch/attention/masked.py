@@ -67,6 +67,7 @@ __all__ = [
     "classify_tile",
     "kv_repeats",
     "masked_usp_attention",
+    "ring_work",
 ]
 
 Tensor = torch.Tensor
@@ -206,9 +207,60 @@ def _tile_backward(dout, q, k, v, out, lse, mask: bool | Tensor, scale: float, b
     return math_backward(dout, q, k, v, out, lse, scale, mask)
 
 
-def _tiles(length: int, tile: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, length, tile):
-        yield start, min(tile, length - start)
+def _tiles(length: int, tile: int, segment: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, length)`` tiles of ``[0, length)``: at most ``tile`` tokens, never crossing a multiple of
+    ``segment`` (a block starts at one: a mask's chunk edge, see :class:`hfpatch.attention.zigzag.ZigzagMask`)."""
+    start = 0
+    while start < length:
+        end = min(start + tile, length)
+        if segment:
+            end = min(end, (start // segment + 1) * segment)
+        yield start, end - start
+        start = end
+
+
+def _step_tiles(
+    mask: TileMask, q_start: int, rows: int, k_start: int, keys: int, tile: int
+) -> Iterator[tuple[int, int, list[tuple[int, int, bool | Tensor]]]]:
+    """One Ring step's work: ``(k_at, k_len, [(q_at, q_len, tile mask), ...])`` per key tile, the tiles the
+    mask rules out entirely left out (the forward, the backward and :func:`ring_work` read this one plan)."""
+    segment = getattr(mask, "segment", None)
+    q_tiles = list(_tiles(rows, tile, segment))
+    for k_at, k_len in _tiles(keys, tile, segment):
+        work = []
+        for q_at, q_len in q_tiles:
+            tile_mask = mask.tile(q_start + q_at, q_len, k_start + k_at, k_len)
+            if tile_mask is not False:
+                work.append((q_at, q_len, tile_mask))
+        if work:
+            yield k_at, k_len, work
+
+
+def ring_work(
+    mask: TileMask, world: int, block: int, valid_len: int | None = None, tile: int = DEFAULT_TILE
+) -> list[int]:
+    """Query-key pairs each ring rank's kernels compute under ``mask`` (a partial tile counts whole), from the
+    plan the kernels run: the balance of causal Ring attention, counted without running it.
+
+    ``block`` is the ring block (after the Ulysses all-to-all: ``ulysses x`` a rank's shard).
+
+    >>> from hfpatch.attention.zigzag import ZigzagLayout, ZigzagMask
+    >>> ring_work(CausalMask(), 4, 1024, tile=256)                 # contiguous: rank 3 does 4x rank 0's work
+    [655360, 1703936, 2752512, 3801088]
+    >>> ring_work(ZigzagMask(CausalMask(), ZigzagLayout(4096, 4)), 4, 1024, tile=256)
+    [2228224, 2228224, 2228224, 2228224]
+    """
+    counts = []
+    for me in range(world):
+        rows = valid_prefix(me * block, block, valid_len)
+        total = 0
+        for step in range(world):
+            source = (me - step) % world
+            keys = valid_prefix(source * block, block, valid_len)
+            for _, k_len, work in _step_tiles(mask, me * block, rows, source * block, keys, tile):
+                total += k_len * sum(q_len for _, q_len, _ in work)
+        counts.append(total)
+    return counts
 
 
 def _expand(x_bhsd: Tensor, group: int) -> Tensor:
@@ -242,15 +294,11 @@ class _MaskedRing(torch.autograd.Function):
             source = (me - step) % world
             if step < world - 1:  # pass the block on while computing with it
                 (k_next, v_next), wait = ring_shift([k_cur, v_cur], group)
-            for k_at, k_len in _tiles(valid_prefix(source * block, block, valid_len), tile):
-                k_tile = v_tile = None
-                for q_at, q_len in _tiles(rows, tile):
-                    tile_mask = mask.tile(q_start + q_at, q_len, source * block + k_at, k_len)
-                    if tile_mask is False:
-                        continue
-                    if k_tile is None:
-                        k_tile = _expand(_h(k_cur[:, k_at : k_at + k_len]), heads_per_kv)
-                        v_tile = _expand(_h(v_cur[:, k_at : k_at + k_len]), heads_per_kv)
+            keys = valid_prefix(source * block, block, valid_len)
+            for k_at, k_len, work in _step_tiles(mask, q_start, rows, source * block, keys, tile):
+                k_tile = _expand(_h(k_cur[:, k_at : k_at + k_len]), heads_per_kv)
+                v_tile = _expand(_h(v_cur[:, k_at : k_at + k_len]), heads_per_kv)
+                for q_at, q_len, tile_mask in work:
                     part = _tile_forward(
                         _h(q[:, q_at : q_at + q_len]), k_tile, v_tile, tile_mask, scale, backend
                     )
@@ -285,17 +333,13 @@ class _MaskedRing(torch.autograd.Function):
             if step < world - 1:
                 (k_next, v_next), wait_kv = ring_shift([k_cur, v_cur], group)
             grads = None
-            for k_at, k_len in _tiles(valid_prefix(source * block, block, valid_len), tile):
-                k_tile = v_tile = dk_tile = dv_tile = None
-                for q_at, q_len in _tiles(rows, tile):
-                    tile_mask = mask.tile(q_start + q_at, q_len, source * block + k_at, k_len)
-                    if tile_mask is False:
-                        continue
-                    if k_tile is None:
-                        k_tile = _expand(_h(k_cur[:, k_at : k_at + k_len]), heads_per_kv)
-                        v_tile = _expand(_h(v_cur[:, k_at : k_at + k_len]), heads_per_kv)
-                        dk_tile = torch.zeros(k_tile.shape, dtype=acc, device=k.device)
-                        dv_tile = torch.zeros(v_tile.shape, dtype=acc, device=k.device)
+            keys = valid_prefix(source * block, block, valid_len)
+            for k_at, k_len, work in _step_tiles(mask, q_start, rows, source * block, keys, tile):
+                k_tile = _expand(_h(k_cur[:, k_at : k_at + k_len]), heads_per_kv)
+                v_tile = _expand(_h(v_cur[:, k_at : k_at + k_len]), heads_per_kv)
+                dk_tile = torch.zeros(k_tile.shape, dtype=acc, device=k.device)
+                dv_tile = torch.zeros(v_tile.shape, dtype=acc, device=k.device)
+                for q_at, q_len, tile_mask in work:
                     span = slice(q_at, q_at + q_len)
                     dq_t, dk_t, dv_t = _tile_backward(
                         _h(dout[:, span]), _h(q[:, span]), k_tile, v_tile, _h(out[:, span]), lse[:, :, span],
@@ -304,11 +348,10 @@ class _MaskedRing(torch.autograd.Function):
                     _h(dq)[:, :, span].add_(dq_t)
                     dk_tile.add_(dk_t)
                     dv_tile.add_(dv_t)
-                if dk_tile is not None:
-                    if grads is None:
-                        grads = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
-                    _h(grads[0])[:, :, k_at : k_at + k_len].add_(_fold(dk_tile, heads_per_kv))
-                    _h(grads[1])[:, :, k_at : k_at + k_len].add_(_fold(dv_tile, heads_per_kv))
+                if grads is None:
+                    grads = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
+                _h(grads[0])[:, :, k_at : k_at + k_len].add_(_fold(dk_tile, heads_per_kv))
+                _h(grads[1])[:, :, k_at : k_at + k_len].add_(_fold(dv_tile, heads_per_kv))
             if wait_dkv is not None:  # the accumulators of this block arrived while we computed
                 wait_dkv()
                 in_flight = None

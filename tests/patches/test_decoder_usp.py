@@ -24,7 +24,7 @@ from decoder_cases import CASES, build, objective, outputs
 import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.distributed.agreement import InputMismatchError
-from hfpatch.patches.decoder import shard_tokens
+from hfpatch.patches.decoder import sequence_order, shard_tokens
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 ALL = [case for case in CASES if not case.endswith("_checkpointing")]
@@ -70,12 +70,13 @@ def forward_cases(
         found = {}
         for name, value in got.items():
             expected = ref[name]
-            if (
-                output.startswith("shard") and name != "loss"
-            ):  # this rank's shard of the sequence, end padding dropped
-                expected = shard_tokens(expected, 1, world, rank)
-                valid = min(expected.shape[1], max(0, ref[name].shape[1] - rank * expected.shape[1]))
-                value, expected = value[:, :valid], expected[:, :valid]
+            if output.startswith("shard") and name != "loss":  # this rank's shard, padding dropped
+                order = sequence_order("auto", ring)  # zigzag under Ring
+                expected = shard_tokens(expected, 1, world, rank, order=order)
+                real = shard_tokens(
+                    torch.ones(1, ref[name].shape[1], dtype=torch.bool), 1, world, rank, False, order
+                )
+                value, expected = value[:, real[0]], expected[:, real[0]]
             assert value.shape == expected.shape and value.dtype == expected.dtype, (case, name, value.shape)
             found[name] = (rel_error(value, expected, ref[name].abs().max().item()), noise[name], value)
         results[(case, ulysses, ring, output)] = found
@@ -147,6 +148,7 @@ def _check_backward(results: list[dict], cases: list[tuple]) -> None:
 def test_decoder_forward_every_case_and_layout_matches_unpatched(rank_pool, world):
     cases = [(case, u, r, "full") for case in ALL for u, r in _configs(world)]
     cases += [(case, world, 1, "shard") for case in ("qwen3_extras", "qwen3_vl_right", "qwen3_vl_base")]
+    cases += [(case, 1, world, "shard") for case in ("qwen3_extras", "qwen3_vl_right")]  # the zigzag order
     cases += [
         ("qwen3_vl_frames", 1, world, "full+replicate"),
         ("qwen2_5_vl_frames", world, 1, "full+replicate"),
@@ -455,7 +457,7 @@ def test_decoder_with_peft_lora_added_before_or_after_apply(rank_pool):
 def custom_loss_cases(case: str) -> dict[str, Any]:
     """``sp_output="shard"`` without labels and a loss of one's own on the logit shard, summed over the group
     with ``sequence_sum``: equal to the same loss on the unpatched logits, and so are the gradients."""
-    from hfpatch.patches.decoder import sequence_sum
+    from hfpatch.patches.decoder import output_shard, sequence_sum
 
     def loss_of(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         nll = torch.nn.functional.cross_entropy(
@@ -477,20 +479,22 @@ def custom_loss_cases(case: str) -> dict[str, Any]:
     ref_loss, ref = unpatched(model, kwargs)
     ref64_loss, ref64 = unpatched(to_fp64(model), to_fp64(kwargs))
     scale = max(g.abs().max().item() for g in ref64.values())
-    model.zero_grad(set_to_none=True)
-    with hfpatch.apply(model, parallel=dist.get_world_size(), sp_output="shard") as patch:
-        local = shard_tokens(shifted, 1, dist.get_world_size(), dist.get_rank(), fill=-100)
-        loss = sequence_sum(loss_of(model(**kwargs).logits, local, count), patch)
-        loss.backward()
-        all_reduce_gradients(model)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {
-        "loss": (rel_error(loss, ref_loss), rel_error(ref_loss, ref64_loss)),
-        "grads": (
+    results = {}
+    world = dist.get_world_size()
+    for plan in (ParallelConfig(ulysses=world), ParallelConfig(ring=world)):  # contiguous, then zigzag order
+        model.zero_grad(set_to_none=True)
+        with hfpatch.apply(model, parallel=plan, sp_output="shard") as patch:
+            local = output_shard(patch, shifted, fill=-100)
+            loss = sequence_sum(loss_of(model(**kwargs).logits, local, count), patch)
+            loss.backward()
+            all_reduce_gradients(model)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results[f"loss {plan}"] = (rel_error(loss, ref_loss), rel_error(ref_loss, ref64_loss))
+        results[f"grads {plan}"] = (
             max(rel_error(grads[n], ref[n], scale) for n in ref),
             max(rel_error(ref[n], ref64[n], scale) for n in ref),
-        ),
-    }
+        )
+    return results
 
 
 def test_decoder_shard_output_with_a_custom_loss_and_sequence_sum(rank_pool):

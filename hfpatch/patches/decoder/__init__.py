@@ -9,9 +9,12 @@ global positions), the split and gather of its token sequence and, for a VLM, it
 from .family import DecoderUSP
 from .sharding import (
     DECODERS,
+    ORDERS,
     ModelMask,
     decoder_of,
     frame_split,
+    output_shard,
+    sequence_order,
     sequence_sum,
     shard_tokens,
     vision_of,
@@ -19,10 +22,13 @@ from .sharding import (
 
 __all__ = [
     "DECODERS",
+    "ORDERS",
     "DecoderUSP",
     "ModelMask",
     "decoder_of",
     "frame_split",
+    "output_shard",
+    "sequence_order",
     "sequence_sum",
     "shard_tokens",
     "vision_of",

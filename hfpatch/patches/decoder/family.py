@@ -49,6 +49,7 @@ from ...core.registry import PatchFamily
 from ...distributed.agreement import check_same_inputs, named_arguments
 from ...distributed.gradients import average_input_gradients
 from .sharding import (
+    ORDERS,
     DecoderSplit,
     attention_function,
     decoder_of,
@@ -64,6 +65,9 @@ __all__ = ["DecoderUSP"]
 #: patched model reproduces; rows with no key (left padding) are zeros as with SDPA.
 _IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 _OUTPUTS = ("full", "shard")
+#: Decoder layer types whose attention runs under the model's mask, read tile by tile (a sliding window's tiles
+#: that the window rules out entirely are skipped like a causal mask's).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _VISION_MODES = ("split", "replicate")
 
 
@@ -78,8 +82,8 @@ class DecoderUSP(PatchFamily):
 
     Options:
         sp_output: ``"full"`` (every rank gets the unpatched outputs: hidden states, logits, loss) or
-            ``"shard"`` (hidden states and logits stay this rank's shard of the sequence, in the layout of
-            :mod:`hfpatch.attention.layout`; with ``labels`` the loss is the exact mean over every real
+            ``"shard"`` (hidden states and logits stay this rank's shard of the sequence, in the order of
+            ``sp_order``; :func:`output_shard` cuts a whole-sequence tensor alike; with ``labels`` the loss is the exact mean over every real
             token of every rank, identical on all ranks, without ever holding ``[B, S, vocab]`` logits).
         sp_vision: Qwen-VL vision tower: ``"split"`` (each rank encodes a contiguous run of about ``1/N`` of
             the frames, :func:`frame_split`, and the merged and DeepStack features are all-gathered; the
@@ -87,6 +91,11 @@ class DecoderUSP(PatchFamily):
             ``None``, as they stay per rank) or ``"replicate"`` (every rank encodes everything, the stock
             outputs). A call with fewer frames than ranks runs replicated.
         sp_tile: Tile edge of the attention (tokens), see :func:`hfpatch.attention.masked.masked_usp_attention`.
+        sp_order: How tokens are dealt to ranks (:data:`ORDERS`): ``"auto"`` (the default) deals the zigzag
+            order when the plan has a Ring degree (rank ``p`` holds chunks ``p`` and ``2N - 1 - p`` of ``2N``:
+            every rank gets the same causal work, :mod:`hfpatch.attention.zigzag`) and contiguous runs
+            otherwise. Invisible in ``sp_output="full"``; with ``"shard"`` the outputs follow it
+            (:func:`output_shard` cuts labels alike).
         check_inputs: Same-input guard over the ``sp`` group on every call.
     """
 
@@ -97,6 +106,7 @@ class DecoderUSP(PatchFamily):
         "sp_output": "full",
         "sp_vision": "split",
         "sp_tile": DEFAULT_TILE,
+        "sp_order": "auto",
         "check_inputs": True,
     }
 
@@ -112,6 +122,8 @@ class DecoderUSP(PatchFamily):
             raise ValueError(
                 f"sp_vision must be one of {_VISION_MODES} for {name}, got {options['sp_vision']!r}"
             )
+        if options["sp_order"] not in ORDERS:
+            raise ValueError(f"sp_order must be one of {ORDERS} for {name}, got {options['sp_order']!r}")
         tile = options["sp_tile"]
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
             raise ValueError(f"sp_tile must be a positive int (tokens) for {name}, got {tile!r}")
@@ -130,10 +142,11 @@ class DecoderUSP(PatchFamily):
                 f"{', '.join(_IMPLEMENTATIONS)}. Load the model with attn_implementation='sdpa'."
             )
         layer_types = getattr(decoder.config, "layer_types", None) or ()
-        if any(t != "full_attention" for t in layer_types):
+        unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unsupported:
             raise ValueError(
-                f"{where} has layer types {sorted(set(layer_types))}; sequence parallelism supports "
-                "full-attention layers only (sliding windows are not supported)"
+                f"{where} has {unsupported} layers; sequence parallelism supports softmax attention layers "
+                f"({', '.join(LAYER_TYPES)}) only"
             )
         for i, layer in enumerate(decoder.layers):
             attention = getattr(layer, "self_attn", None)
@@ -158,7 +171,7 @@ class DecoderUSP(PatchFamily):
         if mesh.config.sequence_parallel == 1:
             return
         _, decoder = decoder_of(target)
-        split = DecoderSplit(mesh, options["sp_tile"], options["sp_output"])
+        split = DecoderSplit(mesh, options["sp_tile"], options["sp_output"], options["sp_order"])
 
         # 1. A name of its own in transformers' interfaces, and a config copy that selects it.
         implementation = f"hfpatch_sp_{id(split):x}"

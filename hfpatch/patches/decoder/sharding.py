@@ -15,11 +15,28 @@ import torch.nn.functional as F
 
 from ...attention.layout import shard_len
 from ...attention.masked import CausalMask, classify_tile, masked_usp_attention
+from ...attention.zigzag import ZigzagLayout, ZigzagMask
 from ...core.registry import class_key
 from ...distributed.collectives import all_gather
 from ...distributed.gradients import grad_scaled_by_group
 
-__all__ = ["DECODERS", "ModelMask", "decoder_of", "frame_split", "sequence_sum", "shard_tokens", "vision_of"]
+__all__ = [
+    "DECODERS",
+    "ORDERS",
+    "ModelMask",
+    "decoder_of",
+    "frame_split",
+    "output_shard",
+    "sequence_order",
+    "sequence_sum",
+    "shard_tokens",
+    "vision_of",
+]
+
+#: Token orders of the split: ``"contiguous"`` (rank ``p`` holds the ``p``-th run of tokens, the layout of
+#: :mod:`hfpatch.attention.layout`), ``"zigzag"`` (one early and one late chunk, :mod:`hfpatch.attention.zigzag`:
+#: causal Ring work balanced), ``"auto"`` (zigzag when the plan has a Ring degree, else contiguous).
+ORDERS = ("auto", "zigzag", "contiguous")
 
 #: Class key -> path of its decoder (the module with ``layers``, ``norm`` and ``rotary_emb``), ``""`` for itself.
 DECODERS: dict[str, str] = {
@@ -120,14 +137,37 @@ def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     )
 
 
-def shard_tokens(x: torch.Tensor, dim: int, world: int, rank: int, fill: Any = 0) -> torch.Tensor:
-    """This rank's shard of ``x`` along ``dim`` in the layout of :mod:`hfpatch.attention.layout` (end padding
-    with ``fill``), as a new tensor: the full one stays freeable. Differentiable.
+def sequence_order(order: str, ring: int) -> str:
+    """The token order a split uses: ``order`` (one of :data:`ORDERS`) with ``"auto"`` resolved for a Ring
+    degree of ``ring`` (zigzag when it is above 1: causal Ring work is balanced only so).
+
+    >>> sequence_order("auto", 2), sequence_order("auto", 1), sequence_order("contiguous", 4)
+    ('zigzag', 'contiguous', 'contiguous')
+    """
+    if order not in ORDERS:
+        raise ValueError(f"sp_order must be one of {ORDERS}, got {order!r}")
+    if order == "auto":
+        return "zigzag" if ring > 1 else "contiguous"
+    return order
+
+
+def shard_tokens(
+    x: torch.Tensor, dim: int, world: int, rank: int, fill: Any = 0, order: str = "contiguous"
+) -> torch.Tensor:
+    """This rank's shard of ``x`` along ``dim`` (end padding with ``fill``), as a new tensor: the full one
+    stays freeable. Differentiable. ``order="contiguous"``: the layout of :mod:`hfpatch.attention.layout`;
+    ``"zigzag"``: chunks ``rank`` and ``2 world - 1 - rank`` (:class:`hfpatch.attention.zigzag.ZigzagLayout`).
 
     >>> x = torch.arange(5)[None]
     >>> [shard_tokens(x, 1, 2, r, fill=-1).tolist() for r in range(2)]
     [[[0, 1, 2]], [[3, 4, -1]]]
+    >>> [shard_tokens(x, 1, 2, r, fill=-1, order="zigzag").tolist() for r in range(2)]
+    [[[0, 1, -1, -1]], [[2, 3, 4, -1]]]
     """
+    if order == "zigzag":
+        return ZigzagLayout(x.shape[dim], world).shard(x, dim, rank, fill)
+    if order != "contiguous":
+        raise ValueError(f"shard_tokens: order must be 'contiguous' or 'zigzag', got {order!r}")
     dim %= x.dim()
     length = x.shape[dim]
     local = shard_len(length, world)
@@ -139,6 +179,23 @@ def shard_tokens(x: torch.Tensor, dim: int, world: int, rank: int, fill: Any = 0
     shape = list(x.shape)
     shape[dim] = local - n
     return torch.cat([piece, x.new_full(shape, fill)], dim=dim)
+
+
+def output_shard(patch: Any, x: torch.Tensor, dim: int = 1, fill: Any = 0) -> torch.Tensor:
+    """This rank's shard of a whole-sequence tensor ``x`` (labels, a loss mask) in the order of the patched
+    decoder's ``sp_output="shard"`` outputs, for a loss of your own (see :func:`sequence_sum`). ``x`` itself
+    when ``patch`` splits nothing.
+
+    >>> output_shard(None, torch.arange(3)[None]).tolist()
+    [[0, 1, 2]]
+    """
+    group = getattr(patch, "reduce_group", None)
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    order = sequence_order(patch.options.get("sp_order", "auto"), patch.plan.ring)
+    return shard_tokens(x, dim, dist.get_world_size(group), dist.get_rank(group), fill, order)
 
 
 def sequence_sum(part: torch.Tensor, patch: Any) -> torch.Tensor:
@@ -182,6 +239,7 @@ class ModelMask:
     use_vmap: bool
     device: torch.device
     causal: bool
+    local_size: int | None = None
 
     def tile(self, q_start: int, q_len: int, k_start: int, k_len: int) -> bool | torch.Tensor:
         """``True``/``False``/bool ``[B, 1, q_len, k_len]``: see :class:`hfpatch.attention.masked.TileMask`."""
@@ -241,6 +299,7 @@ def mask_interface(
         use_vmap=use_vmap,
         device=torch.device(device),
         causal=causal,
+        local_size=local_size,
     )
 
 
@@ -248,7 +307,7 @@ def mask_interface(
 class DecoderSplit:
     """One patched model's groups and settings, shared by its hooks and its attention function."""
 
-    def __init__(self, mesh: Any, tile: int, output: str) -> None:
+    def __init__(self, mesh: Any, tile: int, output: str, order: str) -> None:
         import torch.distributed as dist
 
         self.group = mesh.group("sp")
@@ -258,15 +317,33 @@ class DecoderSplit:
         self.rank = dist.get_rank(self.group)
         self.tile = tile
         self.output = output
+        self.order = sequence_order(order, mesh.config.ring)
         self._rotary: tuple[Any, Any] | None = None  # (full position embeddings, this rank's shard)
 
     def shard(self, x: torch.Tensor, dim: int, fill: Any = 0) -> torch.Tensor:
-        return shard_tokens(x, dim, self.world, self.rank, fill)
+        return shard_tokens(x, dim, self.world, self.rank, fill, self.order)
+
+    def shard_len(self, length: int) -> int:
+        """Tokens per rank for a ``length``-token sequence (padding included)."""
+        return (
+            ZigzagLayout(length, self.world).shard_len
+            if self.order == "zigzag"
+            else shard_len(length, self.world)
+        )
 
     def gather(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """The full ``[B, length, ...]`` tensor from every rank's ``[B, L, ...]`` shard (identical on every rank)."""
         full = all_gather(x.contiguous(), 1, self.group, backward="slice")
+        if self.order == "zigzag":
+            full = ZigzagLayout(length, self.world).unshard(full, 1)
         return grad_scaled_by_group(full.narrow(1, 0, length), self.group)
+
+    def layout_mask(self, mask: ModelMask) -> tuple[Any, int]:
+        """``(tile mask, valid_len)`` in layout coordinates for :func:`masked_usp_attention`."""
+        if self.order != "zigzag":
+            return mask, mask.length
+        layout = ZigzagLayout(mask.length, self.world)
+        return ZigzagMask(mask, layout), layout.padded_len
 
     def rotary(self, value: Any) -> Any:
         """This rank's shard of ``(cos, sin)`` (cut along the sequence dim ``-2``), once per forward."""
@@ -312,24 +389,32 @@ def attention_function(split: DecoderSplit) -> Callable:
                 f"{where}: attention dropout ({dropout}) is not supported under sequence parallelism; set "
                 "config.attention_dropout = 0 or call model.eval()"
             )
+        window = kwargs.get("sliding_window")
+        if window is not None and attention_mask.local_size != window:
+            raise RuntimeError(
+                f"{where}: a sliding-window layer ({window} tokens) got the mask of another layer type "
+                f"(window {attention_mask.local_size}); sequence parallelism reads the window from the mask "
+                "transformers builds for that layer type"
+            )
         if softcap or kwargs.get("s_aux") is not None:
             raise ValueError(
                 f"{where}: attention logit soft-capping and sinks are not supported under sequence parallelism"
             )
-        expected = shard_len(attention_mask.length, split.world)
+        expected = split.shard_len(attention_mask.length)
         if query.shape[2] != expected:
             raise RuntimeError(
                 f"{where}: sequence-parallel attention got {query.shape[2]} query tokens, expected this rank's "
                 f"shard of {expected} (of {attention_mask.length}): call the patched model itself, not a submodule"
             )
+        mask, valid_len = split.layout_mask(attention_mask)
         out = masked_usp_attention(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
-            mask=attention_mask,
+            mask=mask,
             ulysses_group=split.ulysses_group,
             ring_group=split.ring_group,
-            valid_len=attention_mask.length,
+            valid_len=valid_len,
             scale=scaling,
             tile=split.tile,
         )
