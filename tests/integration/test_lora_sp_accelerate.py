@@ -111,6 +111,23 @@ for argv in sys.argv[2:]:
 """
 
 
+def _run_several(runs: list[tuple[list[str], Path]], world: int, common: list[str]) -> list[dict]:
+    """``_run`` for each ``(args, out)`` of ``runs``, one after the other in ONE launch of ``world`` processes
+    under torchrun (``several_runs.py``: a launch costs ~7 s of CPU per process, a tiny run under a second)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    argvs = [json.dumps([*common, "--output-dir", str(out), *args]) for args, out in runs]
+    command = [
+        sys.executable,
+        *launcher,
+        str(Path(__file__).with_name("several_runs.py")),
+        str(SCRIPT),
+        *argvs,
+    ]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return [_results(args, out, world) for args, out in runs]
+
+
 class _OneProcessRuns:
     """The one-process runs (references, stock) started at once in one process, in the background while the
     test launches the patched ones (2 cores: a one-process run leaves one idle); :meth:`results` waits."""
@@ -322,7 +339,8 @@ def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(t
     (``num_processes`` in the warmup and in the steps; the loader length divided by ``num_processes``), with no
     ``--max_train_steps`` and with it: the learning rate the script logs after every optimizer step equals the
     stock script's on one process training on the same global batch (per-replica batch x data replicas), bit for
-    bit. Before the fix accelerate stepped the scheduler once per process: 2x too fast at world 2."""
+    bit. Before the fix accelerate stepped the scheduler once per process: 2x too fast at world 2. The patched
+    schedules run one after the other in one launch (``_run_several``)."""
     replicas = world // ulysses
     data = ["--num-samples", str(3 * replicas)]  # 3 batches per replica
     cases = LR_CASES if world == 2 else {k: v for k, v in LR_CASES.items() if k != "warmup_max_steps"}
@@ -330,10 +348,9 @@ def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(t
     one_process = [
         ([*data, *stock_batch, *args, "--stock"], tmp_path / f"stock-{k}") for k, args in cases.items()
     ]
-    runs = {}
+    patched = [([*data, *args, "--ulysses", str(ulysses)], tmp_path / k) for k, args in cases.items()]
     with _OneProcessRuns(one_process, LR_COMMON) as references:
-        for k, args in cases.items():
-            runs[k] = _run([*data, *args, "--ulysses", str(ulysses)], tmp_path / k, world, LR_COMMON)
+        runs = dict(zip(cases, _run_several(patched, world, LR_COMMON)))
         stock = dict(zip(cases, references.results()))
     for k in cases:
         got, want = runs[k]["lrs"], stock[k]["lrs"]

@@ -1,0 +1,45 @@
+"""Run an example's ``main(argv)`` several times in ONE launched process (under torchrun or accelerate launch).
+
+    python -m torch.distributed.run --nproc-per-node 2 several_runs.py SCRIPT '["--a", "1"]' '["--a", "2"]'
+
+For cases that differ only in arguments: each run builds its own Accelerator, models, loader, optimizer and
+scheduler and seeds every RNG it draws from. Between runs the process group stays up (only the last run's
+``end_training`` destroys it: re-initialising a default group against torchrun's store is not reliable) and
+accelerate's state singletons are reset, as a new process would start them. Launching 2 processes costs ~13 s
+of CPU (torch, diffusers, transformers, peft, accelerate); a tiny run under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import accelerate
+from accelerate.state import AcceleratorState, GradientState
+
+
+def main(script: str, argvs: list[str]) -> None:
+    spec = importlib.util.spec_from_file_location("example_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    end_training = accelerate.Accelerator.end_training
+
+    def finish_trackers(self: accelerate.Accelerator) -> None:  # end_training without destroying the group
+        for tracker in self.trackers:
+            tracker.finish()
+
+    try:
+        for i, argv in enumerate(argvs):
+            last = i == len(argvs) - 1
+            accelerate.Accelerator.end_training = end_training if last else finish_trackers
+            module.main(json.loads(argv))
+            if not last:
+                AcceleratorState._reset_state(reset_partial_state=True)
+                GradientState._reset_state()
+    finally:
+        accelerate.Accelerator.end_training = end_training
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
