@@ -1,6 +1,9 @@
-"""Run an example's ``main(argv)`` several times in ONE launched process (under torchrun or accelerate launch).
+"""Run an example's ``main`` several times in ONE process (plain, or launched by torchrun or accelerate launch).
 
     python -m torch.distributed.run --nproc-per-node 2 several_runs.py SCRIPT '["--a", "1"]' '["--a", "2"]'
+
+Each JSON list is one run's command line: passed as ``main(argv)``, or as ``sys.argv`` to a ``main()`` that
+parses its own.
 
 For cases that differ only in arguments: each run builds its own Accelerator, models, loader, optimizer and
 scheduler and seeds every RNG it draws from. Between runs the process group stays up (only the last run's
@@ -12,6 +15,7 @@ of CPU (torch, diffusers, transformers, peft, accelerate); a tiny run under a se
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import sys
 
@@ -33,7 +37,11 @@ def main(script: str, argvs: list[str]) -> None:
         for i, argv in enumerate(argvs):
             last = i == len(argvs) - 1
             accelerate.Accelerator.end_training = end_training if last else finish_trackers
-            module.main(json.loads(argv))
+            if inspect.signature(module.main).parameters:
+                module.main(json.loads(argv))
+            else:
+                sys.argv = [script, *json.loads(argv)]
+                module.main()
             if not last:
                 AcceleratorState._reset_state(reset_partial_state=True)
                 GradientState._reset_state()
