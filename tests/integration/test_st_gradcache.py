@@ -4,8 +4,9 @@ stock script (plain ``MultipleNegativesRankingLoss``) trains on ONE process with
 ``SentenceTransformerTrainer`` under DDP gives rank ``r`` the ``r``-th of every two consecutive batches of the
 same shuffled order, so one global step of 2 x 16 pairs holds exactly the 32 pairs of the one-process step, in
 the same order; each rank scores its anchors against all 32 positives and DDP averages the two ranks' mean
-losses' gradients: the global batch's. Three launches: the reference in fp32 and fp64 (their gap is the
-rounding noise of this training run) and two ranks via ``torch.distributed.run``. The losses of every step and
+losses' gradients: the global batch's. Two launches at once: the reference in fp32 and fp64 one after the other
+in one process (``several_runs.py``; their gap is the rounding noise of this training run) and two ranks via
+``torch.distributed.run``. The losses of every step and
 the weight updates must equal the fp32 reference within ``reassociation_tol`` of that noise. SGD, no dropout:
 AdamW's first updates are ~lr * sign(grad), which turns rounding noise on tiny gradients into lr-sized ones.
 """
@@ -39,26 +40,59 @@ COMMON = [
 # lr 0.5: SGD updates large enough (~1e-2 of the weights) that fp32 storage of the weights does not drown them.
 
 
-def _run(args: list[str], results: Path, world: int = 1) -> dict:
+def _start(runs: list[tuple[list[str], Path]], world: int = 1) -> tuple[subprocess.Popen, list[str]]:
+    """The runs of the script one after the other in ONE launch of ``world`` processes (``several_runs.py``),
+    started in the background."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     )
-    command = [sys.executable, *launcher, str(SCRIPT), *COMMON, "--results-file", str(results), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=results.parent)
-    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return json.loads(results.read_text())
+    argvs = [json.dumps([*COMMON, "--results-file", str(results), *args]) for args, results in runs]
+    command = [
+        sys.executable,
+        *launcher,
+        str(Path(__file__).with_name("several_runs.py")),
+        str(SCRIPT),
+        *argvs,
+    ]
+    cwd = runs[0][1].parent
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
+    return process, command
+
+
+def _finish(started: tuple[subprocess.Popen, list[str]], runs: list[tuple[list[str], Path]]) -> list[dict]:
+    process, command = started
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, f"{' '.join(command)}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return [json.loads(results.read_text()) for _, results in runs]
 
 
 def test_st_gradcache_world_2_matches_one_process_global_batch(tmp_path):
     pytest.importorskip("datasets", reason="SentenceTransformerTrainer needs sentence-transformers[train]")
     import torch
 
-    ref32 = _run(["--no-hfpatch", "--batch-size", "32"], tmp_path / "ref32.json")
-    ref64 = _run(["--no-hfpatch", "--batch-size", "32", "--dtype", "float64"], tmp_path / "ref64.json")
-    got = _run(["--batch-size", "16"], tmp_path / "gc.json", world=2)
+    references = [
+        (["--no-hfpatch", "--batch-size", "32"], tmp_path / "ref32.json"),
+        (["--no-hfpatch", "--batch-size", "32", "--dtype", "float64"], tmp_path / "ref64.json"),
+    ]
+    patched = [(["--batch-size", "16"], tmp_path / "gc.json")]
+    background = _start(references)
+    try:
+        (got,) = _finish(_start(patched, world=2), patched)
+        ref32, ref64 = _finish(background, references)
+    finally:
+        if background[0].poll() is None:  # the patched launch failed: do not leave the references running
+            background[0].kill()
+            background[0].communicate()
     assert got["world"] == 2 and len(got["losses"]) == len(ref32["losses"]) == 4
 
     losses, loss32, loss64 = (torch.tensor(r["losses"], dtype=torch.float64) for r in (got, ref32, ref64))
