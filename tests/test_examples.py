@@ -1,7 +1,8 @@
 """The examples run as documented: scripts on CPU with tiny models, notebooks through a real kernel.
 
-Each runs in a fresh process (as a user would run it) and must exit 0; the scripts check their own results
-(e.g. the parallel VAE example's ``--check`` compares with the unpatched decode and fails otherwise).
+Each runs in a fresh process (as a user would run it; the scripts two at a time) and must exit 0; the scripts
+check their own results (e.g. the parallel VAE example's ``--check`` compares with the unpatched decode and fails
+otherwise).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbclient
@@ -37,18 +39,38 @@ SCRIPTS = [
 ]
 
 
-def test_example_wan_usp_torchrun_tiny_equals_unpatched(tmp_path):
-    # The real script on the tiny pipeline: 2 CPU ranks under torchrun, checked against the unpatched run.
-    output = tmp_path / "frames.pt"
-    argv = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/wan_usp_torchrun.py", "--tiny"]
-    out = subprocess.run(
-        [sys.executable, *argv, "--output", str(output)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+    """Every selected script run of this module, started at once two at a time: most of a script's time is one
+    process importing torch and diffusers on one core, so two keep both cores busy. Each test waits for its own
+    (``argv`` tuple -> future of the finished process)."""
+    frames = tmp_path_factory.mktemp("wan_usp") / "frames.pt"
+    wanted = [tuple(argv) for argv in SCRIPTS]
+    wanted.append(("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/wan_usp_torchrun.py", "--tiny",
+                   "--output", str(frames)))  # fmt: skip
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    if not any(name.startswith("test_example_wan_usp_torchrun_tiny") for name in selected):
+        wanted.pop()
+    wanted = [
+        a
+        for a in wanted
+        if a[-1] == str(frames) or f"test_example_script_runs[{' '.join(a[-3:])}]" in selected
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {argv: pool.submit(_run, list(argv)) for argv in wanted}, frames
+
+
+def test_example_wan_usp_torchrun_tiny_equals_unpatched(script_runs):
+    # The real script on the tiny pipeline: 2 CPU ranks under torchrun, checked against the unpatched run.
+    runs, output = script_runs
+    argv = next(a for a in runs if a[-1] == str(output))
+    out = runs[argv].result()
     assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     lines = out.stdout.splitlines()
     assert "plan: ParallelConfig(data=1, cfg=2, ring=1, ulysses=1, vae=2)" in lines
@@ -82,10 +104,8 @@ def test_testing_exports_every_builder():
 
 
 @pytest.mark.parametrize("argv", SCRIPTS, ids=lambda a: " ".join(a[-3:]))
-def test_example_script_runs(argv):
-    out = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
-    )
+def test_example_script_runs(argv, script_runs):
+    out = script_runs[0][tuple(argv)].result()
     assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
