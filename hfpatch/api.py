@@ -43,6 +43,7 @@ from .distributed.agreement import (
     weight_digests,
     weights_mismatch_message,
 )
+from .distributed.stored import UnsupportedTensorError
 from .patches import default_registry
 
 __all__ = ["ApplyMismatchError", "WeightMismatchError", "apply", "get_patch", "plan_of"]
@@ -484,7 +485,14 @@ def apply(
     digests = None
     if world > 1 and _requested_world(parallel) != 1 and (config is None or config.world_size > 1):
         if error is None and existing is None and _checks_weights(resolved_options):
-            digests = weight_digests(_weight_modules(target))
+            try:
+                digests = weight_digests(_weight_modules(target))
+            except UnsupportedTensorError as exc:  # every rank holds the same classes: raised alike, below
+                error = UnsupportedTensorError(
+                    f"hfpatch.apply cannot compare the ranks' weights of {type(target).__name__}: {exc}. Pass "
+                    "check_inputs=False to skip the same-weights check (then nothing checks that every rank holds "
+                    "the same weights)"
+                )
         try:
             runtime.ensure_process_group(world)
             _handshake(target, parallel, options, config, resolved_options, error, digests)

@@ -91,6 +91,10 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.distributed.traffic": "KINDS StepShape across inside step_traffic",  # issue 48
     "hfpatch.distributed.liveness": "BEAT_S WINDOW_S ensure_heartbeat silent_ranks stop_heartbeat",  # issue 48
+    "hfpatch.distributed.stored": (  # issue 50
+        "RowSplit UnsupportedTensorError class_path is_plain quantized_kind row_split storage_stamp stored_bytes "
+        "stored_tensors"
+    ),
     "hfpatch.distributed.runtime": (
         "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
         "describe_group ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank "
@@ -177,6 +181,7 @@ PUBLIC: dict[str, str | None] = {
         "tiny_t5_tokenizer tiny_wan_pipe tiny_wan_transformer tiny_wan_vace_transformer tiny_wan_vae "
         "wan_prompt_embeds"
     ),
+    "hfpatch.testing.quantized": "KINDS available_kinds quantize_q4_k quantized write_gguf",  # issue 50
     "hfpatch.testing.runner": "RankError RankPool run_ranks",
     "hfpatch.testing.tolerance": (
         "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol perturbation_noise "

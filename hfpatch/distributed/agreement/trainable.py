@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..stored import storage_stamp, stored_tensors
 from .digests import bulk_digest, hash_text, to_int64
 
 __all__ = [
@@ -93,6 +94,12 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
+def _plain(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The plain tensors that hold the data of ``tensors``, in order (a quantized weight's inner data and scales:
+    :func:`~hfpatch.distributed.stored.stored_tensors`)."""
+    return [part for tensor in tensors for part in stored_tensors(tensor)[1]]
+
+
 def values_digest(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
     """Two 64-bit digests of the values of ``tensors`` in order (their bytes, end to end).
 
@@ -115,7 +122,7 @@ def values_digest(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
             add(bulk_digest(torch.cat([*pending, pad]).view(torch.int64)))
             pending.clear()
 
-    for tensor in tensors:
+    for tensor in _plain(tensors):
         raw = _bytes(tensor)
         if pending and (raw.device != pending[0].device or sum(p.numel() for p in pending) >= CHUNK_BYTES):
             flush()
@@ -143,7 +150,7 @@ class TrainableWeights:
         self._ids = [(n, id(t)) for n, t in self.named]
         self.digests = 0  # times the trainable values were digested (tests, benchmarks)
         self.moved: set[str] = set()  # names changed in place since this object was made
-        self._stamps: list[tuple[int, int, int]] | None = None
+        self._stamps: list[tuple[int, ...]] | None = None
         self._steps = -1
         self.value = (0, 0)
         self.update()
@@ -152,9 +159,9 @@ class TrainableWeights:
         """Whether ``named`` holds the same tensor objects under the same names as this one follows."""
         return self._ids == [(n, id(t)) for n, t in named if _has_data(t)]
 
-    def _current(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def _current(self) -> tuple[list[int], list[tuple[int, ...]]]:
         live = [i for i, (_, t) in enumerate(self.named) if t.requires_grad and not t.is_meta]
-        return live, [(i, self.named[i][1]._version, self.named[i][1].data_ptr()) for i in live]
+        return live, [(i, *storage_stamp(self.named[i][1])) for i in live]
 
     def update(self) -> bool:
         """Digest the trainable values that moved again if an optimizer stepped since the last look, or (in a

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .digests import bulk_digest, hash_text
+from ..stored import stored_tensors
+from .digests import bulk_digest, hash_text, to_int64
 from .marks import mark_calls
 from .trainable import DIVERGENCE_CAUSES, TrainableWeights, count_optimizer_steps, divergence_note
 
@@ -48,19 +49,32 @@ class WeightMismatchError(ValueError):
 _WEIGHT_FIELDS = 3
 #: Tensors named in a :class:`WeightMismatchError`; the rest are counted.
 _NAMED_TENSORS = 5
+#: Odd multiplier combining the digests of a quantized weight's stored tensors, in order.
+_MIX = to_int64(0x9E3779B97F4A7C15)
 
 
 def _weight_row(tensor: torch.Tensor) -> torch.Tensor:
     """``(3,)`` int64 row of one parameter or buffer, on its device.
 
     A tensor without data of its own here holds no digest, only its kind: on the meta device (offload hooks
-    bring the weights in per call), or a DTensor (FSDP2: each rank holds another shard by design).
+    bring the weights in per call), or a DTensor (FSDP2: each rank holds another shard by design). A quantized
+    weight (a tensor subclass: torchao, optimum-quanto, GGUF, bitsandbytes) is digested over what it stores
+    (:func:`~hfpatch.distributed.stored.stored_tensors`: its quantized data and scales, in order), its kind and
+    layout in the kind hash; an unknown subclass raises
+    :class:`~hfpatch.distributed.stored.UnsupportedTensorError`.
     """
     local = not tensor.is_meta and not any(c.__name__ == "DTensor" for c in type(tensor).__mro__)
-    kind = hash_text(f"{tensor.dtype}/{tuple(tensor.shape)}/{'data' if local else 'no data'}")
+    text, parts = stored_tensors(tensor) if local else ("", [])
+    kind = hash_text(
+        f"{tensor.dtype}/{tuple(tensor.shape)}/{'data' if local else 'no data'}"
+        + (f"/{text}" if text else "")
+    )
     if not local:
         return torch.tensor([kind, 0, 0], dtype=torch.int64)
-    return torch.cat([torch.tensor([kind], dtype=torch.int64, device=tensor.device), bulk_digest(tensor)])
+    digest = bulk_digest(parts[0])
+    for part in parts[1:]:  # in order: a part moved to another place changes the digest
+        digest = digest * _MIX + bulk_digest(part).to(digest.device)
+    return torch.cat([torch.tensor([kind], dtype=torch.int64, device=digest.device), digest])
 
 
 def _named_tensors(modules: Sequence[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.Tensor]]:
@@ -181,8 +195,26 @@ _REGISTRATION_HOOKS: list[Any] = []
 _LIVE_WATCHES = [0]
 
 
+#: The open watches (their tensor caches forget a parameter or buffer as it is replaced).
+_OPEN: list[WeightWatch] = []
+
+
 def _count_registration(*_: Any) -> None:
     _REGISTRATIONS[0] += 1
+
+
+def _count_tensor(slot: str) -> Any:
+    """A registration hook that counts, and makes every open watch forget the tensor the new one replaces (the
+    hook runs before the module's slot is assigned), so a watch never keeps a replaced weight alive."""
+
+    def hook(module: torch.nn.Module, name: str, *_: Any) -> None:
+        _REGISTRATIONS[0] += 1
+        old = getattr(module, slot, {}).get(name)
+        if old is not None:
+            for watch in _OPEN:
+                watch.forget(old)
+
+    return hook
 
 
 def _watch_registrations(on: bool) -> None:
@@ -192,12 +224,11 @@ def _watch_registrations(on: bool) -> None:
     _LIVE_WATCHES[0] += 1 if on else -1
     if on and not _REGISTRATION_HOOKS:
         _REGISTRATION_HOOKS.extend(
-            register(_count_registration)
-            for register in (
-                torch_module.register_module_parameter_registration_hook,
-                torch_module.register_module_buffer_registration_hook,
-                torch_module.register_module_module_registration_hook,
-            )
+            [
+                torch_module.register_module_parameter_registration_hook(_count_tensor("_parameters")),
+                torch_module.register_module_buffer_registration_hook(_count_tensor("_buffers")),
+                torch_module.register_module_module_registration_hook(_count_registration),
+            ]
         )
     elif not on and _LIVE_WATCHES[0] == 0:
         for handle in _REGISTRATION_HOOKS:
@@ -220,6 +251,12 @@ class WeightWatch:
     patched call. Frozen tensors changed in place (``load_state_dict``) are not re-digested. Deleting a submodule (``del``, peft's ``delete_adapter``) registers nothing: it is seen at the next
     registration.
 
+    The watch keeps the tensors it digested (strong references, so that an ``id`` is never taken for another
+    tensor's), never weak references: ``model.to()`` swaps a tensor subclass's parameters in place
+    (``torch.utils.swap_tensors``: optimum-quanto's, torchao's), which a weak reference forbids. A parameter or
+    buffer replaced by a registration is forgotten at once; one deleted without a registration (``del``) is
+    released at the next refresh or at ``patch.remove()``.
+
     Args:
         modules: ``(prefix, module)`` pairs to watch (a pipeline's components by name).
         what: The watched object in words, for the error.
@@ -232,14 +269,11 @@ class WeightWatch:
         what: str,
         digests: Mapping[str, list[int]] | None = None,
     ) -> None:
-        import weakref
-
-        self._weakref = weakref.ref
         self.modules = list(modules)
         self.what = what
         self.refreshes = 0  # times the tensors were re-read (tests, benchmarks)
         self._digests: dict[str, list[int]] = {}
-        self._tensors: dict[int, tuple[Any, list[int]]] = {}  # id(tensor) -> (weakref of it, its row)
+        self._tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}  # id(tensor) -> (the tensor, its row)
         self._row: torch.Tensor | None = None
         self._static: list[int] = []  # [tensor count, folded digest] as of the last refresh
         self._live: TrainableWeights | None = None
@@ -247,12 +281,24 @@ class WeightWatch:
         self._closed = False
         _watch_registrations(True)
         count_optimizer_steps(True)
-        self._refresh(dict(digests or {}))
+        _OPEN.append(self)
+        try:
+            self._refresh(dict(digests or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Drop ``tensor`` from the cache (it is being replaced): its row is digested again if it comes back."""
+        self._tensors.pop(id(tensor), None)
 
     def close(self) -> None:
         """Stop counting registrations for this watch (``patch.remove()`` calls it). Idempotent."""
         if not self._closed:
             self._closed = True
+            self._tensors = {}
+            if self in _OPEN:
+                _OPEN.remove(self)
             _watch_registrations(False)
             count_optimizer_steps(False)
             for module in [m for m, watch in _WATCHES.items() if watch is self]:
@@ -266,7 +312,7 @@ class WeightWatch:
             seen = self._tensors.get(id(t))
             if n in known:
                 reuse[n] = known[n]
-            elif seen is not None and seen[0]() is t:  # the same tensor (peft renames wrapped weights)
+            elif seen is not None and seen[0] is t:  # the same tensor (peft renames wrapped weights)
                 reuse[n] = seen[1]
             elif t.is_meta and n in self._digests:  # offloaded for now: its data did not change
                 reuse[n] = self._digests[n]
@@ -278,7 +324,7 @@ class WeightWatch:
             folded = int.from_bytes(bytes.fromhex(fold_digests(self._digests))[:8], "little", signed=True)
             self._static = [len(self._digests), folded]
             self.refreshes += 1
-        self._tensors = {id(t): (self._weakref(t), self._digests[n]) for n, t in named}
+        self._tensors = {id(t): (t, self._digests[n]) for n, t in named}
         parameters = {id(p) for _, module in self.modules for p in module.parameters()}
         trainable = [(n, t) for n, t in named if id(t) in parameters]
         if self._live is None or not self._live.same_tensors(trainable):

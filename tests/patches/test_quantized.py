@@ -1,0 +1,311 @@
+"""Quantized transformers (issue 50): sequence, CFG and Ring parallelism on every kind diffusers loads that runs on a
+CPU, the same-weights check reading each kind's stored data, and the patched model moved and offloaded.
+
+Kinds (:mod:`hfpatch.testing.quantized`): torchao int8 weight-only, GGUF Q8_0 and Q4_K (a ``.gguf`` file written
+with the ``gguf`` package, loaded with ``from_single_file`` + ``GGUFQuantizationConfig``), optimum-quanto qint8 and
+qint4, bitsandbytes nf4 (built by hand on the CPU). Models: the tiny stock Wan (``ffn_dim=256``, so that the FFN's
+second projection is whole Q4_K super-blocks) and Flux (``head_dim=16``: its FFNs' 256 too). Each kind is skipped
+where its package is not installed (the ``[quant]`` extra installs them all).
+
+Every rank builds the same quantized model, runs it unpatched (the reference: the SAME quantized model), applies
+hfpatch and runs again. Tolerance: the fp64 twin of a quantized model does not exist (its weights are int8/4-bit
+blocks dequantized at each call, in fp32), so the unpatched model's own rounding scale is measured as its response to
+reassociation-sized changes: :func:`~hfpatch.testing.tolerance.perturbation_noise` (every floating input moved by
+up to one fp32 ulp, the largest relative change of the output over 2 draws). Every kind dequantizes its weights and
+computes in fp32 (weights only: no activation is rounded to a lower precision), so the model is smooth in its
+inputs and that response is its fp32 rounding noise (for the unquantized tiny models it is within 2x of their
+fp32-vs-fp64 noise); ``reassociation_tol`` allows 10x of it, at least 8 ulps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfpatch
+from hfpatch import ParallelConfig
+from hfpatch.distributed.agreement import weight_digests
+from hfpatch.distributed.stored import (
+    UnsupportedTensorError,
+    quantized_kind,
+    row_split,
+    stored_bytes,
+    stored_tensors,
+)
+from hfpatch.testing.quantized import available_kinds, quantized
+from hfpatch.testing.tolerance import perturbation_noise, reassociation_tol, rel_error
+
+KINDS = available_kinds()
+FAMILIES = ("wan", "flux")
+needs_kinds = pytest.mark.skipif(
+    not KINDS, reason="no quantization package installed (pip install hfpatch[quant])"
+)
+
+
+# ----------------------------------------------------------------------------------------------- models
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def build(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(tiny stock float model, forward kwargs): 25 image tokens, so that worlds 2 and 4 leave padding."""
+    from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
+
+    if family == "wan":  # batch 2, 1 x 5 x 5 tokens
+        kwargs = dict(
+            hidden_states=_randn(2, 4, 1, 10, 10, seed=1),
+            timestep=torch.tensor([500, 20]),
+            encoder_hidden_states=_randn(2, 6, 16, seed=3),
+        )
+        return tiny_wan_transformer(ffn_dim=256), kwargs
+    grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
+    kwargs = dict(
+        hidden_states=_randn(1, 25, 16, seed=1),
+        encoder_hidden_states=_randn(1, 7, 16, seed=2),
+        pooled_projections=_randn(1, 16, seed=3),
+        timestep=torch.tensor([0.7]),
+        img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
+        txt_ids=torch.zeros(7, 3),
+    )
+    return tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8)), kwargs
+
+
+_CACHE: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+def model_of(family: str, kind: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The quantized model of ``family`` and ``kind`` (built once per process: every case leaves it unpatched)."""
+    model, kwargs = build(family)
+    if (family, kind) not in _CACHE:
+        _CACHE[(family, kind)] = quantized(model, kind)
+    return _CACHE[(family, kind)], kwargs
+
+
+def _noise(fn: Any, inputs: dict[str, Any]) -> float:
+    return perturbation_noise(fn, inputs, trials=2)
+
+
+def _shared_noises(pairs: list[tuple[str, str]], measure: Any) -> dict[tuple[str, str], float]:
+    """``measure(family, kind)`` of every pair, each measured on one rank (round robin) and gathered."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {pair: measure(*pair) for i, pair in enumerate(pairs) if i % world == rank}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {pair: value for part in every for pair, value in part.items()}
+
+
+# ----------------------------------------------------------------------------------------------- rank functions
+def _model_noise(family: str, kind: str) -> float:
+    model, kwargs = model_of(family, kind)
+    with torch.no_grad():
+        return _noise(lambda inputs: model(**inputs).sample, kwargs)
+
+
+def parallel_cases(
+    cases: list[tuple[str, str, int, int]],
+) -> dict[tuple[str, str, int, int], tuple[float, float]]:
+    """Per case ``(family, kind, ulysses, ring)``: (error of the patched output against the unpatched one, tolerance)."""
+    pairs = sorted({(f, k) for f, k, _, _ in cases})
+    noises = _shared_noises(pairs, _model_noise)
+    references = {}
+    results = {}
+    for family, kind, ulysses, ring in cases:
+        model, kwargs = model_of(family, kind)
+        with torch.no_grad():
+            if (family, kind) not in references:
+                references[(family, kind)] = model(**kwargs).sample
+            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
+                out = model(**kwargs).sample
+        ref = references[(family, kind)]
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        results[(family, kind, ulysses, ring)] = (
+            rel_error(out, ref),
+            reassociation_tol(noises[(family, kind)]),
+        )
+    return results
+
+
+def _wan_pipe(kind: str) -> tuple[Any, dict[str, Any]]:
+    """The tiny ``WanPipeline`` with the quantized Wan transformer, and its inputs (latents given: perturbed too)."""
+    from hfpatch.testing import tiny_wan_pipe, wan_prompt_embeds
+
+    pipe = tiny_wan_pipe()
+    pipe.register_modules(transformer=model_of("wan", kind)[0])
+    inputs = dict(
+        prompt_embeds=wan_prompt_embeds(),
+        negative_prompt_embeds=wan_prompt_embeds(seed=2),
+        latents=_randn(1, 4, 2, 4, 4, seed=5),
+    )
+    return pipe, inputs
+
+
+def _pipe_call(pipe: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    return pipe(
+        **inputs,
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+
+
+def _pipe_noise(_family: str, kind: str) -> float:
+    pipe, inputs = _wan_pipe(kind)
+    return _noise(lambda i: _pipe_call(pipe, i), inputs)
+
+
+def cfg_cases(kinds: list[str], config: ParallelConfig) -> dict[str, tuple[float, float]]:
+    """Per kind: the tiny Wan pipeline with CFG (2 steps) under ``config`` against the same pipeline unpatched."""
+    noises = _shared_noises([("wan", k) for k in kinds], _pipe_noise)
+    results = {}
+    for kind in kinds:
+        pipe, inputs = _wan_pipe(kind)
+        ref = _pipe_call(pipe, inputs)
+        with hfpatch.apply(pipe, parallel=config):
+            out = _pipe_call(pipe, inputs)
+        results[kind] = (rel_error(out, ref), reassociation_tol(noises[("wan", kind)]))
+    return results
+
+
+def move_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
+    """Per kind, after ``apply(parallel=2)`` (Ulysses): ``model.to("cpu")``, diffusers' group offload of the
+    transformer and ``enable_model_cpu_offload`` of its pipeline run, and the outputs stay the unpatched ones."""
+    results: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        model, kwargs = model_of("wan", kind)
+        got: dict[str, Any] = {}
+        with torch.no_grad():
+            ref = model(**kwargs).sample
+            with hfpatch.apply(model, parallel=2):
+                model.to("cpu")
+                got["to"] = rel_error(model(**kwargs).sample, ref)
+        # group offload after apply (block level, CPU to CPU: the hooks move each block's weights at its call)
+        model, kwargs = build("wan")
+        offloaded = quantized(model, kind)
+        with torch.no_grad(), hfpatch.apply(offloaded, parallel=2):
+            offloaded.enable_group_offload(
+                onload_device=torch.device("cpu"),
+                offload_device=torch.device("cpu"),
+                offload_type="block_level",
+                num_blocks_per_group=1,
+            )
+            got["group offload"] = rel_error(offloaded(**kwargs).sample, ref)
+        pipe, inputs = _wan_pipe(kind)
+        pipe_ref = _pipe_call(pipe, inputs)
+        with hfpatch.apply(pipe, parallel=2):
+            pipe.enable_model_cpu_offload(device="cpu")
+            got["model offload"] = rel_error(_pipe_call(pipe, inputs), pipe_ref)
+            pipe.remove_all_hooks()
+        results[kind] = got
+    return results
+
+
+class Opaque(torch.Tensor):
+    """A tensor subclass hfpatch does not know: dispatches everything to its payload, no ``__tensor_flatten__``."""
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor) -> Opaque:
+        return torch.Tensor._make_wrapper_subclass(cls, payload.shape, dtype=payload.dtype)
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload = payload
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda v: v.payload if isinstance(v, Opaque) else v  # noqa: E731
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return Opaque(out) if func is torch.ops.aten.detach.default else out
+
+
+def refusal_case() -> str:
+    """``apply`` on a model with an unknown tensor subclass: the error every rank raises."""
+    model, _ = build("wan")
+    weight = model.proj_out.weight
+    model.proj_out.weight = torch.nn.Parameter(Opaque(weight.detach().clone()), requires_grad=False)
+    try:
+        hfpatch.apply(model, parallel=2)
+    except UnsupportedTensorError as exc:
+        return str(exc)
+    return "applied"
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@needs_kinds
+@pytest.mark.parametrize("kind", KINDS)
+def test_stored_data_is_digested_per_kind(kind):
+    """The weight row of every quantized parameter reads what it stores: equal for an equal copy, different when
+    one byte of its quantized data changes; the kind names the format."""
+    model, _ = build("wan")
+    first, second = quantized(model, kind), quantized(model, kind)
+    assert weight_digests([("", first)]) == weight_digests([("", second)])
+    name, weight = next((n, p) for n, p in second.named_parameters() if quantized_kind(p) is not None)
+    text, parts = stored_tensors(weight)
+    assert text and len(parts) >= 1 and stored_bytes(weight) < weight.numel() * 4
+    data = parts[0]
+    flat = data.view(-1)[0:1]
+    with torch.no_grad():
+        flat.copy_(flat + 1 if data.is_floating_point() else flat ^ 1)
+    before, after = weight_digests([("", first)]), weight_digests([("", second)])
+    differ = [n for n, row in after.items() if row != before[n]]
+    assert differ == [name], (kind, differ)
+    assert quantized_kind(weight).split()[0] in ("torchao", "GGUF", "optimum-quanto", "bitsandbytes")
+
+
+@needs_kinds
+def test_row_splits_by_kind():
+    model, _ = build("wan")
+    splittable = {}
+    for kind in KINDS:
+        weight = next(p for p in quantized(model, kind).parameters() if quantized_kind(p) is not None)
+        split, why = row_split(weight)
+        splittable[kind] = split is not None
+        assert (split is None) == bool(why), (kind, why)
+    expected = {"torchao-int8": True, "gguf-q8_0": True, "gguf-q4_k": True}
+    expected.update({"quanto-qint8": True, "quanto-qint4": False, "bnb-nf4": False})
+    assert splittable == {k: expected[k] for k in KINDS}
+
+
+def test_unknown_subclass_is_named():
+    with pytest.raises(UnsupportedTensorError, match="test_quantized.Opaque"):
+        stored_tensors(Opaque(torch.ones(2)))
+    assert stored_tensors(torch.ones(2))[0] == "" and row_split(torch.ones(2)) == (None, "")
+
+
+@needs_kinds
+def test_world_2(rank_pool):
+    """Ulysses 2 and Ring 2 on Wan and Flux of every kind; ``.to()`` and both offloads after ``apply``; an unknown
+    tensor subclass refused by name on both ranks."""
+    pool = rank_pool(2)
+    cases = [(f, k, u, r) for f in FAMILIES for k in KINDS for u, r in ((2, 1), (1, 2))]
+    results = pool.run(parallel_cases, cases)
+    for case in cases:
+        errors = [r[case] for r in results]
+        assert all(err <= tol for err, tol in errors), (case, errors)
+    moved = pool.run(move_cases, KINDS)
+    for kind in KINDS:
+        for rank in moved:
+            assert all(err <= 1e-6 for err in rank[kind].values()), (kind, rank[kind])
+    said = pool.run(refusal_case)
+    assert said[0] == said[1] and "test_quantized.Opaque" in said[0] and "check_inputs=False" in said[0], said
+
+
+@needs_kinds
+def test_world_4(rank_pool):
+    """Ulysses 4, Ring 4 and Ulysses 2 x Ring 2 on Wan and Flux of every kind; CFG 2 x Ulysses 2 on the Wan
+    pipeline (2 steps with CFG) of every kind."""
+    pool = rank_pool(4)
+    cases = [(f, k, u, r) for f in FAMILIES for k in KINDS for u, r in ((4, 1), (1, 4), (2, 2))]
+    results = pool.run(parallel_cases, cases)
+    for case in cases:
+        errors = [r[case] for r in results]
+        assert all(err <= tol for err, tol in errors), (case, errors)
+    piped = pool.run(cfg_cases, KINDS, ParallelConfig(cfg=2, ulysses=2))
+    for kind in KINDS:
+        errors = [r[kind] for r in piped]
+        assert all(err <= tol for err, tol in errors), (kind, errors)
