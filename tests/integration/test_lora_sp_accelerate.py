@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,20 +98,6 @@ def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON,
     return _results(args, out, world)
 
 
-#: Several one-process runs of the example in ONE Python process, one ``main(argv)`` after the other: each
-#: builds its own Accelerator, models, loader and optimizer and seeds every RNG it draws from, so its files are
-#: byte for byte those of a launch of its own (checked for the unpatched fp32/fp64 and stock runs). Starting a
-#: process (torch, diffusers, transformers, peft, accelerate) costs ~8 s of CPU; a tiny run ~0.5 s.
-_ONE_PROCESS = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("lora_sp_accelerate", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-for argv in sys.argv[2:]:
-    module.main(json.loads(argv))
-"""
-
-
 def _run_several(runs: list[tuple[list[str], Path]], world: int, common: list[str]) -> list[dict]:
     """``_run`` for each ``(args, out)`` of ``runs``, one after the other in ONE launch of ``world`` processes
     under torchrun (``several_runs.py``: a launch costs ~7 s of CPU per process, a tiny run under a second)."""
@@ -128,30 +115,85 @@ def _run_several(runs: list[tuple[list[str], Path]], world: int, common: list[st
     return [_results(args, out, world) for args, out in runs]
 
 
+def _references(tmp: Path) -> dict[str, list[tuple[list[str], Path]]]:
+    """Per test: the one-process runs it compares with (references, stock): full command lines and output dirs."""
+    data3, data6 = ["--num-samples", "3"], ["--num-samples", "6"]
+    replicas = [*data6, "--unpatched", "--replicas", "2"]
+    fsdp2 = [a for a in COMMON if a != "--train-text-encoder"] + ["--num-samples", "1"]
+    runs = {
+        "world2": [
+            ([*COMMON, *data3, "--unpatched"], "ref32"),
+            ([*COMMON, *data3, "--unpatched", "--dtype", "float64"], "ref64"),
+            ([*COMMON, *data3, "--stock"], "stock"),
+        ],
+        "world4": [([*COMMON, *replicas], "ref32"), ([*COMMON, *replicas, "--dtype", "float64"], "ref64")],
+        "fsdp2": [
+            ([*fsdp2, "--unpatched"], "ref32"),
+            ([*fsdp2, "--unpatched", "--dtype", "float64"], "ref64"),
+        ],
+    }
+    for world, ulysses in LR_WORLDS:
+        replicas = world // ulysses
+        lr = [*LR_COMMON, "--num-samples", str(3 * replicas), "--batch-size", str(replicas)]
+        runs[f"lr{world}"] = [([*lr, *args, "--stock"], f"stock-{k}") for k, args in _lr_cases(world).items()]
+    return {key: [(argv, tmp / key / name) for argv, name in found] for key, found in runs.items()}
+
+
 class _OneProcessRuns:
-    """The one-process runs (references, stock) started at once in one process, in the background while the
-    test launches the patched ones (2 cores: a one-process run leaves one idle); :meth:`results` waits."""
+    """Every one-process run (references, stock) of the selected tests, one after the other in ONE process
+    started with the module (``several_runs.py``: each run builds its own Accelerator, models, loader and
+    optimizer and seeds every RNG it draws from; starting a process costs ~7 s of CPU, a tiny run ~0.5 s), in
+    the background while the tests launch the patched runs; :meth:`results` waits for one test's runs."""
 
-    def __init__(self, runs: list[tuple[list[str], Path]], common: list[str] = COMMON) -> None:
+    def __init__(self, runs: dict[str, list[tuple[list[str], Path]]], log: Path) -> None:
         self.runs = runs
-        argvs = [json.dumps([*common, "--output-dir", str(out), *args]) for args, out in runs]
-        self.command = [sys.executable, "-c", _ONE_PROCESS, str(SCRIPT), *argvs]
-        self.process = subprocess.Popen(
-            self.command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        argvs = [
+            json.dumps([*argv, "--output-dir", str(out)]) for found in runs.values() for argv, out in found
+        ]
+        self.command = [sys.executable, str(Path(__file__).with_name("several_runs.py")), str(SCRIPT), *argvs]
+        self.log = log  # a file, not a pipe: nobody reads a pipe while the tests poll for results
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(self.command, env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
-    def results(self) -> list[dict]:
-        stdout, stderr = self.process.communicate(timeout=400)
-        assert self.process.returncode == 0, f"{' '.join(self.command)}\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        return [_results(args, out, 1) for args, out in self.runs]
+    def results(self, key: str) -> list[dict]:
+        """The results of test ``key``'s runs, once their files are written (the process goes on)."""
+        deadline = time.monotonic() + 600
+        while True:
+            # a run's results.json is its last file; the next run starts only after it is closed
+            done = self.process.poll() is not None
+            try:
+                return [_results(argv, out, 1) for argv, out in self.runs[key]]
+            except (FileNotFoundError, json.JSONDecodeError):
+                if done or time.monotonic() > deadline:
+                    self.close()
+                    output = self.log.read_text()
+                    raise AssertionError(f"{' '.join(self.command)}\n{output[-8000:]}") from None
+            time.sleep(0.2)
 
-    def __enter__(self) -> _OneProcessRuns:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process.poll() is None:  # a failed launch: do not leave it running
+    def close(self) -> None:
+        if self.process.poll() is None:
             self.process.kill()
-            self.process.communicate()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def references(request, tmp_path_factory):
+    """The one-process runs of the module's selected tests, started once with the module (see :class:`_OneProcessRuns`)."""
+    names = {item.name.split("[")[0] + "[" for item in request.session.items if item.module is request.module}
+    wanted = {
+        "world2": "test_lora_sp_accelerate_world2_epochs_resume_against_stock[",
+        "world4": "test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume[",
+        "fsdp2": "test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume[",
+        **{
+            f"lr{w}": "test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process["
+            for w, _ in LR_WORLDS
+        },
+    }
+    tmp = tmp_path_factory.mktemp("references")
+    runs = {k: v for k, v in _references(tmp).items() if wanted[k] in names}
+    runner = _OneProcessRuns(runs, tmp / "output.log")
+    yield runner
+    runner.close()
 
 
 def _updates(result: dict) -> dict[str, torch.Tensor]:
@@ -226,19 +268,13 @@ def _check_resumed(run: dict, resumed: dict) -> None:
     assert all(resumed["mid_run_validations"][s] == run["mid_run_validations"][s] for s in after)
 
 
-def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path):
+def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path, references):
     data = ["--num-samples", "3"]
-    one_process = [
-        ([*data, "--unpatched"], tmp_path / "ref32"),
-        ([*data, "--unpatched", "--dtype", "float64"], tmp_path / "ref64"),
-        ([*data, "--stock"], tmp_path / "stock"),
-    ]
-    with _OneProcessRuns(one_process) as references:
-        sp = tmp_path / "sp"
-        run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
-        assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
-        resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
-        ref32, ref64, stock = references.results()
+    sp = tmp_path / "sp"
+    run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
+    assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
+    resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
+    ref32, ref64, stock = references.results("world2")
     assert run["world"] == 2 and "ulysses=2" in run["plan"], run["plan"]
 
     # accelerate's step arithmetic: 3 batches, windows of 2 and 1 micro-steps, as in the stock script.
@@ -254,15 +290,12 @@ def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path):
     print(_compare(run, ref32, ref64))
 
 
-def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path):
+def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path, references):
     data = ["--num-samples", "6"]  # 3 per replica
-    reference = [*data, "--unpatched", "--replicas", "2"]
-    one_process = [(reference, tmp_path / "ref32"), ([*reference, "--dtype", "float64"], tmp_path / "ref64")]
-    with _OneProcessRuns(one_process) as references:
-        sp = tmp_path / "sp"
-        run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
-        resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
-        ref32, ref64 = references.results()
+    sp = tmp_path / "sp"
+    run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
+    resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
+    ref32, ref64 = references.results("world4")
     assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
 
     assert run["batches_per_epoch"] == ref32["batches_per_epoch"] == 3
@@ -276,7 +309,7 @@ def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path):
     print(_compare(run, ref32, ref64))
 
 
-def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
+def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path, references):
     """The same script under ``accelerate launch --use_fsdp --fsdp_version 2``: accelerate shards the patched
     transformer block by block (``fully_shard``), averages the gradients with FSDP2's reduce-scatter (no hfpatch
     line), clips them as DTensors, saves a sharded (DCP) checkpoint and resumes from it. FSDP2 in accelerate
@@ -284,16 +317,11 @@ def test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume(tmp_path):
     are sharded), patched. One sample: one window per epoch, closed at the epoch's end; the checkpoint falls
     between two epochs (the resumed launch starts the next epoch in the uninterrupted run's order)."""
     common = [a for a in COMMON if a != "--train-text-encoder"] + ["--num-samples", "1"]
-    one_process = [
-        (["--unpatched"], tmp_path / "ref32"),
-        (["--unpatched", "--dtype", "float64"], tmp_path / "ref64"),
-    ]
-    with _OneProcessRuns(one_process, common) as references:
-        sp = tmp_path / "fsdp2"
-        run = _run(["--checkpoint-at", "2"], sp, 2, common, fsdp2=True)
-        assert (sp / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
-        resumed = _run(["--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True)
-        ref32, ref64 = references.results()
+    sp = tmp_path / "fsdp2"
+    run = _run(["--checkpoint-at", "2"], sp, 2, common, fsdp2=True)
+    assert (sp / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # a sharded DCP checkpoint
+    resumed = _run(["--resume", "--results-file", "resumed.json"], sp, 2, common, fsdp2=True)
+    ref32, ref64 = references.results("fsdp2")
     assert run["fsdp"] and resumed["fsdp"] and "ulysses=2" in run["plan"], run
     assert run["optimizer_steps"] == ref32["optimizer_steps"] == EPOCHS  # 1 batch, accumulation 2
     _check_draws(run["traces"], [[0, 1]])
@@ -333,25 +361,28 @@ LR_CASES = {  # name: the script's schedule arguments
 }
 
 
-@pytest.mark.parametrize(("world", "ulysses"), [(2, 2), (4, 2)])
-def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(tmp_path, world, ulysses):
+LR_WORLDS = [(2, 2), (4, 2)]  # (world, ulysses)
+
+
+def _lr_cases(world: int) -> dict[str, list[str]]:
+    return LR_CASES if world == 2 else {k: v for k, v in LR_CASES.items() if k != "warmup_max_steps"}
+
+
+@pytest.mark.parametrize(("world", "ulysses"), LR_WORLDS)
+def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(
+    tmp_path, references, world, ulysses
+):
     """Issue 45 (1b): the README recipe in a script that sizes its scheduler as diffusers' Flux LoRA script does
     (``num_processes`` in the warmup and in the steps; the loader length divided by ``num_processes``), with no
     ``--max_train_steps`` and with it: the learning rate the script logs after every optimizer step equals the
     stock script's on one process training on the same global batch (per-replica batch x data replicas), bit for
     bit. Before the fix accelerate stepped the scheduler once per process: 2x too fast at world 2. The patched
     schedules run one after the other in one launch (``_run_several``)."""
-    replicas = world // ulysses
-    data = ["--num-samples", str(3 * replicas)]  # 3 batches per replica
-    cases = LR_CASES if world == 2 else {k: v for k, v in LR_CASES.items() if k != "warmup_max_steps"}
-    stock_batch = ["--batch-size", str(replicas)]
-    one_process = [
-        ([*data, *stock_batch, *args, "--stock"], tmp_path / f"stock-{k}") for k, args in cases.items()
-    ]
+    data = ["--num-samples", str(3 * (world // ulysses))]  # 3 batches per replica
+    cases = _lr_cases(world)
     patched = [([*data, *args, "--ulysses", str(ulysses)], tmp_path / k) for k, args in cases.items()]
-    with _OneProcessRuns(one_process, LR_COMMON) as references:
-        runs = dict(zip(cases, _run_several(patched, world, LR_COMMON)))
-        stock = dict(zip(cases, references.results()))
+    runs = dict(zip(cases, _run_several(patched, world, LR_COMMON)))
+    stock = dict(zip(cases, references.results(f"lr{world}")))  # per-replica batch x replicas, one process
     for k in cases:
         got, want = runs[k]["lrs"], stock[k]["lrs"]
         assert len(want) == (5 if k == "warmup_max_steps" else EPOCHS * STEPS_PER_EPOCH), (k, want)
