@@ -92,8 +92,8 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.distributed.traffic": "KINDS StepShape across inside step_traffic",  # issue 48
     "hfpatch.distributed.liveness": "BEAT_S WINDOW_S ensure_heartbeat silent_ranks stop_heartbeat",  # issue 48
     "hfpatch.distributed.stored": (  # issue 50
-        "RowSplit UnsupportedTensorError class_path is_plain quantized_kind row_split storage_stamp stored_bytes "
-        "stored_tensors"
+        "RowSplit UnsupportedTensorError class_path get_part is_plain quantized_kind rebuilt row_split set_part "
+        "storage_stamp stored_bytes stored_tensors"
     ),
     "hfpatch.distributed.runtime": (
         "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "

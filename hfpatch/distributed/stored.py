@@ -39,9 +39,12 @@ __all__ = [
     "RowSplit",
     "UnsupportedTensorError",
     "class_path",
+    "get_part",
     "is_plain",
     "quantized_kind",
+    "rebuilt",
     "row_split",
+    "set_part",
     "storage_stamp",
     "stored_bytes",
     "stored_tensors",
@@ -233,3 +236,33 @@ def row_split(tensor: torch.Tensor) -> tuple[RowSplit | None, str]:
         if not is_plain(inner) or inner.dim() == 0 or inner.shape[0] != rows:
             return None, f"its {name} is not laid out by output row"
     return RowSplit(rows, parts), ""
+
+
+def get_part(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The inner tensor ``name`` of a :class:`RowSplit` (``"data"``: the parameter's own storage, as a plain
+    tensor)."""
+    return _own_storage(tensor) if name == "data" else getattr(tensor, name)
+
+
+def set_part(tensor: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    """Make ``value`` the inner tensor ``name`` of ``tensor``, in place (the same object: a parameter stays the
+    module's). ``"data"`` replaces the parameter's own storage (its torch function not called)."""
+    if name == "data":
+        with torch._C.DisableTorchFunctionSubclass():
+            tensor.data = value
+    else:
+        setattr(tensor, name, value)
+
+
+def rebuilt(tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A new tensor of ``tensor``'s kind, class and metadata whose inner tensors are ``parts`` (the full rows of a
+    :class:`RowSplit`, gathered), leaving ``tensor`` as it is: ``__tensor_unflatten__`` for a torchao or
+    optimum-quanto tensor, a new ``GGUFParameter`` of the same quantization type for GGUF."""
+    if "diffusers:GGUFParameter" in _names(tensor):
+        return type(tensor)(parts["data"], quant_type=tensor.quant_type)
+    names, context = tensor.__tensor_flatten__()
+    inner = {n: parts.get(n, getattr(tensor, n)) for n in names if getattr(tensor, n) is not None}
+    out = type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+    if tensor.requires_grad and out.is_floating_point():
+        out.requires_grad_(True)
+    return out

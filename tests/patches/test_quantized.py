@@ -206,6 +206,40 @@ def move_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
+def shard_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
+    """Per kind, ``shard_weights=True`` with Ulysses over every rank: the output against the same plan without
+    it, the parameter bytes this rank holds against the whole quantized model's, the weights after ``remove()``;
+    or the refusal."""
+    from hfpatch.patches.fsdp import parameter_bytes
+
+    world = dist.get_world_size()
+    results: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        model, kwargs = model_of("wan", kind)
+        params = dict(model.named_parameters())
+        before = weight_digests([("", model)])
+        whole = parameter_bytes(model)
+        with torch.no_grad():
+            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=world)):
+                plain = model(**kwargs).sample
+            try:
+                patch = hfpatch.apply(model, parallel=ParallelConfig(ulysses=world), shard_weights=True)
+            except ValueError as exc:
+                results[kind] = {"refused": str(exc)}
+                continue
+            held = parameter_bytes(model)
+            out = model(**kwargs).sample
+            again = model(**kwargs).sample
+            patch.remove()
+        results[kind] = {
+            "equal": torch.equal(out, plain) and torch.equal(again, plain),
+            "fraction": held / whole,
+            "restored": weight_digests([("", model)]) == before
+            and all(p is params[n] for n, p in model.named_parameters()),
+        }
+    return results
+
+
 class Opaque(torch.Tensor):
     """A tensor subclass hfpatch does not know: dispatches everything to its payload, no ``__tensor_flatten__``."""
 
@@ -309,3 +343,31 @@ def test_world_4(rank_pool):
     for kind in KINDS:
         errors = [r[kind] for r in piped]
         assert all(err <= tol for err, tol in errors), (kind, errors)
+
+
+#: The kinds ``shard_weights`` splits by rows; the others are refused by name.
+SHARDED = ("torchao-int8", "gguf-q8_0", "gguf-q4_k", "quanto-qint8")
+
+
+@needs_kinds
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_weights(rank_pool, world):
+    """``shard_weights=True`` keeps about 1/N of the QUANTIZED bytes on each rank (measured over the stored data and
+    scales of every parameter), computes bit for bit what the same plan computes unsharded, and ``remove()`` gives
+    the very parameter objects back with their exact stored data; the kinds whose storage does not split by rows
+    are refused by name on every rank (never dequantized)."""
+    results = rank_pool(world).run(shard_cases, KINDS)
+    for kind in KINDS:
+        said = [r[kind] for r in results]
+        if kind not in SHARDED:
+            assert all("refused" in s for s in said), (kind, said)
+            assert len({s["refused"] for s in said}) == 1 and "never dequantizes" in said[0]["refused"]
+            assert quantized_kind_name(kind) in said[0]["refused"], said[0]
+            continue
+        for s in said:
+            assert s["equal"] and s["restored"], (kind, s)
+            assert s["fraction"] <= 1.1 / world, (kind, world, [x["fraction"] for x in said])
+
+
+def quantized_kind_name(kind: str) -> str:
+    return {"quanto-qint4": "WeightQBitsTensor (qint4)", "bnb-nf4": "Params4bit (nf4)"}[kind]

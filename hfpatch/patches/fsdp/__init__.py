@@ -1,8 +1,9 @@
 """Weights sharded over ranks with FSDP2 (``shard_weights=True``): a pipeline's transformers and encoders.
 
 Patches a ``DiffusionPipeline`` or a DiT transformer: every block a model declares becomes an FSDP2 unit, and
-``patch.remove()`` restores the original parameters exactly (:mod:`.sharding`); which units, over which ranks,
-and the byte counters are pure (:mod:`.units`). Exports the family (:class:`WeightSharding`), its options, the
+``patch.remove()`` restores the original parameters exactly (:mod:`.sharding`); quantized weights whose storage
+splits by rows are sharded as quantized rows outside FSDP2, the others refused by name (:mod:`.quantized`); which
+units, over which ranks, and the byte counters are pure (:mod:`.units`). Exports the family (:class:`WeightSharding`), its options, the
 unit choice and the byte counters the tests and benchmarks use.
 """
 

@@ -56,6 +56,7 @@ from ...core.patch import Patch
 from ...core.registry import PatchFamily, class_key
 from ...distributed import runtime
 from ..checkpoint import CheckpointSource, shard_rows, source_of
+from .quantized import QuantizedRows, refusal, row_sharded
 from .saving import compact, install_sharded_save
 from .units import shard_axes, shard_units
 
@@ -168,7 +169,13 @@ def _check_model(model: torch.nn.Module, name: str, backend_device: str) -> None
             f"shard_weights: {name} has tensors on {sorted(unexpected)}, but the process group communicates on "
             f"{backend_device}; move the model to {backend_device} (or keep it on the CPU) before hfpatch.apply"
         )
-    bad = sorted({str(p.dtype) for p in params if not (p.is_floating_point() or p.is_complex())})
+    refused = refusal(model, name)
+    if refused is not None:
+        raise ValueError(refused)
+    rows = {id(p) for _, _, p, _ in row_sharded(model)}  # quantized, sharded by rows (.quantized)
+    bad = sorted(
+        {str(p.dtype) for p in params if id(p) not in rows and not (p.is_floating_point() or p.is_complex())}
+    )
     if bad:
         raise ValueError(
             f"shard_weights: {name} has parameters of dtype {', '.join(bad)} (quantized weights?); FSDP2 shards "
@@ -212,12 +219,15 @@ class _Sharded:
     # (object, attribute) added by fully_shard -> its value; (dict, key) added to an existing dict -> value
     added_attrs: list[tuple[Any, str, Any]] = field(default_factory=list)
     added_items: list[tuple[dict, Any, Any]] = field(default_factory=list)
+    quantized: QuantizedRows | None = None  # the quantized weights sharded by rows, outside FSDP2
 
     def restore(self) -> None:
         """All-gather every parameter and put the model back as it was (a collective over the shard group)."""
         from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.tensor import DTensor
 
+        if self.quantized is not None:
+            self.quantized.restore()
         for unit in self.units:
             unit.reshard()  # a forward that raised may have left a unit gathered
         full: dict[int, torch.Tensor] = {}
@@ -302,10 +312,15 @@ def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Shard
     sharded = _Sharded(model, mesh, [], [], slots, buffers)
     record.append(sharded)
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    units = [m for _, m in shard_units(model)] + [model]
+    quantized = QuantizedRows(model, units, mesh.get_group(), device)
+    ignored = quantized.params or None  # sharded by rows below, not by FSDP2
     try:
-        for unit in [m for _, m in shard_units(model)] + [model]:
+        for unit in units:
             cls = type(unit)
-            fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+            fully_shard(
+                unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy, ignored_params=ignored
+            )
             sharded.units.append(unit)
             sharded.classes.append(cls)
             if source is None:
@@ -314,6 +329,9 @@ def _shard(model: torch.nn.Module, mesh: Any, offload: bool, record: list[_Shard
                 )  # unit by unit: a model on the CPU never has more than one unit whole on the GPU
         if source is not None:
             _fill_shards(model, source, mesh, device)
+        if quantized.units:
+            sharded.quantized = quantized
+            quantized.shard()
         # The root's forward hooks become a wrapper of its forward (WeightSharding._shard_one): hfpatch's
         # pre-hooks (same-input checks) then run before the first all-gather, and a pipeline's CFG wrapper
         # calls it only where the transformer computes.
@@ -498,12 +516,19 @@ class WeightSharding(PatchFamily):
         world = mesh.group("world")
         # Every rank's weights were compared by hfpatch.apply before any family applied (FSDP2 keeps each
         # rank's slice of ITS OWN copy: different weights would make the sharded model a silent mixture).
+        quantized = []
         for name, model in models:
             axes = shard_axes(value, mesh.config, name=name)
             device_mesh = _shard_mesh(mesh, axes)
-            self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"], world)
+            if self._shard_one(model, name, device_mesh, patch, options["shard_weights_offload"], world):
+                quantized.append(name)
         if _is_class(target, "diffusers.DiffusionPipeline"):
-            install_sharded_save(patch, target, [model for _, model in models], world, type(target).__name__)
+            if quantized:
+                _refuse_quantized_save(target, patch, quantized[0])
+            else:
+                install_sharded_save(
+                    patch, target, [model for _, model in models], world, type(target).__name__
+                )
             offload = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
             _refuse_weight_moves(target, patch, offload)
             _refuse_lora(target, patch, ("load_lora_weights",))
@@ -511,7 +536,8 @@ class WeightSharding(PatchFamily):
     @staticmethod
     def _shard_one(
         model: torch.nn.Module, name: str, device_mesh: Any, patch: Patch, offload: bool, world: Any
-    ) -> None:
+    ) -> bool:
+        """Shard ``model``; True when some of its weights are quantized rows (:mod:`.quantized`)."""
         from torch.distributed.fsdp import fully_shard
 
         record: list[_Sharded] = []
@@ -523,7 +549,28 @@ class WeightSharding(PatchFamily):
         patch.set_attr(model, "forward", wrapper(model.forward), keep_when_disabled=True)
         _refuse_weight_moves(model, patch, ("enable_group_offload", "enable_layerwise_casting"))
         _refuse_lora(model, patch, ("load_lora_adapter",))
+        if record and record[0].quantized is not None:
+            _refuse_quantized_save(model, patch, name)
+            return True
         install_sharded_save(patch, model, [model], world, name)
+        return False
+
+
+def _refuse_quantized_save(obj: Any, patch: Patch, name: str) -> None:
+    """``obj.save_pretrained()`` after ``apply`` raises: ``name``'s quantized weights are row shards."""
+
+    def wrapper(original: Any) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"{type(obj).__name__}.save_pretrained() after hfpatch.apply(..., shard_weights=True): {name}'s "
+                "quantized weights are row shards on each rank, which the sharded save does not gather. Call "
+                "patch.remove() on every rank first (it gathers the full quantized weights back), then save"
+            )
+
+        return refused
+
+    if callable(getattr(obj, "save_pretrained", None)):
+        patch.set_attr(obj, "save_pretrained", wrapper(obj.save_pretrained), keep_when_disabled=True)
 
 
 def _refuse_weight_moves(obj: Any, patch: Patch, methods: tuple[str, ...]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ...core.config import ParallelConfig
 from ...distributed import runtime
+from ...distributed.stored import stored_tensors
 
 __all__ = ["GatheredPeak", "gathered_parameter_bytes", "parameter_bytes", "shard_axes", "shard_units"]
 
@@ -80,8 +81,9 @@ def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 # ----------------------------------------------------------------------------------------------- measuring
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameter storage ``model`` holds on this rank now: the local shards (padding included) of
-    sharded parameters, the full size of the others; each storage counted once, wherever it lives (in CPU
-    memory under ``shard_weights_offload``).
+    sharded parameters, the full size of the others (a quantized weight's stored data and scales, its row
+    shards under ``shard_weights``); each storage counted once, wherever it lives (in CPU memory under
+    ``shard_weights_offload``).
 
     >>> import torch
     >>> parameter_bytes(torch.nn.Linear(4, 2))   # (8 + 2) fp32 values
@@ -93,11 +95,12 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     total = 0
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        storage = local.untyped_storage()
-        if storage.data_ptr() in seen and storage.nbytes():
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        for part in stored_tensors(local)[1]:  # a quantized weight: its data and scales
+            storage = part.untyped_storage()
+            if storage.data_ptr() in seen and storage.nbytes():
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
@@ -117,10 +120,11 @@ def gathered_parameter_bytes(model: torch.nn.Module) -> int:
     for param in model.parameters():
         if isinstance(param, DTensor):
             continue
-        storage = param.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        for part in stored_tensors(param)[1]:
+            storage = part.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
 
 
