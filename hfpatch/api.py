@@ -103,15 +103,20 @@ _RUN_WHOLE = (
 )
 
 
-def _refusal_text(obj: Any, refused: tuple[str, str]) -> str:
+def _refusal_text(obj: Any, refused: tuple[str, str], module: bool = False) -> str:
     name, reason = refused
     shown = type(obj).__name__ if name == type(obj).__name__ else f"{type(obj).__name__} (a {name})"
+    if module:
+        shown += f" ({type(obj).__module__})"
     return f"hfpatch does not split {shown} over ranks: {reason}"
 
 
 def _unsupported(target: Any, registry: Registry) -> TypeError:
     """The error for a target no family patches: the reason when its class is refused, else the supported ones."""
     refused = registry.refusal_for(target)
+    if refused is not None and type(target).__module__.split(".")[0] == "transformers":
+        # A transformers model has no pipeline to run whole: its reason says what to do; its module is named.
+        return TypeError(f"{_refusal_text(target, refused, module=True)}.")
     if refused is not None:
         return TypeError(f"{_refusal_text(target, refused)}. To use several ranks, {_RUN_WHOLE}.")
     supported = sorted(key.split(".", 1)[1] for key in registry.supported())

@@ -106,8 +106,13 @@ PUBLIC: dict[str, str | None] = {
         "CheckpointSource TensorEntry attach_source detach_source load_tensors shard_rows source_of"
     ),
     "hfpatch.patches.decoder": (
-        "DECODERS DecoderUSP ModelMask ORDERS decoder_of frame_split output_shard sequence_order sequence_sum shard_tokens "
-        "vision_of"
+        "DECODERS DecoderUSP ModelMask ORDERS REFUSED TARGETS decoder_of frame_split output_shard sequence_order "
+        "sequence_sum shard_tokens support_table vision_of"  # REFUSED TARGETS support_table: issue 49
+    ),
+    "hfpatch.patches.decoder.adapt": "ADAPTATIONS adapt",  # issue 49
+    "hfpatch.patches.decoder.moe": "RouterLogits exact_load_balancing_loss install_exact_aux_loss",  # issue 49
+    "hfpatch.patches.decoder.table": (  # issue 49
+        "DECODERS DECODER_NEEDS FRAME_TOWERS REFUSED TARGETS Target VISION support_markdown support_table"
     ),
     "hfpatch.patches.dit": (
         "AttentionRoute DiTPlan PLANS PlannedDiTUSP UNSUPPORTED USPDispatchProcessor USPSDPAProcessor "
@@ -163,6 +168,7 @@ PUBLIC: dict[str, str | None] = {
         "tiny_t5_encoder tiny_t5_tokenizer tiny_wan_pipe tiny_wan_transformer tiny_wan_vace_transformer "
         "tiny_wan_vae track_memory wan_prompt_embeds"
     ),
+    "hfpatch.testing.decoders": "TINY_DECODERS TinyDecoder tiny_decoder tiny_decoder_inputs",  # issue 49
     "hfpatch.testing.devices": "GeneratorDeviceRule generator_device_rule",
     "hfpatch.testing.dits": (
         "Grid Randn TINY_DITS TINY_DIT_PIPES Tensor TinyDiT TinyDiTPipe tiny_dit tiny_dit_inputs "

@@ -1,7 +1,7 @@
 """Built-in patch families, one sub-package per kind of HF object they patch, imported lazily on first lookup.
 
 * :mod:`hfpatch.patches.dit`: diffusers DiT transformers, sequence parallelism (USP) read from a table of plans;
-* :mod:`hfpatch.patches.decoder`: transformers decoders (text LLMs, Qwen-VL), sequence parallelism;
+* :mod:`hfpatch.patches.decoder`: transformers decoders (text LLMs and VLMs), sequence parallelism;
 * :mod:`hfpatch.patches.pipefusion`: DiT transformers (Wan, Flux), PipeFusion;
 * :mod:`hfpatch.patches.vae`: VAEs, encode and decode split by height;
 * :mod:`hfpatch.patches.pipeline`: diffusers pipelines, CFG and data parallel;
@@ -78,21 +78,26 @@ DIT_USP_CLASSES: tuple[str, ...] = (
     "LongCatAudioDiTTransformer",
 )
 
+#: The transformers classes with a row in ``hfpatch.patches.decoder.table.TARGETS`` (a test keeps the two equal;
+#: listed here so that looking a class up imports nothing from transformers).
+DECODER_USP_CLASSES: tuple[str, ...] = (
+    "Qwen3ForCausalLM", "Qwen3Model", "LlamaForCausalLM", "LlamaModel",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel",
+    "Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel",
+    "Gemma3ForCausalLM", "Gemma3TextModel", "Gemma3ForConditionalGeneration", "Gemma3Model",
+    "Gemma4ForCausalLM", "Gemma4TextModel", "Gemma4ForConditionalGeneration", "Gemma4Model",
+    "MistralForCausalLM", "MistralModel", "MinistralForCausalLM", "MinistralModel",
+    "Ministral3ForCausalLM", "Ministral3Model", "Mistral3ForConditionalGeneration", "Mistral3Model",
+    "Glm4vForConditionalGeneration", "Glm4vModel", "Glm4vMoeForConditionalGeneration", "Glm4vMoeModel",
+    "Glm46VForConditionalGeneration", "Glm46VModel", "InternVLForConditionalGeneration", "InternVLModel",
+)  # fmt: skip
+
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Sequence-parallel attention (USP) for DiT transformers, plan-driven (hfpatch.patches.dit.PLANS:
     # diffusers' _cp_plan or hfpatch's table entry).
     *((f"diffusers.{name}", "hfpatch.patches.dit.family:PlannedDiTUSP") for name in DIT_USP_CLASSES),
-    # Sequence parallelism for transformers decoders (text LLMs and Qwen-VL), through the attention interface.
-    ("transformers.Qwen3ForCausalLM", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen3Model", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.LlamaForCausalLM", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.LlamaModel", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen3VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen3VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen2_5_VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen2_5_VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen2VLForConditionalGeneration", "hfpatch.patches.decoder.family:DecoderUSP"),
-    ("transformers.Qwen2VLModel", "hfpatch.patches.decoder.family:DecoderUSP"),
+    # Sequence parallelism for transformers decoders (text LLMs and VLMs), through the attention interface.
+    *((f"transformers.{name}", "hfpatch.patches.decoder.family:DecoderUSP") for name in DECODER_USP_CLASSES),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.
     ("diffusers.WanTransformer3DModel", "hfpatch.patches.pipefusion.wan:WanPipeFusion"),
     ("diffusers.FluxTransformer2DModel", "hfpatch.patches.pipefusion.flux:FluxPipeFusion"),
@@ -142,6 +147,7 @@ BUILTIN_FAMILIES += [
 BUILTIN_REFUSALS: list[tuple[str | None, str]] = [
     ("diffusers", "hfpatch.patches.dit.plans:UNSUPPORTED"),
     (None, "hfpatch.patches.vae.support:REFUSED"),
+    (None, "hfpatch.patches.decoder.table:REFUSED"),
 ]
 
 

@@ -258,9 +258,9 @@ def error_cases() -> dict[str, str]:
     )
     expect("unsupported", lambda: hfpatch.apply(bert, parallel=config))
     expect("bad_output", lambda: hfpatch.apply(tiny_qwen3_causal_lm(), parallel=config, sp_output="gathered"))
-    expect("sliding", lambda: hfpatch.apply(tiny_qwen3_causal_lm(layer_types=["sliding_attention"] * 2,
-                                                                 use_sliding_window=True, sliding_window=4),
-                                            parallel=config))  # fmt: skip
+    # Sliding windows are supported (issue 49); a layer type the split does not carry is refused by name.
+    expect("layer_type", lambda: hfpatch.apply(tiny_qwen3_causal_lm(layer_types=["full_attention", "chunked_attention"]),
+                                               parallel=config))  # fmt: skip
     one_head = tiny_qwen3_causal_lm(num_attention_heads=1, num_key_value_heads=1, head_dim=32)
     expect("heads", lambda: hfpatch.apply(one_head, parallel=config))
     model = tiny_qwen3_causal_lm()
@@ -322,7 +322,10 @@ def test_decoder_errors_are_clear_and_identical_on_every_rank(rank_pool):
     m = results[0]
     assert m["unsupported"].startswith("TypeError") and "BertModel" in m["unsupported"]
     assert "sp_output must be one of" in m["bad_output"]
-    assert "sliding windows are not supported" in m["sliding"]
+    assert (
+        "['chunked_attention'] layers" in m["layer_type"]
+        and "(full_attention, sliding_attention)" in m["layer_type"]
+    )
     assert "ulysses=2 exceeds the 1 attention heads" in m["heads"]
     assert "KV cache holding 4 tokens" in m["decode_with_cache"]
     assert "output_attentions=True" in m["output_attentions"]

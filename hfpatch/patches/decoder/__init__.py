@@ -1,9 +1,12 @@
-"""transformers decoders: sequence parallelism for text LLMs (Qwen3, Llama) and Qwen2/2.5/3-VL.
+"""transformers decoders: sequence parallelism for text LLMs and VLMs (Qwen3, Llama, Qwen2/2.5/3-VL, Qwen3-VL-MoE,
+Gemma 3/4, Mistral, Ministral, Ministral 3, Mistral 3, GLM-4.1V/4.5V/4.6V, InternVL).
 
 Patches the decoder's attention through transformers' attention interface, its mask (evaluated on tiles of
 global positions), the split and gather of its token sequence and, for a VLM, its vision tower
-(:mod:`.family`, with the design notes; the split itself is :mod:`.sharding`). Exports the family
-(:class:`DecoderUSP`), its table and the sharding helpers.
+(:mod:`.family`, with the design notes; the split itself is :mod:`.sharding`). Which classes, where their decoders
+are and what each needs is data (:mod:`.table`); the needs are installed by :mod:`.adapt`, the MoE load-balancing
+loss is computed exactly by :mod:`.moe`. Exports the family (:class:`DecoderUSP`), its tables and the sharding
+helpers.
 """
 
 from .family import DecoderUSP
@@ -19,10 +22,13 @@ from .sharding import (
     shard_tokens,
     vision_of,
 )
+from .table import REFUSED, TARGETS, support_table
 
 __all__ = [
     "DECODERS",
     "ORDERS",
+    "REFUSED",
+    "TARGETS",
     "DecoderUSP",
     "ModelMask",
     "decoder_of",
@@ -31,5 +37,6 @@ __all__ = [
     "sequence_order",
     "sequence_sum",
     "shard_tokens",
+    "support_table",
     "vision_of",
 ]

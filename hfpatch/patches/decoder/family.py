@@ -1,4 +1,5 @@
-"""Sequence parallelism for transformers decoders: text LLMs (Qwen3, Llama) and Qwen2/2.5/3-VL.
+"""Sequence parallelism for transformers decoders: the text LLMs and VLMs of :data:`.table.TARGETS` (Qwen3, Llama,
+Qwen2/2.5/3-VL, Qwen3-VL-MoE, Gemma 3/4, Mistral, Ministral, Ministral 3, Mistral 3, GLM-4.xV, InternVL).
 
 ``hfpatch.apply(model, parallel=N)`` cuts the decoder's token sequence (after the vision merge, for a VLM)
 into ``N = ring x ulysses`` shards, one per rank, from the first decoder layer to the final norm; every rank
@@ -15,15 +16,21 @@ the exact loss over real tokens (``sp_output="shard"``). Per object and reversib
   from position ids that restart, as the unpatched model decides), so hfpatch's mask function receives
   transformers' composed ``mask_function`` and returns a :class:`ModelMask` that evaluates it on tiles of
   GLOBAL positions (:func:`transformers.masking_utils.sdpa_mask` with offsets): each rank reads exactly
-  the entries of its own (query block, key block) pairs, and never the ``S x S`` mask.
+  the entries of its own (query block, key block) pairs, and never the ``S x S`` mask. Sliding-window layers
+  read their window from the mask of their layer type (checked: :func:`~.sharding.window_kept`). A VLM that
+  builds the masks outside its decoder (Gemma 3/4) gets a config copy whose text config is the routed one.
 * **The split** is four hooks: layer 0 takes this rank's shard of ``hidden_states`` (after the
   embedding and the vision merge), every layer takes its shard of the rotary ``position_embeddings``
-  (M-RoPE's ``[3, B, S, D]`` too; cut once per forward), Qwen3-VL's DeepStack adds each rank's own visual
-  tokens' features, and the decoder's output is gathered (or left sharded).
-* **The vision tower** attends within each frame, so each rank encodes a contiguous run of about ``1/N``
+  (M-RoPE's ``[3, B, S, D]`` too; each table cut once per forward), and the decoder's output is gathered (or
+  left sharded). What a decoder class needs beyond that (Qwen3-VL's DeepStack, Ministral 3's position ids,
+  Gemma 4's per-layer inputs and KV-sharing layers) is named in :data:`DECODER_NEEDS` and installed by
+  :mod:`.adapt`; a wrapper's text model outside its row's allowlist, or attention sinks, are refused.
+* **MoE**: routing stays per token; transformers' load-balancing loss is computed from every rank's partial
+  sums (:mod:`.moe`), exact.
+* **A Qwen-style vision tower** attends within each frame, so each rank encodes a contiguous run of about ``1/N``
   of a call's frames (:func:`frame_split`) and the merged features are all-gathered (``sp_vision="split"``,
   the default), or every rank encodes everything (``"replicate"``); both measured in
-  ``benchmarks/decoder_sp.py``.
+  ``benchmarks/decoder_sp.py``. Other towers run whole on every rank.
 
 Gradients follow :mod:`hfpatch.distributed.gradients`: the gather (or the sharded loss's sum) scales the
 gradient by ``N``, so each rank's parameter gradients are ``N`` times its shard's share and their mean over
@@ -40,14 +47,19 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from typing import Any, ClassVar
+
+import torch
 
 from ...attention.masked import DEFAULT_TILE
 from ...core.config import ModelFacts, ParallelConfig
 from ...core.patch import Patch
-from ...core.registry import PatchFamily
+from ...core.registry import PatchFamily, class_key
 from ...distributed.agreement import check_same_inputs, named_arguments
 from ...distributed.gradients import average_input_gradients
+from .adapt import adapt
+from .moe import RouterLogits, install_exact_aux_loss
 from .sharding import (
     ORDERS,
     DecoderSplit,
@@ -56,8 +68,10 @@ from .sharding import (
     mask_interface,
     sharded_loss,
     split_vision,
+    target_of,
     vision_of,
 )
+from .table import DECODER_NEEDS, FRAME_TOWERS, REFUSED
 
 __all__ = ["DecoderUSP"]
 
@@ -72,9 +86,61 @@ _VISION_MODES = ("split", "replicate")
 
 
 # ----------------------------------------------------------------------------------------------- family
+def _named(cls: type) -> str:
+    """``Name (module)``: a class as errors name it."""
+    return f"{cls.__name__} ({cls.__module__})"
+
+
+def _check_decoder_class(target: Any, where: str, decoder: Any) -> None:
+    """Refuse a decoder the split does not carry: a class outside a wrapper's allowlist (``text_models``: InternVL,
+    Mistral 3, GLM-4.6V hold ``AutoModel(text_config)``), and attention sinks anywhere."""
+    _, row = target_of(target)
+    mro = [class_key(c) for c in type(decoder).__mro__]
+    if row.text_models and not set(mro) & set(row.text_models):
+        refused = next((REFUSED[key] for key in mro if key in REFUSED), None)
+        allowed = ", ".join(k.split(".", 1)[1] for k in row.text_models)
+        reason = refused or "not one of the decoders sequence parallelism supports inside it"
+        raise TypeError(
+            f"hfpatch does not split {type(target).__name__} over ranks with its decoder {where}, a "
+            f"{_named(type(decoder))}: {reason}. Supported text models inside {type(target).__name__}: {allowed}"
+            + (
+                "."
+                if refused
+                else "; or run the model whole on each rank (data parallel, no sequence split)."
+            )
+        )
+    sinks = [
+        n for n, m in decoder.named_modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
+    ]
+    if sinks:
+        raise TypeError(
+            f"hfpatch does not split {type(target).__name__} over ranks: {where}.{sinks[0]} "
+            f"({_named(type(decoder))}) has attention sinks, which the sequence-parallel attention does not merge. "
+            "Run the model whole on each rank (data parallel, no sequence split)."
+        )
+
+
+def _needs(decoder: Any) -> tuple[str, ...]:
+    """The adaptations :data:`DECODER_NEEDS` lists for ``decoder``'s class (the first along its MRO)."""
+    return next(
+        (DECODER_NEEDS[class_key(c)] for c in type(decoder).__mro__ if class_key(c) in DECODER_NEEDS), ()
+    )
+
+
 def _cache_length(value: Any) -> int:
     get = getattr(value, "get_seq_length", None)
     return int(get()) if callable(get) else 0
+
+
+def _mark_router_logits(output: Any, split: DecoderSplit, batch: int, length: int) -> None:
+    """MoE decoders: the recorded router logits (this rank's rows) as :class:`RouterLogits`, for the exact
+    load-balancing loss."""
+    logits = getattr(output, "router_logits", None)
+    if isinstance(logits, tuple) and logits and not isinstance(logits, RouterLogits):
+        valid = split.shard(
+            torch.ones(batch, length, dtype=torch.bool, device=logits[0].device), 1, fill=False
+        )
+        output.router_logits = RouterLogits(logits, split, valid)
 
 
 class DecoderUSP(PatchFamily):
@@ -85,7 +151,7 @@ class DecoderUSP(PatchFamily):
             ``"shard"`` (hidden states and logits stay this rank's shard of the sequence, in the order of
             ``sp_order``; :func:`output_shard` cuts a whole-sequence tensor alike; with ``labels`` the loss is the exact mean over every real
             token of every rank, identical on all ranks, without ever holding ``[B, S, vocab]`` logits).
-        sp_vision: Qwen-VL vision tower: ``"split"`` (each rank encodes a contiguous run of about ``1/N`` of
+        sp_vision: Qwen-VL or GLM-4.xV vision tower (the others always run whole on every rank): ``"split"`` (each rank encodes a contiguous run of about ``1/N`` of
             the frames, :func:`frame_split`, and the merged and DeepStack features are all-gathered; the
             tower's ``last_hidden_state`` and ``hidden_states`` in ``image_outputs``/``video_outputs`` are then
             ``None``, as they stay per rank) or ``"replicate"`` (every rank encodes everything, the stock
@@ -135,6 +201,17 @@ class DecoderUSP(PatchFamily):
             return
         path, decoder = decoder_of(target)
         where = f"{name}.{path}" if path else name
+        _check_decoder_class(target, where, decoder)
+        vision = vision_of(target)
+        if (
+            vision is not None
+            and options["sp_vision"] == "split"
+            and class_key(type(vision)) not in FRAME_TOWERS
+        ):
+            raise ValueError(
+                f"{name}'s vision tower is {_named(type(vision))}, not one that attends within each frame; "
+                "sp_vision='split' cuts a tower between frames. Apply with sp_vision='replicate'."
+            )
         implementation = decoder.config._attn_implementation
         if implementation not in _IMPLEMENTATIONS:
             raise ValueError(
@@ -170,6 +247,7 @@ class DecoderUSP(PatchFamily):
 
         if mesh.config.sequence_parallel == 1:
             return
+        cls, row = target_of(target)
         _, decoder = decoder_of(target)
         split = DecoderSplit(mesh, options["sp_tile"], options["sp_output"], options["sp_order"])
 
@@ -189,6 +267,14 @@ class DecoderUSP(PatchFamily):
         routed = [m for m in decoder.modules() if m.__dict__.get("config") is original]
         for module in routed:
             patch.set_attr(module, "config", config)
+        # Gemma VLMs build the decoder's masks outside it, from their config's get_text_config(): that module
+        # gets a config copy whose text config is the routed one.
+        outer = None
+        if row.masks is not None:
+            outer = target.get_submodule(row.masks) if row.masks else target
+            composite = copy.copy(outer.config)
+            composite.text_config = config
+            patch.set_attr(outer, "config", composite)
 
         # 2. The split: layer 0 cuts the hidden states, every layer its rotary tables.
         layers = list(decoder.layers)
@@ -212,33 +298,23 @@ class DecoderUSP(PatchFamily):
         for layer in layers:
             patch.add_forward_pre_hook(layer, split_layer_input)
 
-        if hasattr(decoder, "_deepstack_process"):  # Qwen3-VL: visual features added after early layers
-
-            def local_deepstack(original_process):
-                def deepstack_process(hidden_states, visual_pos_masks, visual_embeds):
-                    order = visual_pos_masks.reshape(-1).cumsum(0).view_as(visual_pos_masks) - 1
-                    local_mask = split.shard(visual_pos_masks, -1, fill=False)
-                    rows = split.shard(order, -1)[local_mask].to(visual_embeds.device)
-                    return original_process(hidden_states, local_mask, visual_embeds.index_select(0, rows))
-
-                return deepstack_process
-
-            patch.wrap_method(decoder, "_deepstack_process", local_deepstack)
+        # What this decoder class needs beyond that (DeepStack, position ids, Gemma 4's per-layer inputs...).
+        adapt(decoder, _needs(decoder), split, patch)
 
         # 3. The decoder's outputs: gathered, or this rank's shard.
         def decoder_output(_module, args, kwargs, output):
             split.end_call()
-            if split.output == "shard":
-                return output
             if not hasattr(output, "last_hidden_state"):
                 raise TypeError(
                     f"{type(decoder).__name__} returned {type(output).__name__}; sequence parallelism needs its "
                     "ModelOutput (do not pass return_dict=False to the decoder)"
                 )
             embeds = kwargs.get("inputs_embeds")
-            ids = kwargs.get("input_ids")
-            length = (embeds if embeds is not None else ids).shape[1]
+            length = (embeds if embeds is not None else kwargs.get("input_ids")).shape[1]
             local = output.last_hidden_state
+            _mark_router_logits(output, split, local.shape[0], length)
+            if split.output == "shard":
+                return output
             output.last_hidden_state = split.gather(local, length)
             states = getattr(output, "hidden_states", None)
             if states:
@@ -252,6 +328,9 @@ class DecoderUSP(PatchFamily):
         vision = vision_of(target)
         if vision is not None and options["sp_vision"] == "split":
             patch.wrap_method(vision, "forward", split_vision(split, vision.spatial_merge_size))
+
+        if row.aux_loss:  # the load-balancing loss from every rank's partial sums (output_router_logits=True)
+            install_exact_aux_loss(sys.modules[cls.__module__], patch)
 
         # 4. sp_output="shard" with labels: the loss over every real token, from sharded logits.
         if split.output == "shard" and hasattr(target, "lm_head"):
@@ -267,8 +346,10 @@ class DecoderUSP(PatchFamily):
             extra = named.pop("kwargs", None)
             if isinstance(extra, dict):
                 named.update(extra)
-            if any(m.__dict__.get("config") is not config for m in routed) or (
-                config._attn_implementation != implementation
+            if (
+                any(m.__dict__.get("config") is not config for m in routed)
+                or config._attn_implementation != implementation
+                or (outer is not None and outer.config.get_text_config() is not config)
             ):
                 raise RuntimeError(
                     f"{what}: the attention implementation of the sequence-parallel decoder was changed after "

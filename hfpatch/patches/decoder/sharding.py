@@ -19,10 +19,12 @@ from ...attention.zigzag import ZigzagLayout, ZigzagMask
 from ...core.registry import class_key
 from ...distributed.collectives import all_gather
 from ...distributed.gradients import grad_scaled_by_group
+from .table import DECODERS, TARGETS, VISION, Target
 
 __all__ = [
     "DECODERS",
     "ORDERS",
+    "VISION",
     "ModelMask",
     "decoder_of",
     "frame_split",
@@ -30,6 +32,7 @@ __all__ = [
     "sequence_order",
     "sequence_sum",
     "shard_tokens",
+    "target_of",
     "vision_of",
 ]
 
@@ -38,30 +41,6 @@ __all__ = [
 #: causal Ring work balanced), ``"auto"`` (zigzag when the plan has a Ring degree, else contiguous).
 ORDERS = ("auto", "zigzag", "contiguous")
 
-#: Class key -> path of its decoder (the module with ``layers``, ``norm`` and ``rotary_emb``), ``""`` for itself.
-DECODERS: dict[str, str] = {
-    "transformers.Qwen3ForCausalLM": "model",
-    "transformers.Qwen3Model": "",
-    "transformers.LlamaForCausalLM": "model",
-    "transformers.LlamaModel": "",
-    "transformers.Qwen3VLForConditionalGeneration": "model.language_model",
-    "transformers.Qwen3VLModel": "language_model",
-    "transformers.Qwen2_5_VLForConditionalGeneration": "model.language_model",
-    "transformers.Qwen2_5_VLModel": "language_model",
-    "transformers.Qwen2VLForConditionalGeneration": "model.language_model",
-    "transformers.Qwen2VLModel": "language_model",
-}
-
-
-#: Class key -> path of its vision tower (Qwen-VL: it encodes images and videos frame by frame).
-VISION: dict[str, str] = {
-    "transformers.Qwen3VLForConditionalGeneration": "model.visual",
-    "transformers.Qwen3VLModel": "visual",
-    "transformers.Qwen2_5_VLForConditionalGeneration": "model.visual",
-    "transformers.Qwen2_5_VLModel": "visual",
-    "transformers.Qwen2VLForConditionalGeneration": "model.visual",
-    "transformers.Qwen2VLModel": "visual",
-}
 #: Vision-tower kwargs that carry tensors precomputed for a whole ``grid_thw`` (they cannot follow a split).
 _PRECOMPUTED = (
     "cu_seqlens",
@@ -75,8 +54,25 @@ _PRECOMPUTED = (
 )
 
 
+def target_of(model: torch.nn.Module) -> tuple[type, Target]:
+    """``(class, row)``: the first class along ``model``'s MRO with a row of :data:`TARGETS`, and that row.
+
+    Raises:
+        TypeError: ``model`` is no supported class.
+    """
+    for cls in type(model).__mro__:
+        row = TARGETS.get(class_key(cls))
+        if row is not None:
+            return cls, row
+    raise TypeError(
+        f"hfpatch has no sequence-parallel decoder plan for {type(model).__name__}; supported: "
+        f"{', '.join(k.split('.', 1)[1] for k in DECODERS)}"
+    )
+
+
 def vision_of(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The Qwen-VL vision tower of ``model`` (:data:`VISION`), or ``None`` for a text-only decoder."""
+    """The Qwen-style vision tower of ``model`` that attends within each frame (:data:`VISION`), or ``None`` for a
+    text-only decoder or a tower that runs whole on every rank."""
     for cls in type(model).__mro__:
         path = VISION.get(class_key(cls))
         if path is not None:
@@ -127,14 +123,8 @@ def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     Raises:
         TypeError: ``model`` is no supported class.
     """
-    for cls in type(model).__mro__:
-        path = DECODERS.get(class_key(cls))
-        if path is not None:
-            return path, (model.get_submodule(path) if path else model)
-    raise TypeError(
-        f"hfpatch has no sequence-parallel decoder plan for {type(model).__name__}; supported: "
-        f"{', '.join(k.split('.', 1)[1] for k in DECODERS)}"
-    )
+    path = target_of(model)[1].decoder
+    return path, (model.get_submodule(path) if path else model)
 
 
 def sequence_order(order: str, ring: int) -> str:
@@ -303,6 +293,44 @@ def mask_interface(
     )
 
 
+def window_kept(mask: ModelMask, window: int) -> bool:
+    """Whether ``mask`` rules out, for every query ``q >= window`` of every row, the key ``q - window``: the
+    first key a sliding window of ``window`` tokens (transformers' ``kv > q - window``) leaves out.
+
+    A mask built for the window (``local_size == window``) does by construction. Any other is probed on those
+    pairs with its own ``mask_function`` (padding aside: a padded key is masked for every layer type): a causal
+    mask fails wherever a sample is longer than the window, a window overlay (``local_size`` ``None``, Gemma's
+    VLMs) passes. Packed samples no longer than the window pass too, and rightly: there the two masks are equal.
+
+    >>> from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    >>> def mask(fn):
+    ...     return ModelMask(1, 9, fn, None, False, torch.device("cpu"), False)
+    >>> window_kept(mask(sliding_window_causal_mask_function(4)), 4), window_kept(mask(causal_mask_function), 4)
+    (True, False)
+    >>> window_kept(mask(causal_mask_function), 9)  # no key 9 tokens back in 9 tokens: the masks are equal
+    True
+    """
+    if mask.local_size == window:
+        return True
+    if mask.length <= window:
+        return True
+    if mask.local_size is not None or mask.causal:
+        return False  # another window, or the plain causal mask
+    queries = torch.arange(window, mask.length, device=mask.device)
+    rows = torch.arange(mask.batch_size, device=mask.device)[:, None].expand(-1, len(queries))
+    function = mask.mask_function
+    if mask.use_vmap:  # overlays that index tensors by position run under vmap, as sdpa_mask runs them
+        function = torch.vmap(torch.vmap(function, in_dims=(None, None, 0, 0)), in_dims=(0, None, 0, 0))
+        allowed = function(
+            rows[:, 0], torch.tensor(0), queries.expand_as(rows), (queries - window).expand_as(rows)
+        )
+    else:
+        allowed = function(
+            rows, torch.zeros_like(rows), queries.expand_as(rows), (queries - window).expand_as(rows)
+        )
+    return not bool(torch.as_tensor(allowed).any())
+
+
 # ----------------------------------------------------------------------------------------------- state
 class DecoderSplit:
     """One patched model's groups and settings, shared by its hooks and its attention function."""
@@ -318,7 +346,10 @@ class DecoderSplit:
         self.tile = tile
         self.output = output
         self.order = sequence_order(order, mesh.config.ring)
-        self._rotary: tuple[Any, Any] | None = None  # (full position embeddings, this rank's shard)
+        # id(full tensor or tuple) -> (it, this rank's shard): cut once per forward, however many layers read it
+        # (Gemma 3/4 alternate two rotary tables; Ministral 3's layers all read the same position ids).
+        self._shards: dict[int, tuple[Any, Any]] = {}
+        self._windows: dict[tuple[int, int], bool] = {}  # (id(mask), window) -> the mask keeps to the window
 
     def shard(self, x: torch.Tensor, dim: int, fill: Any = 0) -> torch.Tensor:
         return shard_tokens(x, dim, self.world, self.rank, fill, self.order)
@@ -345,16 +376,33 @@ class DecoderSplit:
         layout = ZigzagLayout(mask.length, self.world)
         return ZigzagMask(mask, layout), layout.padded_len
 
+    def once(self, value: Any, cut: Callable[[Any], Any]) -> Any:
+        """``cut(value)``, computed once per forward for the same ``value`` object."""
+        found = self._shards.get(id(value))
+        if found is None or found[0] is not value:
+            found = self._shards[id(value)] = (value, cut(value))
+        return found[1]
+
     def rotary(self, value: Any) -> Any:
         """This rank's shard of ``(cos, sin)`` (cut along the sequence dim ``-2``), once per forward."""
-        if self._rotary is not None and self._rotary[0] is value:
-            return self._rotary[1]
-        shards = type(value)(self.shard(t, -2) for t in value)
-        self._rotary = (value, shards)
-        return shards
+        return self.once(value, lambda tables: type(tables)(self.shard(t, -2) for t in tables))
+
+    def sequence_input(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a per-token tensor whose last dim is the sequence (position ids), once per forward."""
+        return self.once(value, lambda t: self.shard(t, -1))
+
+    def keeps_window(self, mask: ModelMask, window: int) -> bool:
+        """Whether ``mask`` rules out every key ``window`` or more tokens before its query (checked once per
+        forward): what a sliding-window layer's mask must do, from ``create_sliding_window_causal_mask``
+        (``local_size``) or composed with a window overlay (Gemma's VLM masks, ``local_size`` ``None``)."""
+        key = (id(mask), window)
+        if key not in self._windows:
+            self._windows[key] = window_kept(mask, window)
+        return self._windows[key]
 
     def end_call(self) -> None:
-        self._rotary = None  # the full tables are freeable once the decoder returns
+        self._shards.clear()  # the full tables are freeable once the decoder returns
+        self._windows.clear()
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise TypeError(
@@ -390,11 +438,11 @@ def attention_function(split: DecoderSplit) -> Callable:
                 "config.attention_dropout = 0 or call model.eval()"
             )
         window = kwargs.get("sliding_window")
-        if window is not None and attention_mask.local_size != window:
+        if window is not None and not split.keeps_window(attention_mask, window):
             raise RuntimeError(
-                f"{where}: a sliding-window layer ({window} tokens) got the mask of another layer type "
-                f"(window {attention_mask.local_size}); sequence parallelism reads the window from the mask "
-                "transformers builds for that layer type"
+                f"{where}: a sliding-window layer ({window} tokens) got a mask that lets a query see keys "
+                f"{window} tokens back (the mask of another layer type, window {attention_mask.local_size}); "
+                "sequence parallelism reads the window from the mask transformers builds for that layer type"
             )
         if softcap or kwargs.get("s_aux") is not None:
             raise ValueError(
