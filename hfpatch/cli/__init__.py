@@ -252,6 +252,14 @@ def info_lines(classes: bool = False) -> list[str]:
         "(`hfpatch info --classes` says why the others are not split)",
         classes,
     )
+    lines += _support_lines(
+        "hfpatch.patches.decoder.table",
+        "sequence parallel by transformers decoder class",
+        lambda how: not how.startswith("refused"),
+        "sequence-parallel decoders: {} of {} transformers classes ",
+        "(`hfpatch info --classes` gives each one's split, or why it is refused)",
+        classes,
+    )
     return lines
 
 
@@ -269,6 +277,7 @@ def _support_lines(
         rows = importlib.import_module(module).support_table()
     except ImportError as exc:
         return [f"{title}: unavailable ({exc})"]
+    rows = [row[-2:] for row in rows]  # (name, how); the decoder table leads with the family
     if classes:
         return [f"{title}:", *(f"  {name}: {how}" for name, how in rows)]
     counted = sum(1 for _, how in rows if counts(how))
