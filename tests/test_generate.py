@@ -395,7 +395,7 @@ def test_generate_help_lists_every_option_with_its_default():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     options = [a for a in commands.choices["generate"]._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 23
+    assert len(options) == 24  # --quantize: issue 50
     for action in options:
         text = " ".join((action.help or "").split())
         assert "default" in text, action.option_strings

@@ -27,7 +27,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.loading": "LoadError from_pretrained",
     "hfpatch.generate": (
         "CACHES ModelInfo UsageError add_arguments check_arguments check_model inspect_model load_pipeline main "
-        "mp4_unavailable parse_cache requested_ranks run_report write_outputs"
+        "mp4_unavailable parse_cache parse_quantize quantize_arguments requested_ranks run_report write_outputs"
     ),
     "hfpatch.attention": (
         "AttentionBackend available_backends head_sizes local_attention merge_attention merge_blocks "

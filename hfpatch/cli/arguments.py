@@ -103,6 +103,29 @@ def parse_cache(text: str) -> tuple[str, float | int]:
     return kind, parsed
 
 
+#: ``--quantize`` kinds -> what diffusers quantizes each denoiser with while loading.
+QUANTIZE = {
+    "int8": "torchao int8 weight-only (TorchAoConfig(Int8WeightOnlyConfig()))",
+    "fp8": "torchao float8 weight-only (TorchAoConfig(Float8WeightOnlyConfig()), a GPU)",
+    "nf4": "bitsandbytes 4-bit nf4 (BitsAndBytesConfig, a GPU)",
+    "gguf:PATH": "the transformer read from a GGUF file (from_single_file + GGUFQuantizationConfig)",
+}
+
+
+def parse_quantize(text: str) -> tuple[str, str | None]:
+    """``--quantize`` -> ``(kind, GGUF path or None)``.
+
+    >>> parse_quantize("int8"), parse_quantize("gguf:wan-Q8_0.gguf")
+    (('int8', None), ('gguf', 'wan-Q8_0.gguf'))
+    """
+    kind, colon, path = text.partition(":")
+    if kind == "gguf" and colon and path:
+        return kind, path
+    if kind in QUANTIZE and not colon:
+        return kind, None
+    raise argparse.ArgumentTypeError(f"unknown quantization {text!r}; known: {', '.join(QUANTIZE)}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hfpatch generate`` (imports no torch: ``--help`` and usage errors are instant)."""
     parser.add_argument(
@@ -237,6 +260,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="LoRA weights loaded with pipe.load_lora_weights(PATH) before hfpatch.apply: a file, a folder or a "
         "hub id (default: none)",
+    )
+    speed.add_argument(
+        "--quantize",
+        type=parse_quantize,
+        metavar="KIND",
+        help="quantized denoisers, loaded with diffusers' quantizers: "
+        + "; ".join(f"{k}: {v}" for k, v in QUANTIZE.items())
+        + ". Sequence, CFG and Ring parallelism run on them exactly; --shard-weights shards the quantized rows of "
+        "int8 and GGUF and refuses nf4 (default: none)",
     )
     parser.add_argument(
         "--report",

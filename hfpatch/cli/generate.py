@@ -58,6 +58,7 @@ from .arguments import (
     VIDEO_SUFFIXES,
     add_arguments,
     parse_cache,
+    parse_quantize,
     requested_ranks,
 )
 from .outputs import device_name, output_tensor, package_versions, peak_memory, run_report, write_outputs
@@ -74,6 +75,8 @@ __all__ = [
     "main",
     "mp4_unavailable",
     "parse_cache",
+    "parse_quantize",
+    "quantize_arguments",
     "requested_ranks",
     "run_report",
     "write_outputs",
@@ -375,6 +378,10 @@ def check_model(info: ModelInfo, args: argparse.Namespace, world_size: int) -> N
                 )
         if not denoisers:
             raise UsageError(f"--cache: {info.pipeline} has no transformer or unet to cache")
+    if args.quantize is not None and args.quantize[0] == "gguf":
+        cls = _diffusers_class(info.denoisers.get("transformer", ""))
+        if cls is None or not hasattr(cls, "from_single_file"):
+            raise UsageError(f"--quantize gguf: {info.pipeline} has no transformer that loads a single file")
     if args.lora is not None and not hasattr(_diffusers_class(info.pipeline), "load_lora_weights"):
         raise UsageError(f"--lora: {info.pipeline} has no load_lora_weights")
     if world_size == 1:
@@ -421,9 +428,49 @@ def load_pipeline(model: str, dtype: Any, **kwargs: Any) -> Any:
     >>> type(pipe).__name__, pipe.transformer.dtype
     ('FluxPipeline', torch.float32)
     """
-    from diffusers import DiffusionPipeline
+    import diffusers
+    import torch
 
-    return DiffusionPipeline.from_pretrained(model, dtype=dtype, **kwargs)
+    cls = diffusers.DiffusionPipeline
+    if any(isinstance(value, torch.nn.Module) for value in kwargs.values()):
+        # A component passed in (a GGUF transformer): the folder's own class takes it (diffusers 0.42's generic
+        # DiffusionPipeline.from_pretrained loads the folder's component instead).
+        cls = getattr(diffusers, cls.load_config(model)["_class_name"], cls)
+    return cls.from_pretrained(model, dtype=dtype, **kwargs)
+
+
+def quantize_arguments(quantize: tuple[str, str | None], model: str, info: ModelInfo, dtype: Any) -> dict:
+    """``load_pipeline``'s arguments for ``--quantize``: a ``PipelineQuantizationConfig`` quantizing every denoiser
+    (int8, fp8: torchao; nf4: bitsandbytes), or the transformer read from a GGUF file."""
+    from diffusers import PipelineQuantizationConfig
+
+    kind, path = quantize
+    if kind == "gguf":
+        from diffusers import GGUFQuantizationConfig
+
+        cls = _diffusers_class(info.denoisers["transformer"])  # check_model: it loads a single file
+        transformer = cls.from_single_file(
+            path,
+            config=model,
+            subfolder="transformer",
+            quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+            torch_dtype=dtype,
+        )
+        return {"transformer": transformer}
+    if kind == "nf4":
+        from diffusers import BitsAndBytesConfig
+
+        config: Any = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    else:
+        from diffusers import TorchAoConfig
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+        config = TorchAoConfig(Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig())
+    return {
+        "quantization_config": PipelineQuantizationConfig(quant_mapping=dict.fromkeys(info.denoisers, config))
+    }
 
 
 def _is_sharded_by_fsdp(name: str, module: Any) -> bool:
@@ -573,7 +620,8 @@ def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> Non
     try:
         times: dict[str, Any] = {}
         started = time.perf_counter()
-        pipe = load_pipeline(args.model, dtype)
+        quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
+        pipe = load_pipeline(args.model, dtype, **quantized)
         if args.lora is not None:
             pipe.load_lora_weights(args.lora)
         _place_pipeline(pipe, device, args.shard_weights)

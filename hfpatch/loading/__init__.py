@@ -55,8 +55,12 @@ as after ``apply(..., shard_weights=True)``: diffusers sizes the adapter layers 
 added by ``prepare=`` (a callable run on the assembled pipeline before ``apply``) are refused too: the base
 weights of the models read in part are not loaded then. To serve a LoRA, fuse it into the base weights
 (``pipe.load_lora_weights``, ``pipe.fuse_lora()``, ``pipe.unload_lora_weights()``, ``save_pretrained``) and load
-that folder. A checkpoint with a ``quantization_config`` or integer weights is refused (FSDP2 shards
-floating-point parameters only).
+that folder. A checkpoint with a ``quantization_config`` or integer weights is not read in part (refused with
+``shard_weights``: FSDP2 shards floating-point parameters only). Quantized models load through diffusers instead
+(issue 50): ``quantization_config=`` (a ``PipelineQuantizationConfig``: diffusers quantizes while loading) and
+``single_files=`` (a component from one file, a ``.gguf`` through ``GGUFQuantizationConfig``) load those components
+whole on every rank, then ``hfpatch.apply`` runs; with ``shard_weights`` their quantized rows are sharded then,
+where the kind splits by rows (:mod:`hfpatch.patches.fsdp.quantized`).
 
 The package: :mod:`hfpatch.loading.pretrained` (:func:`from_pretrained`, :class:`LoadError`: the steps above, in
 order), :mod:`hfpatch.loading.files` (the files a load reads and their agreement over the ranks) and

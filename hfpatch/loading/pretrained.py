@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -360,9 +360,12 @@ def _prepare(
     parallel: Any,
     options: dict[str, Any],
     device: torch.device,
+    whole: dict[str, int] | None = None,
 ) -> _Load:
     """Everything before the handshake (see the module docstring): the plan, the parts, their checks, the
-    memory this rank will need and the digest. Reads no weight."""
+    memory this rank will need and the digest. Reads no weight. ``whole``: the components loaded whole by
+    diffusers (quantized at load, or from a single file), with the bytes of their single file (0 when read from the
+    folder); ``None`` for none."""
     from .. import api
     from ..patches import default_registry
     from ..patches.fsdp import shard_units, sharded_models
@@ -382,6 +385,8 @@ def _prepare(
                     chosen[name] = "stage"
     elif shard not in (False, None) and config.world_size > 1:
         chosen = {name: "shard" for name, _ in sharded_models(skeleton) if name in metas}
+    whole = whole or {}
+    chosen = {name: mode for name, mode in chosen.items() if name not in whole}
     shards = _shard_count(shard, config) if "shard" in chosen.values() else 1
     kept = largest = 0
     for name, mode in chosen.items():
@@ -399,11 +404,11 @@ def _prepare(
             ]
             total = sum(e.nbytes for e in sizes)
             kept += total - sum(blocks) + sum(blocks) // config.pipefusion + max(blocks, default=0)
-    whole = 0
+    loaded = sum(whole.values())  # the single files
     for name in components:
         if name not in chosen:
             for root, _, names in os.walk(os.path.join(folder, name)):
-                whole += sum(
+                loaded += sum(
                     os.path.getsize(os.path.join(root, f)) for f in names if f.endswith(".safetensors")
                 )
     on_gpu = device.type == "cuda" or (
@@ -413,9 +418,9 @@ def _prepare(
         and torch.cuda.is_available()
     )
     if on_gpu:
-        load.needs = {"cuda": kept, "cpu": whole + largest}
+        load.needs = {"cuda": kept, "cpu": loaded + largest}
     else:
-        load.needs = {"cpu": kept + whole + largest}
+        load.needs = {"cpu": kept + loaded + largest}
     files = [f for part in load.parts for f in part.files]
     load.digest = loading_files.revision_digest(folder, files)
     load.files = loading_files.file_identities(folder, files)
@@ -491,6 +496,8 @@ def from_pretrained(
     device: str | torch.device | None = None,
     prepare: Callable[[Any], None] | None = None,
     check_files: str = "full",
+    quantization_config: Any = None,
+    single_files: Mapping[str, str | os.PathLike] | None = None,
     **options: Any,
 ) -> tuple[Any, Patch]:
     """Load a diffusers pipeline and patch it, each rank reading only the weights it keeps.
@@ -522,6 +529,15 @@ def from_pretrained(
             ``"sampled"``, an opt-out that compares each file's size, header and three 4 KiB windows only: a
             copy that differs elsewhere on some rank (a partial rsync, a re-saved shard) then loads silently and
             generates from mixed weights.
+        quantization_config: A diffusers ``PipelineQuantizationConfig`` (or a model's quantization config), as
+            ``DiffusionPipeline.from_pretrained`` takes it: the components it quantizes are loaded whole on every
+            rank by diffusers (quantized at load), then ``hfpatch.apply`` runs (with ``shard_weights``, their
+            quantized rows are sharded after loading where the kind splits by rows:
+            :doc:`/capabilities/quantized`).
+        single_files: Component name -> a single-file checkpoint of it, as diffusers' ``from_single_file`` takes
+            it (``{"transformer": "wan2.1-t2v-14b-Q8_0.gguf"}``): a ``.gguf`` file is loaded with
+            ``GGUFQuantizationConfig`` (computing in ``torch_dtype``, fp32 by default), other files as they are,
+            the config from the folder's component; loaded whole on every rank, then passed to the pipeline.
         **options: :func:`hfpatch.apply`'s options (``shard_weights=True``, ``shard_weights_offload``, ...).
 
     Returns:
@@ -556,6 +572,11 @@ def from_pretrained(
     if prepare is not None and not callable(prepare):
         raise TypeError(f"prepare must be a callable taking the pipeline, got {prepare!r}")
     target_device = torch.device("cpu" if device is None else device)
+    if single_files is not None and not (
+        isinstance(single_files, Mapping)
+        and all(isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in single_files.items())
+    ):
+        raise TypeError(f"single_files must map component names to file paths, got {single_files!r}")
     world = runtime.launched_world_size()
     distributed = world > 1 and parallel != 1
     if distributed:
@@ -567,7 +588,8 @@ def from_pretrained(
         folder = _resolve_folder(
             folder, revision, None if cache_dir is None else str(cache_dir), local_files_only, distributed
         )
-        load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device)
+        whole = _loaded_whole(folder, quantization_config, single_files)
+        load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device, whole)
         problem = _memory_problem(load.needs)
         if problem is not None:
             raise LoadError(problem)
@@ -589,7 +611,59 @@ def from_pretrained(
     elif error is not None:
         raise error
     assert load is not None
-    return _load(load, pipeline_class, torch_dtype, parallel, prepare, options)
+    extra = _whole_components(load.folder, torch_dtype, quantization_config, single_files)
+    return _load(load, pipeline_class, torch_dtype, parallel, prepare, options, extra)
+
+
+def _loaded_whole(folder: str, quantization_config: Any, single_files: Any) -> dict[str, int]:
+    """The components diffusers loads whole (every model component with a ``quantization_config``: diffusers
+    quantizes while loading; each single file) -> the bytes of its single file (0: read from the folder).
+
+    Raises:
+        LoadError: A single file that is not there, or a component the folder does not have.
+    """
+    whole: dict[str, int] = {}
+    if quantization_config is not None:
+        whole.update({name: 0 for name in model_components(folder)})
+    with open(os.path.join(folder, "model_index.json")) as f:
+        names = json.load(f)
+    for name, path in (single_files or {}).items():
+        if name not in names or name.startswith("_"):
+            raise LoadError(f"single_files names {name!r}, which is not a component of {folder}")
+        if not os.path.isfile(path):
+            raise LoadError(f"single_files[{name!r}]: {os.fspath(path)} is not a file")
+        whole[name] = os.path.getsize(path)
+    return whole
+
+
+def _whole_components(
+    folder: str, torch_dtype: Any, quantization_config: Any, single_files: Any
+) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments of what diffusers loads whole: ``quantization_config`` and each single
+    file's component, loaded with its class's ``from_single_file`` (a ``.gguf`` with ``GGUFQuantizationConfig``)."""
+    extra: dict[str, Any] = {}
+    if quantization_config is not None:
+        extra["quantization_config"] = quantization_config
+    components = model_components(folder)
+    for name, path in (single_files or {}).items():
+        cls = components[name][0] if name in components else None
+        if cls is None or not hasattr(cls, "from_single_file"):
+            raise LoadError(
+                f"single_files[{name!r}]: its class cannot load a single file (no from_single_file)"
+            )
+        dtype = component_dtype(torch_dtype, name)
+        kwargs: dict[str, Any] = {"config": folder, "subfolder": name}
+        if dtype is not None:
+            kwargs["torch_dtype"] = dtype
+        if os.fspath(path).endswith(".gguf"):
+            from diffusers import GGUFQuantizationConfig
+
+            compute = dtype or torch.float32
+            kwargs.update(
+                quantization_config=GGUFQuantizationConfig(compute_dtype=compute), torch_dtype=compute
+            )
+        extra[name] = cls.from_single_file(os.fspath(path), **kwargs)
+    return extra
 
 
 def _load(
@@ -599,12 +673,15 @@ def _load(
     parallel: Any,
     prepare: Callable[[Any], None] | None,
     options: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Any, Patch]:
-    """Assemble the pipeline (the parts on meta with their sources, the rest loaded the usual way) and apply."""
+    """Assemble the pipeline (the parts on meta with their sources, the rest loaded the usual way, ``extra``:
+    components loaded whole and ``quantization_config``) and apply."""
     from ..api import apply
 
     cls = _pipeline_class(load.folder, pipeline_class)
     kwargs = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    kwargs.update(extra or {})
     pipe = cls.from_pretrained(load.folder, **kwargs, **{part.name: part.model for part in load.parts})
     for part in load.parts:
         attach_source(part.model, part.source)
