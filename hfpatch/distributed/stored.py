@@ -214,9 +214,14 @@ def _row_parts(tensor: torch.Tensor) -> tuple[tuple[str, ...] | None, str]:
     if type(tensor).__name__ == "WeightQBitsTensor" and path.startswith("optimum."):
         return None, "its 4-bit values are packed two rows per byte (row i with row i + rows/2)"
     if "bitsandbytes:Params4bit" in names:
+        if getattr(getattr(tensor, "quant_state", None), "nested", False):
+            return (
+                None,
+                "its 4-bit blocks run over the flattened weight, with nested block statistics across rows",
+            )
         return (
             None,
-            "its 4-bit blocks run over the flattened weight, with nested block statistics across rows",
+            "its 4-bit blocks run over the flattened weight (splitting them by rows is not written yet)",
         )
     return None, "hfpatch does not know its storage layout"
 

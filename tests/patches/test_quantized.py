@@ -206,16 +206,16 @@ def move_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
-def shard_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
-    """Per kind, ``shard_weights=True`` with Ulysses over every rank: the output against the same plan without
-    it, the parameter bytes this rank holds against the whole quantized model's, the weights after ``remove()``;
-    or the refusal."""
+def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (family, kind), ``shard_weights=True`` with Ulysses over every rank: the output against the same plan
+    without it, the parameter bytes this rank holds against the whole quantized model's, the weights after
+    ``remove()``; or the refusal."""
     from hfpatch.patches.fsdp import parameter_bytes
 
     world = dist.get_world_size()
-    results: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        model, kwargs = model_of("wan", kind)
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    for family, kind in [(f, k) for f in FAMILIES for k in kinds]:
+        model, kwargs = model_of(family, kind)
         params = dict(model.named_parameters())
         before = weight_digests([("", model)])
         whole = parameter_bytes(model)
@@ -225,13 +225,13 @@ def shard_cases(kinds: list[str]) -> dict[str, dict[str, Any]]:
             try:
                 patch = hfpatch.apply(model, parallel=ParallelConfig(ulysses=world), shard_weights=True)
             except ValueError as exc:
-                results[kind] = {"refused": str(exc)}
+                results[(family, kind)] = {"refused": str(exc)}
                 continue
             held = parameter_bytes(model)
             out = model(**kwargs).sample
             again = model(**kwargs).sample
             patch.remove()
-        results[kind] = {
+        results[(family, kind)] = {
             "equal": torch.equal(out, plain) and torch.equal(again, plain),
             "fraction": held / whole,
             "restored": weight_digests([("", model)]) == before
@@ -358,16 +358,17 @@ def test_shard_weights(rank_pool, world):
     the very parameter objects back with their exact stored data; the kinds whose storage does not split by rows
     are refused by name on every rank (never dequantized)."""
     results = rank_pool(world).run(shard_cases, KINDS)
-    for kind in KINDS:
-        said = [r[kind] for r in results]
-        if kind not in SHARDED:
-            assert all("refused" in s for s in said), (kind, said)
+    for case in results[0]:
+        said = [r[case] for r in results]
+        if case[1] not in SHARDED:
+            assert all("refused" in s for s in said), (case, said)
             assert len({s["refused"] for s in said}) == 1 and "never dequantizes" in said[0]["refused"]
-            assert quantized_kind_name(kind) in said[0]["refused"], said[0]
+            assert quantized_kind_name(case[1]) in said[0]["refused"], said[0]
             continue
         for s in said:
-            assert s["equal"] and s["restored"], (kind, s)
-            assert s["fraction"] <= 1.1 / world, (kind, world, [x["fraction"] for x in said])
+            assert s["equal"] and s["restored"], (case, s)
+            assert s["fraction"] <= 1.1 / world, (case, world, [x["fraction"] for x in said])
+    assert len(results[0]) == len(FAMILIES) * len(KINDS)
 
 
 def quantized_kind_name(kind: str) -> str:
