@@ -268,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantized denoisers, loaded with diffusers' quantizers: "
         + "; ".join(f"{k}: {v}" for k, v in QUANTIZE.items())
         + ". Sequence, CFG and Ring parallelism run on them exactly; --shard-weights shards the quantized rows of "
-        "int8 and GGUF and refuses nf4 (default: none)",
+        "int8, GGUF and nf4 (default: none)",
     )
     parser.add_argument(
         "--report",

@@ -14,7 +14,8 @@ and a torch function of ``GGUFParameter`` wraps its result again as a ``GGUFPara
   and ``SCB``). A subclass that is neither raises :class:`UnsupportedTensorError` naming its class.
 * :func:`stored_bytes`, :func:`storage_stamp` -- its bytes, and what moves when it is changed in place.
 * :func:`row_split` -- for the kinds whose storage splits by output row (GGUF blocks, torchao's per-row int8,
-  optimum-quanto's per-row qint8): the inner tensors whose rows are the weight's rows, so ``shard_weights`` can keep
+  optimum-quanto's per-row qint8, bitsandbytes 4-bit without double quant): the inner tensors whose rows are the
+  weight's rows, so ``shard_weights`` can keep
   1/N of the QUANTIZED bytes on each rank; ``None`` with the reason for the others.
 
 Classes are known by name (module and class name), so nothing here imports torchao, optimum-quanto, diffusers or
@@ -197,64 +198,94 @@ class RowSplit:
     parts: tuple[str, ...]
 
 
-def _row_parts(tensor: torch.Tensor) -> tuple[tuple[str, ...] | None, str]:
+def _bnb_rows(tensor: torch.Tensor) -> tuple[tuple[str, ...] | None, str, int]:
+    """bitsandbytes 4-bit: rows of whole blocks when its statistics are not nested (diffusers'
+    ``BitsAndBytesConfig`` default, ``bnb_4bit_use_double_quant=False``) and a row is whole blocks."""
+    state = getattr(tensor, "quant_state", None)
+    if state is None:
+        return None, "it is not quantized yet", 0
+    if getattr(state, "nested", False):
+        return (
+            None,
+            "its block statistics are quantized again (nested, double quant) in blocks across rows",
+            0,
+        )
+    if getattr(state, "packing_format_for_cpu", False):
+        return None, "its 4-bit data was repacked for bitsandbytes' AVX512-BF16 CPU kernel", 0
+    shape = tuple(state.shape or ())
+    if len(shape) != 2 or shape[1] % state.blocksize or tensor.dtype != torch.uint8:
+        return None, f"a row of its {shape} weight is not whole blocks of {state.blocksize}", 0
+    return ("data", "quant_state.absmax"), "", shape[0]
+
+
+def _row_parts(tensor: torch.Tensor) -> tuple[tuple[str, ...] | None, str, int]:
     names = _names(tensor)
+    rows = tensor.shape[0] if tensor.dim() else 0
     if "diffusers:GGUFParameter" in names:
-        return ("data",), ""
+        return ("data",), "", rows
     path = class_path(tensor)
     if type(tensor).__name__ == "Int8Tensor" and path.startswith("torchao."):
         block = list(getattr(tensor, "block_size", []))
         if block[:1] != [1] or len(block) != tensor.dim():
-            return None, f"its int8 blocks {block} span several rows"
-        return tuple(n for n in tensor.__tensor_flatten__()[0] if getattr(tensor, n) is not None), ""
+            return None, f"its int8 blocks {block} span several rows", rows
+        return tuple(n for n in tensor.__tensor_flatten__()[0] if getattr(tensor, n) is not None), "", rows
     if type(tensor).__name__ == "WeightQBytesTensor" and path.startswith("optimum."):
         if getattr(tensor, "axis", None) != 0:
-            return None, f"its scales run along axis {getattr(tensor, 'axis', None)}, not per output row"
-        return ("_data", "_scale"), ""
-    if type(tensor).__name__ == "WeightQBitsTensor" and path.startswith("optimum."):
-        return None, "its 4-bit values are packed two rows per byte (row i with row i + rows/2)"
-    if "bitsandbytes:Params4bit" in names:
-        if getattr(getattr(tensor, "quant_state", None), "nested", False):
             return (
                 None,
-                "its 4-bit blocks run over the flattened weight, with nested block statistics across rows",
+                f"its scales run along axis {getattr(tensor, 'axis', None)}, not per output row",
+                rows,
             )
-        return (
-            None,
-            "its 4-bit blocks run over the flattened weight (splitting them by rows is not written yet)",
-        )
-    return None, "hfpatch does not know its storage layout"
+        return ("_data", "_scale"), "", rows
+    if type(tensor).__name__ == "WeightQBitsTensor" and path.startswith("optimum."):
+        return None, "its 4-bit values are packed two rows per byte (row i with row i + rows/2)", rows
+    if "bitsandbytes:Params4bit" in names:
+        return _bnb_rows(tensor)
+    return None, "hfpatch does not know its storage layout", rows
 
 
 def row_split(tensor: torch.Tensor) -> tuple[RowSplit | None, str]:
     """``(RowSplit, "")`` when ``tensor`` is a quantized weight whose stored tensors split by output row (GGUF,
-    torchao ``Int8Tensor`` with per-row blocks, optimum-quanto ``WeightQBytesTensor`` with per-row scales), else
+    torchao ``Int8Tensor`` with per-row blocks, optimum-quanto ``WeightQBytesTensor`` with per-row scales,
+    bitsandbytes ``Params4bit`` whose rows are whole blocks and whose block scales are plain), else
     ``(None, why not)``. A plain tensor gives ``(None, "")``."""
     if is_plain(tensor):
         return None, ""
-    parts, why = _row_parts(tensor)
+    parts, why, rows = _row_parts(tensor)
     if parts is None:
         return None, why
-    rows = tensor.shape[0] if tensor.dim() else 0
     for name in parts:
-        inner = _own_storage(tensor) if name == "data" else getattr(tensor, name)
+        inner = get_part(tensor, name, rows)
         if not is_plain(inner) or inner.dim() == 0 or inner.shape[0] != rows:
             return None, f"its {name} is not laid out by output row"
     return RowSplit(rows, parts), ""
 
 
-def get_part(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def get_part(tensor: torch.Tensor, name: str, rows: int | None = None) -> torch.Tensor:
     """The inner tensor ``name`` of a :class:`RowSplit` (``"data"``: the parameter's own storage, as a plain
-    tensor)."""
-    return _own_storage(tensor) if name == "data" else getattr(tensor, name)
+    tensor; ``"quant_state.absmax"``: bitsandbytes' block scales), with ``rows`` rows first when given (a flat
+    4-bit weight and its scales as ``[rows, -1]``)."""
+    if name == "data":
+        value = _own_storage(tensor)
+    elif name == "quant_state.absmax":
+        value = tensor.quant_state.absmax
+    else:
+        return getattr(tensor, name)
+    if rows is not None and "bitsandbytes:Params4bit" in _names(tensor):
+        return value.reshape(rows, -1)
+    return value
 
 
 def set_part(tensor: torch.Tensor, name: str, value: torch.Tensor) -> None:
     """Make ``value`` the inner tensor ``name`` of ``tensor``, in place (the same object: a parameter stays the
-    module's). ``"data"`` replaces the parameter's own storage (its torch function not called)."""
+    module's). ``"data"`` replaces the parameter's own storage (its torch function not called); a bitsandbytes
+    weight keeps its flat layout (``[-1, 1]`` data, flat scales)."""
+    flat = "bitsandbytes:Params4bit" in _names(tensor)
     if name == "data":
         with torch._C.DisableTorchFunctionSubclass():
-            tensor.data = value
+            tensor.data = value.reshape(-1, 1) if flat else value
+    elif name == "quant_state.absmax":
+        tensor.quant_state.absmax = value.reshape(-1)
     else:
         setattr(tensor, name, value)
 
@@ -265,6 +296,27 @@ def rebuilt(tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tenso
     optimum-quanto tensor, a new ``GGUFParameter`` of the same quantization type for GGUF."""
     if "diffusers:GGUFParameter" in _names(tensor):
         return type(tensor)(parts["data"], quant_type=tensor.quant_type)
+    if "bitsandbytes:Params4bit" in _names(tensor):
+        state = tensor.quant_state
+        full = type(state)(
+            absmax=parts["quant_state.absmax"].reshape(-1),
+            shape=state.shape,
+            code=state.code,
+            blocksize=state.blocksize,
+            quant_type=state.quant_type,
+            dtype=state.dtype,
+        )
+        return type(tensor)(
+            parts["data"].reshape(-1, 1),
+            requires_grad=False,
+            quant_state=full,
+            blocksize=tensor.blocksize,
+            compress_statistics=False,
+            quant_type=tensor.quant_type,
+            quant_storage=tensor.quant_storage,
+            module=tensor.module,
+            bnb_quantized=True,
+        )
     names, context = tensor.__tensor_flatten__()
     inner = {n: parts.get(n, getattr(tensor, n)) for n in names if getattr(tensor, n) is not None}
     out = type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())

@@ -9,10 +9,12 @@
   elsewhere) and loaded back with diffusers' ``from_single_file`` and ``GGUFQuantizationConfig`` (the weights
   ``GGUFParameter`` s of ``GGUFLinear`` s, dequantized at each call);
 * ``"quanto-qint8"``, ``"quanto-qint4"``: optimum-quanto's ``quantize(model, weights=...)`` then ``freeze``;
-* ``"bnb-nf4"``: bitsandbytes' ``Linear4bit`` (nf4, nested statistics) for every ``nn.Linear`` of the
-  transformer blocks, built by hand on the CPU (diffusers' ``BitsAndBytesConfig`` quantizes on a GPU only). Its
-  AVX512-BF16 CPU kernel is turned off (``support_avx512bf16_for_cpu = False``): it repacks the weights at the
-  first call and computes in bf16, on some CPUs only; the fp32 path computes the same on every CPU.
+* ``"bnb-nf4"``, ``"bnb-nf4-nested"``: bitsandbytes' ``Linear4bit`` (nf4, blocks of 32 so that the tiny models'
+  rows are whole blocks; block statistics plain, as diffusers' ``BitsAndBytesConfig`` leaves them by default, or
+  nested: double quant) for every ``nn.Linear`` of the transformer blocks, built by hand on the CPU (diffusers'
+  ``BitsAndBytesConfig`` quantizes on a GPU only). Its AVX512-BF16 CPU kernel is turned off
+  (``support_avx512bf16_for_cpu = False``): it repacks the weights at the first call and computes in bf16, on some
+  CPUs only; the fp32 path computes the same on every CPU.
 
 :func:`available_kinds` lists the kinds whose packages are installed (the ``[quant]`` extra installs them all).
 
@@ -43,6 +45,7 @@ KINDS: dict[str, str] = {
     "quanto-qint8": "optimum.quanto",
     "quanto-qint4": "optimum.quanto",
     "bnb-nf4": "bitsandbytes",
+    "bnb-nf4-nested": "bitsandbytes",
 }
 
 
@@ -139,7 +142,7 @@ def _gguf(model: torch.nn.Module, qtype: str) -> torch.nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------- the others
-def _bnb_nf4(model: torch.nn.Module) -> torch.nn.Module:
+def _bnb_nf4(model: torch.nn.Module, nested: bool = False) -> torch.nn.Module:
     from bitsandbytes.nn import Linear4bit, Params4bit
 
     blocks = ("blocks", "transformer_blocks", "single_transformer_blocks")
@@ -156,7 +159,13 @@ def _bnb_nf4(model: torch.nn.Module) -> torch.nn.Module:
                 quant_type="nf4",
                 compute_dtype=torch.float32,
             )
-            layer.weight = Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            layer.weight = Params4bit(
+                child.weight.data.clone(),
+                requires_grad=False,
+                quant_type="nf4",
+                blocksize=32,
+                compress_statistics=nested,
+            )
             if child.bias is not None:
                 layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
             layer = layer.to("cpu")  # quantizes
@@ -183,4 +192,4 @@ def quantized(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         quantize(copied, weights=qint8 if kind == "quanto-qint8" else qint4)
         freeze(copied)
         return copied.eval()
-    return _bnb_nf4(copied)
+    return _bnb_nf4(copied, nested=kind == "bnb-nf4-nested")

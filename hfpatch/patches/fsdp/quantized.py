@@ -3,7 +3,8 @@
 FSDP2 shards floating-point parameters (a quantized tensor subclass it cannot chunk is dequantized, and GGUF's or
 bitsandbytes' uint8 blocks are refused), so the quantized weights whose storage splits by output row
 (:func:`hfpatch.distributed.stored.row_split`: GGUF blocks, torchao's per-row ``Int8Tensor``, optimum-quanto's per-row
-``WeightQBytesTensor``) are left out of FSDP2 (``ignored_params``) and sharded here:
+``WeightQBytesTensor``, bitsandbytes' 4-bit blocks and their scales when a row is whole blocks and the scales are not
+quantized again) are left out of FSDP2 (``ignored_params``) and sharded here:
 
 * **At rest** each such parameter object stays the module's, its inner tensors (int8 data and scales, GGUF's
   blocks) replaced by this rank's rows of them, copied (:func:`~hfpatch.patches.checkpoint.shard_rows`: FSDP2's
@@ -15,7 +16,7 @@ bitsandbytes' uint8 blocks are refused), so the quantized weights whose storage 
   kept it for a backward).
 * **remove()** gathers every row back into the original objects (a collective of the shard group).
 
-What is not row-splittable (optimum-quanto's packed qint4, bitsandbytes' 4-bit blocks, an unknown tensor subclass)
+What is not row-splittable (optimum-quanto's packed qint4, bitsandbytes with double quant, an unknown tensor subclass)
 is refused by name before anything changes (:func:`refusal`).
 """
 
@@ -81,7 +82,7 @@ def refusal(model: torch.nn.Module, label: str) -> str | None:
                 "does not split by rows, and hfpatch never dequantizes silently. Run without shard_weights (each rank "
                 "holds the whole quantized model; sequence, CFG and Ring parallelism work on it), or use a kind that "
                 "shard_weights splits by rows: a GGUF file (from_single_file + GGUFQuantizationConfig), torchao int8 "
-                "weight-only (Int8WeightOnlyConfig), optimum-quanto qint8"
+                "weight-only (Int8WeightOnlyConfig), optimum-quanto qint8, bitsandbytes 4-bit without double quant"
             )
     return None
 
@@ -137,7 +138,7 @@ class QuantizedRows:
                 owner.setdefault(id(module), index)
         self.units = [_Unit(unit, []) for unit in units]
         for module, name, param, split in row_sharded(model):
-            parts = {p: get_part(param, p) for p in split.parts}
+            parts = {p: get_part(param, p, split.rows) for p in split.parts}
             entry = _Entry(
                 module,
                 name,
@@ -162,7 +163,7 @@ class QuantizedRows:
             for entry in unit.entries:
                 start, stop = shard_rows(entry.split.rows, self.world, self.rank)
                 for part in entry.split.parts:
-                    full = get_part(entry.param, part)
+                    full = get_part(entry.param, part, entry.split.rows)
                     set_part(entry.param, part, full[start:stop].to(self.device, copy=True).contiguous())
             unit.handles = [
                 unit.module.register_forward_pre_hook(lambda *_, u=unit: self._gather(u)),
@@ -184,7 +185,9 @@ class QuantizedRows:
         chunk = max(sizes)
         local = torch.zeros(chunk, dtype=torch.uint8, device=device)
         for i, part, k in layout:
-            rows = get_part(entries[i].param, part)
+            rows = get_part(
+                entries[i].param, part
+            )  # this rank's rows (flat for bitsandbytes: no shape needed)
             if rows.numel():
                 flat = rows.detach().reshape(-1).view(torch.uint8)
                 local[offsets[self.rank][k] : offsets[self.rank][k] + flat.numel()].copy_(flat)
