@@ -17,7 +17,7 @@ the exact loss over real tokens (``sp_output="shard"``). Per object and reversib
   transformers' composed ``mask_function`` and returns a :class:`ModelMask` that evaluates it on tiles of
   GLOBAL positions (:func:`transformers.masking_utils.sdpa_mask` with offsets): each rank reads exactly
   the entries of its own (query block, key block) pairs, and never the ``S x S`` mask. Sliding-window layers
-  read their window from the mask of their layer type (checked: :func:`~.sharding.window_kept`). A VLM that
+  read their window from the mask of their layer type (checked: ``sharding.window_kept``). A VLM that
   builds the masks outside its decoder (Gemma 3/4) gets a config copy whose text config is the routed one.
 * **The split** is four hooks: layer 0 takes this rank's shard of ``hidden_states`` (after the
   embedding and the vision merge), every layer takes its shard of the rotary ``position_embeddings``
