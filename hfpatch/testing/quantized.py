@@ -51,9 +51,11 @@ KINDS: dict[str, str] = {
 
 def _installed(module: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
+        spec = importlib.util.find_spec(module)
     except ModuleNotFoundError:
         return False
+    # a package's leftover build folder is a namespace package: no origin, not an installed package
+    return spec is not None and spec.origin is not None
 
 
 def available_kinds() -> list[str]:
