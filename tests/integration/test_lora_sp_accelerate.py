@@ -179,7 +179,11 @@ class _OneProcessRuns:
 @pytest.fixture(scope="module")
 def references(request, tmp_path_factory):
     """The one-process runs of the module's selected tests, started once with the module (see :class:`_OneProcessRuns`)."""
-    names = {item.name.split("[")[0] + "[" for item in request.session.items if item.module is request.module}
+    names = {
+        item.name.split("[")[0] + "["
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
     wanted = {
         "world2": "test_lora_sp_accelerate_world2_epochs_resume_against_stock[",
         "world4": "test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume[",
