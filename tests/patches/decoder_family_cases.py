@@ -4,9 +4,10 @@ and their batches.
 
 Every builder seeds its own generators, so each rank builds the same model and batch. Text cases are two rows of 16
 and 19 tokens (left padding) or three samples packed in one row; VLM cases put two images in the first row (of
-different sizes where the tower takes any). The sliding-window cases run Gemma 3 and 4 with a window shorter than
-any rank's shard (3 tokens: 19 tokens over 4 ranks are shards of 5) and one longer than two shards
-(``2 ceil(19 / world) + 1``), read from the pool's world size.
+different sizes where the tower takes any), or pack two such rows, drawn with two seeds, in one row (position ids
+that restart, no attention mask; M-RoPE models: ``[4, 1, S]`` position ids whose text row restarts). The
+sliding-window cases run Gemma 3 and 4 with a window shorter than any rank's shard (3 tokens: 19 tokens over 4
+ranks are shards of 5) and one longer than two shards (``2 ceil(19 / world) + 1``), read from the pool's world size.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfpatch.testing.decoders import tiny_decoder, tiny_decoder_inputs
+from hfpatch.testing.decoders import TINY_DECODERS, tiny_decoder, tiny_decoder_inputs
 
 #: The packed text case: samples of 7, 6 and 6 tokens in one row (position ids restart, no attention mask).
 PACKED = (7, 6, 6)
@@ -50,8 +51,42 @@ def _text(layout: str, seed: int = 4) -> dict[str, Any]:
     return dict(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask))
 
 
+#: Per-image inputs of a VLM batch: every image of the batch is its first row's.
+_MEDIA_KEYS = ("pixel_values", "image_sizes", "image_position_ids", "image_grid_thw")
+
+
+def _vlm_samples(row: str) -> list[dict[str, Any]]:
+    """Two multimodal samples of the VLM ``row``, each as a batch of its own: the first row (unpadded, its two
+    images of different sizes where the tower takes any) of :func:`tiny_decoder_inputs` drawn with seeds 5 and 6."""
+    samples = []
+    for seed in (5, 6):
+        batch = tiny_decoder_inputs(row, seed=seed)
+        keep = batch.pop("attention_mask")[0].bool()
+        samples.append({k: v if k in _MEDIA_KEYS else v[:1, keep] for k, v in batch.items()})
+    return samples
+
+
+def _vlm_packed(model: torch.nn.Module, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """``samples`` packed in one row: position ids that restart at each sample and no attention mask (what
+    transformers detects as packing). Qwen- and GLM-style models take ``[4, 1, S]`` position ids: the text row
+    that restarts, then each sample's own M-RoPE rows (its ``get_rope_index``)."""
+    packed = {k: torch.cat([s[k] for s in samples], dim=0 if k in _MEDIA_KEYS else 1) for k in samples[0]}
+    rows = []
+    for s in samples:
+        positions = torch.arange(s["input_ids"].shape[1])[None]
+        if "image_grid_thw" in s:
+            mrope, _ = model.model.get_rope_index(s["input_ids"], s["mm_token_type_ids"], s["image_grid_thw"])
+            positions = torch.cat([positions[None], mrope])
+        rows.append(positions)
+    packed["position_ids"] = torch.cat(rows, dim=-1)
+    labels = packed["input_ids"].clone()
+    labels[0, samples[0]["input_ids"].shape[1]] = -100  # the second sample's first token is no target
+    return dict(packed, labels=labels, use_cache=False)
+
+
 #: Case name -> (row of TINY_DECODERS, layout, config overrides). Layouts: ``left`` (two rows, left padding),
-#: ``packed``, ``media`` (the row's VLM batch), ``aux`` (media with ``output_router_logits=True``), ``base`` (the
+#: ``packed`` (text: :data:`PACKED`; a VLM: two multimodal samples in one row, :func:`_vlm_packed`), ``media`` (the
+#: row's VLM batch), ``aux`` and ``packed_aux`` (media or packed with ``output_router_logits=True``), ``base`` (the
 #: row's headless base model on its VLM batch). Overrides with ``"long"`` take :func:`long_window`.
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3_short": ("gemma3", "left", {"sliding_window": SHORT_WINDOW}),
@@ -59,20 +94,30 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3_packed": ("gemma3", "packed", {}),
     "gemma3_vlm": ("gemma3_vlm", "media", {}),
     "gemma3_vlm_base": ("gemma3_vlm", "base", {}),
+    "gemma3_vlm_packed": ("gemma3_vlm", "packed", {}),
     "gemma4_short": ("gemma4", "left", {"sliding_window": SHORT_WINDOW}),
     "gemma4_long": ("gemma4", "left", {"sliding_window": "long"}),
+    "gemma4_packed": ("gemma4", "packed", {}),
     "gemma4_vlm": ("gemma4_vlm", "media", {}),
+    "gemma4_vlm_packed": ("gemma4_vlm", "packed", {}),
     "mistral": ("mistral", "left", {}),
+    "mistral_packed": ("mistral", "packed", {}),
     "ministral_packed": ("ministral", "packed", {}),
     "ministral3": ("ministral3", "left", {}),
+    "ministral3_packed": ("ministral3", "packed", {}),
     "mistral3": ("mistral3", "media", {}),
+    "mistral3_packed": ("mistral3", "packed", {}),
     "mistral3_ministral3": ("mistral3_ministral3", "media", {}),
     # The load-balancing term weighs as much as the language-model loss (its default is 1e-3): its gradient counts.
     "qwen3_vl_moe": ("qwen3_vl_moe", "aux", {"router_aux_loss_coef": 1.0}),
+    "qwen3_vl_moe_packed": ("qwen3_vl_moe", "packed_aux", {"router_aux_loss_coef": 1.0}),
     "glm4v": ("glm4v", "media", {}),
+    "glm4v_packed": ("glm4v", "packed", {}),
     "glm4v_moe": ("glm4v_moe", "aux", {"router_aux_loss_coef": 1.0}),
+    "glm4v_moe_packed": ("glm4v_moe", "packed_aux", {"router_aux_loss_coef": 1.0}),
     "glm46v_base": ("glm46v", "base", {}),
     "internvl": ("internvl", "media", {}),
+    "internvl_packed": ("internvl", "packed", {}),
     "internvl_qwen3": ("internvl_qwen3", "media", {}),
 }
 
@@ -82,6 +127,9 @@ def build(case: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     row, layout, overrides = CASES[case]
     overrides = {k: long_window() if v == "long" else v for k, v in overrides.items()}
     model = tiny_decoder(row, **overrides)
+    if layout in ("packed", "packed_aux") and TINY_DECODERS[row].media != "text":
+        batch = _vlm_packed(model, _vlm_samples(row))
+        return model, dict(batch, output_router_logits=True) if layout == "packed_aux" else batch
     if layout in ("left", "packed"):
         return model, _text(layout)
     batch = tiny_decoder_inputs(row)
@@ -91,6 +139,23 @@ def build(case: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     if layout == "aux":
         batch["output_router_logits"] = True
     return model, batch
+
+
+def packed_samples(case: str) -> list[tuple[slice, dict[str, Any]]]:
+    """The samples of a packed ``case``, each as a batch of its own (its default position ids, no labels) with
+    its tokens' slice of the packed row: the stock model's packed logits equal each sample's own."""
+    row, layout, _ = CASES[case]
+    assert layout.startswith("packed"), case
+    if TINY_DECODERS[row].media == "text":
+        ids, ends = _text("packed")["input_ids"], torch.tensor(PACKED).cumsum(0).tolist()
+        spans = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+        return [(span, dict(input_ids=ids[:, span], use_cache=False)) for span in spans]
+    found, start = [], 0
+    for sample in _vlm_samples(row):
+        length = sample["input_ids"].shape[1]
+        found.append((slice(start, start + length), dict(sample, use_cache=False)))
+        start += length
+    return found
 
 
 def outputs(out: Any) -> dict[str, torch.Tensor]:

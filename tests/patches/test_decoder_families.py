@@ -2,16 +2,27 @@
 
 Cases (``decoder_family_cases.CASES``): Gemma 3 and Gemma 4 causal LMs (sliding and full layers; Gemma 4 with
 per-layer embeddings, KV-sharing layers and its MoE block) with a window shorter than one shard and one longer than
-two, and Gemma 3 with packed samples; the Gemma 3 VLM (two images, bidirectional image blocks in the masks the
-outer model builds) and its headless ``Gemma3Model``; the Gemma 4 VLM (two images of different sizes); Mistral
-(a window on every layer), Ministral (packed samples) and Ministral 3 (its query scale by position); Mistral 3
-with a Mistral and a Ministral 3 text model (two images of different sizes); Qwen3-VL-MoE and GLM-4.5V with
-``output_router_logits=True`` (the load-balancing loss); GLM-4.1V and the headless ``Glm46VModel``; InternVL with a
-Qwen2 and a Qwen3 text model. Every family forward at worlds 2, 3 and 4 with Ulysses, Ring and Ulysses 2 x Ring 2
-(a family's second cases, :data:`VARIANTS`, at world 2); every parameter gradient at world 2 for every case and at
-worlds 3 and 4 for every family; ``sp_output="shard"`` at world 2. Also: every refused class raises the same error on
-every rank; the load-balancing dispatcher and a Gemma VLM's outer config are per patch and undone; the registry,
-transformers and the docs' table agree.
+two; the Gemma 3 VLM (two images, bidirectional image blocks in the masks the outer model builds) and its headless
+``Gemma3Model``; the Gemma 4 VLM (two images of different sizes); Mistral (a window on every layer), Ministral and
+Ministral 3 (its query scale by position); Mistral 3 with a Mistral and a Ministral 3 text model (two images of
+different sizes); Qwen3-VL-MoE and GLM-4.5V with ``output_router_logits=True`` (the load-balancing loss); GLM-4.1V
+and the headless ``Glm46VModel``; InternVL with a Qwen2 and a Qwen3 text model. Every family forward at worlds 2, 3
+and 4 with Ulysses, Ring and Ulysses 2 x Ring 2 (a family's second cases, :data:`VARIANTS`, at world 2); every
+parameter gradient at world 2 for every case and at worlds 3 and 4 for every family; ``sp_output="shard"`` at
+world 2.
+
+Packed samples (position ids that restart, no attention mask: transformers' packing), :data:`PACKED_CASES`, for
+every family: three text samples in one row for Gemma 3, Gemma 4, Mistral, Ministral and Ministral 3; two
+multimodal samples (two images each, of different sizes where the tower takes any) in one row for the Gemma 3 and
+Gemma 4 VLMs, Mistral 3, InternVL, and, with ``[4, 1, S]`` position ids whose text row restarts, Qwen3-VL-MoE,
+GLM-4.1V and GLM-4.5V (the MoE ones with their load-balancing loss). Forward at world 2 with Ulysses and Ring and
+at worlds 3 and 4 with Ring (:data:`PACKED_SECOND`); every parameter gradient at world 2, with Ring alone beyond
+the Gemma 3 and Ministral text cases (:data:`RING_GRADS`). Every stock model of transformers 5.24 packs: each
+sample's logits in the packed row equal the sample run alone (fp64, checked here), so no family is recorded as
+"packing not supported by the stock model".
+
+Also: every refused class raises the same error on every rank; the load-balancing dispatcher and a Gemma VLM's
+outer config are per patch and undone; the registry, transformers and the docs' table agree.
 
 Tolerances: as ``test_decoder_usp.py``, every output and gradient within ``reassociation_tol`` of the unpatched
 model's own fp32-vs-fp64 rounding, measured per case.
@@ -24,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from decoder_family_cases import CASES, build, objective, outputs
+from decoder_family_cases import CASES, build, objective, outputs, packed_samples
 
 import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
@@ -34,9 +45,16 @@ from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 ALL = list(CASES)
 #: Second cases of a family (another layout, its headless base model, another text model inside a wrapper): at
 #: world 2 only; every family runs at worlds 2, 3 and 4.
-VARIANTS = ["gemma3_packed", "gemma3_vlm_base", "mistral3_ministral3", "internvl_qwen3"]
+VARIANTS = ["gemma3_vlm_base", "mistral3_ministral3", "internvl_qwen3"]
+#: Packed samples, one case per family (transformers' packing: position ids that restart, no attention mask).
+PACKED_CASES = [case for case, (_, layout, _) in CASES.items() if layout.startswith("packed")]
+#: Packed cases beside a family's other cases, under the time budget: forward with Ulysses and Ring at world 2 and
+#: with Ring at worlds 3 and 4 (Ministral's packed case, its only one, runs everything).
+PACKED_SECOND = [case for case in PACKED_CASES if case != "ministral_packed"]
+#: Of those, all but the Gemma 3 text case: gradients with Ring alone at world 2 (the time budget).
+RING_GRADS = [case for case in PACKED_SECOND if case != "gemma3_packed"]
 #: Backward at worlds 3 and 4: every family (every case runs it at world 2).
-BACKWARD_SUBSET = [case for case in ALL if case not in VARIANTS]
+BACKWARD_SUBSET = [case for case in ALL if case not in VARIANTS + PACKED_SECOND]
 
 
 def _configs(world: int) -> list[tuple[int, int]]:
@@ -123,7 +141,12 @@ SHARD_CASES = ["gemma4_vlm", "qwen3_vl_moe"]
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_families_forward_matches_unpatched(rank_pool, world):
     names = ALL if world == 2 else [case for case in ALL if case not in VARIANTS]
-    cases = [(case, u, r, "full") for case in names for u, r in _configs(world)]
+    cases = [
+        (case, u, r, "full")
+        for case in names
+        for u, r in _configs(world)
+        if world == 2 or case not in PACKED_SECOND or u == 1
+    ]
     if world == 2:
         cases += [(case, 1, 2, "shard") for case in SHARD_CASES]
     results = rank_pool(world).run(forward_cases, cases)
@@ -143,7 +166,7 @@ def test_families_forward_matches_unpatched(rank_pool, world):
 def test_families_backward_every_parameter_gradient_matches_unpatched(rank_pool, world):
     names = ALL if world == 2 else BACKWARD_SUBSET
     configs = [(world, 1), (1, world)] if world < 4 else [(2, 2)]
-    cases = [(case, u, r, "full") for case in names for u, r in configs]
+    cases = [(case, u, r, "full") for case in names for u, r in configs if case not in RING_GRADS or u == 1]
     if world == 2:
         cases += [(case, 1, 2, "shard") for case in SHARD_CASES]
     for rank, found in enumerate(rank_pool(world).run(backward_cases, cases)):
@@ -152,6 +175,22 @@ def test_families_backward_every_parameter_gradient_matches_unpatched(rank_pool,
             assert result["keys_match"] and result["n_params"] >= 20, (rank, case, result["n_params"])
             for name, error in result["errors"].items():
                 assert error <= reassociation_tol(result["noise"]), (rank, case, name, error, result["noise"])
+
+
+def test_stock_models_pack_each_case_is_separate_samples():
+    """The packed cases test packing: in fp64, the unpatched model's logits of each sample in the packed row equal
+    the sample run alone, and differ from attending across the samples (an all-ones attention mask turns
+    transformers' packing detection off)."""
+    for case in PACKED_CASES:
+        model, kwargs = build(case)
+        model, kwargs = to_fp64(model), to_fp64(kwargs)
+        with torch.no_grad():
+            packed = model(**kwargs).logits
+            mixed = model(**kwargs, attention_mask=torch.ones_like(kwargs["input_ids"])).logits
+            for span, alone in packed_samples(case):
+                error = rel_error(packed[:, span], model(**to_fp64(alone)).logits)
+                assert error < 1e-12, (case, span, error)
+        assert rel_error(mixed, packed) > 1e-2, case
 
 
 # ----------------------------------------------------------------------------------------------- refusals
