@@ -32,13 +32,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import decoder_gradients
 import pytest
 import torch
 import torch.distributed as dist
 from decoder_family_cases import CASES, build, objective, outputs, packed_samples
 
 import hfpatch
-from hfpatch import ParallelConfig, all_reduce_gradients
+from hfpatch import ParallelConfig
 from hfpatch.patches.decoder import sequence_order, shard_tokens
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
@@ -97,39 +98,9 @@ def forward_cases(
     return results
 
 
-def _grads(model: torch.nn.Module, kwargs: dict[str, Any], patched: bool) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    objective(model(**kwargs)).backward()
-    if patched:
-        all_reduce_gradients(model)  # the MEAN over the sp group (what DDP computes)
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 def backward_cases(cases: list[tuple[str, int, int, str]]) -> dict[tuple, dict[str, Any]]:
     """Per case: every parameter gradient's error (after the mean over the sp group) and the fp32 noise."""
-    results = {}
-    refs: dict[str, tuple[dict[str, torch.Tensor], dict[str, float], float]] = {}
-    for case, ulysses, ring, output in cases:
-        model, kwargs = build(case)
-        model.train()
-        if case not in refs:
-            ref = _grads(model, kwargs, patched=False)
-            ref64 = _grads(to_fp64(model), to_fp64(build(case)[1]), patched=False)
-            # Errors relative to max(|ref|, 1% of the largest gradient): some gradients are exactly zero in
-            # exact arithmetic (rounding noise only).
-            floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-            scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
-            refs[case] = (ref, scales, max(rel_error(ref[n], ref64[n], scales[n]) for n in ref))
-        ref, scales, noise = refs[case]
-        with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), sp_output=output):
-            got = _grads(model, kwargs, patched=True)
-        results[(case, ulysses, ring, output)] = {
-            "keys_match": set(got) == set(ref),
-            "n_params": len(ref),
-            "errors": {n: rel_error(got[n], ref[n], scales[n]) for n in ref if n in got},
-            "noise": noise,
-        }
-    return results
+    return decoder_gradients.backward_cases(cases, build, objective)
 
 
 # ----------------------------------------------------------------------------------------------- tests

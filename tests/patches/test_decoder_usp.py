@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import decoder_gradients
 import pytest
 import torch
 import torch.distributed as dist
 from decoder_cases import CASES, build, objective, outputs
+from decoder_gradients import grads
 
 import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
@@ -83,44 +85,9 @@ def forward_cases(
     return results
 
 
-def _grads(model: torch.nn.Module, kwargs: dict[str, Any], patched: bool) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    objective(model(**kwargs)).backward()
-    if patched:
-        all_reduce_gradients(model)  # the MEAN over the sp group (what DDP computes)
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 def backward_cases(cases: list[tuple[str, int, int, str]]) -> dict[tuple, dict[str, Any]]:
     """Per case: every parameter gradient's error (after the mean over the sp group) and the fp32 noise."""
-    results = {}
-    refs: dict[str, tuple[dict[str, torch.Tensor], dict[str, float], float]] = {}
-    for case, ulysses, ring, output in cases:
-        model, kwargs = build(case)
-        model.train()
-        if case not in refs:
-            ref = _grads(model, kwargs, patched=False)
-            model64 = to_fp64(model)
-            ref64 = _grads(model64, to_fp64(build(case)[1]), patched=False)
-            # Errors relative to max(|ref|, 1% of the largest gradient): some gradients are exactly zero in
-            # exact arithmetic (key biases; rounding noise only).
-            floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-            scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
-            noise = max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
-            refs[case] = (ref, scales, noise)
-        ref, scales, noise = refs[case]
-        options = dict(sp_output=output.removesuffix("+replicate"))
-        if output.endswith("+replicate"):
-            options["sp_vision"] = "replicate"
-        with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring), **options):
-            got = _grads(model, kwargs, patched=True)
-        results[(case, ulysses, ring, output)] = {
-            "keys_match": set(got) == set(ref),
-            "n_params": len(ref),
-            "errors": {n: rel_error(got[n], ref[n], scales[n]) for n in ref if n in got},
-            "noise": noise,
-        }
-    return results
+    return decoder_gradients.backward_cases(cases, build, objective)
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -349,8 +316,8 @@ def fsdp2_case(case: str) -> dict[str, Any]:
 
     model, kwargs = build(case)
     model.train()
-    ref = _grads(model, kwargs, patched=False)
-    ref64 = _grads(to_fp64(model), to_fp64(build(case)[1]), patched=False)
+    ref = grads(model, kwargs, objective, patched=False)
+    ref64 = grads(to_fp64(model), to_fp64(build(case)[1]), objective, patched=False)
     floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
     scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
     noise = max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
