@@ -687,9 +687,10 @@ def main(argv: list[str] | None = None) -> dict:
         part["seconds"] = time.perf_counter() - t0
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result["seconds"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+        # Written after every section: a run stopped at its time limit keeps what it measured.
+        result["seconds"] = time.perf_counter() - start
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     plot(result, args.out / f"{name}.png")
     print(f"wrote {args.out / (name + '.json')} in {result['seconds']:.0f} s", flush=True)
     return result

@@ -20,12 +20,15 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "RankPool", "run_ranks"]
+__all__ = ["RankError", "RankPool", "run_ranks", "spread"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 #: Modules the forkserver imports once before it forks any rank (a module that fails to import is skipped by
 #: the server and imported by each rank as it needs it).
@@ -268,3 +271,22 @@ def run_ranks(
     """
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def spread(keys: Sequence[K], compute: Callable[[K], V], group: Any = None) -> dict[K, V]:
+    """Inside a rank: ``{key: compute(key)}`` for every key, each computed on ONE rank and shared with all.
+
+    For values every rank needs that involve no collective, such as the unpatched model's outputs a test compares
+    with: keys are dealt round-robin (in the order given, duplicates dropped), each rank computes its own, and
+    ``all_gather_object`` shares them, so the group does the work once instead of once per rank (on a 2-core machine
+    running 4 ranks, a quarter of it). ``compute`` must be deterministic across processes (seeded models, one
+    thread), which is what makes a value computed on another rank the one this rank would have computed.
+    """
+    import torch.distributed as dist
+
+    unique = list(dict.fromkeys(keys))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = {key: compute(key) for index, key in enumerate(unique) if index % world == rank}
+    parts: list[dict[K, V] | None] = [None] * world
+    dist.all_gather_object(parts, mine, group=group)
+    return {key: value for part in parts for key, value in part.items()}

@@ -53,15 +53,11 @@ def forward_cases(
 ) -> dict[tuple, dict[str, tuple[float, float, torch.Tensor]]]:
     """Per ``(case, ulysses, ring, sp_output)``: per output, (error vs unpatched, fp32 noise, patched value)."""
     results: dict[tuple, dict[str, tuple[float, float, torch.Tensor]]] = {}
-    refs: dict[str, tuple[dict[str, torch.Tensor], dict[str, float]]] = {}
+    refs = decoder_gradients.forward_references([case for case, *_ in cases], build, outputs)
     rank, world = dist.get_rank(), dist.get_world_size()
     for case, ulysses, ring, output in cases:
         model, kwargs = build(case)
         with torch.no_grad():
-            if case not in refs:
-                ref = outputs(model(**kwargs))
-                ref64 = outputs(to_fp64(model)(**to_fp64(build(case)[1])))
-                refs[case] = (ref, {k: rel_error(ref[k], ref64[k]) for k in ref})
             ref, noise = refs[case]
             vision = output.endswith("+replicate")
             options = dict(sp_output=output.removesuffix("+replicate"))

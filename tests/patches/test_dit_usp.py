@@ -26,6 +26,7 @@ import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
 from hfpatch.core.registry import Registry
 from hfpatch.distributed.runtime import get_mesh
+from hfpatch.testing.runner import spread
 from hfpatch.testing.tolerance import (
     reassociation_tol,
     rel_error,
@@ -396,36 +397,40 @@ def forward_cases(
 ) -> dict[tuple[str, int, int], tuple[float, float, torch.Tensor]]:
     """Per case ``(family, ulysses, ring)``: (error vs unpatched, tolerance (:func:`_tolerance`), patched output).
 
-    The unpatched reference and its fp64 noise are computed once per family (a fresh model per case). The gathered
+    The unpatched reference and its fp64 noise are computed once per family, on one rank of the pool and shared
+    (:func:`~hfpatch.testing.runner.spread`; a fresh model per case). The gathered
     outputs are contiguous wherever the unpatched ones are (the stock code may ``.view()`` them: AnyFlow does).
     """
+
+    def reference(family: str) -> tuple[torch.Tensor, float, list]:
+        model = build(family)[0]
+        with torch.no_grad():
+            # Inputs of their own: HunyuanDiT's stock forward pops its ControlNet residuals off the list.
+            model64, kwargs64 = _double(model, build(family)[1])
+            layouts, handles = _gathered_layouts(model)
+            ref = _sample(model(**build(family)[1]))
+            for handle in handles:
+                handle.remove()
+            tol = _tolerance(
+                family,
+                rel_error(ref, _sample(model64(**kwargs64))),
+                lambda m=model, m64=model64, f=family: rel_error(
+                    _sample(m(**build(f)[1])), _sample(m64(**to_fp64(build(f)[1])))
+                ),
+                lambda m=model, f=family: _sample(m(**build(f)[1])),
+            )
+        return ref, tol, layouts
+
+    references = spread([family for family, *_ in cases], reference)  # each on one rank, shared
     results = {}
-    references: dict[str, tuple[torch.Tensor, float, list]] = {}
     for family, ulysses, ring in cases:
         model, kwargs, _ = build(family)
-        with torch.no_grad():
-            if family not in references:
-                # Inputs of their own: HunyuanDiT's stock forward pops its ControlNet residuals off the list.
-                model64, kwargs64 = _double(model, build(family)[1])
-                layouts, handles = _gathered_layouts(model)
-                ref = _sample(model(**build(family)[1]))
-                for handle in handles:
-                    handle.remove()
-                tol = _tolerance(
-                    family,
-                    rel_error(ref, _sample(model64(**kwargs64))),
-                    lambda m=model, m64=model64, f=family: rel_error(
-                        _sample(m(**build(f)[1])), _sample(m64(**to_fp64(build(f)[1])))
-                    ),
-                    lambda m=model, f=family: _sample(m(**build(f)[1])),
-                )
-                references[family] = (ref, tol, layouts)
-            ref, tol, unpatched_layouts = references[family]
-            with hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
-                layouts, handles = _gathered_layouts(model)
-                out = _sample(model(**kwargs))
-                for handle in handles:
-                    handle.remove()
+        ref, tol, unpatched_layouts = references[family]
+        with torch.no_grad(), hfpatch.apply(model, parallel=ParallelConfig(ulysses=ulysses, ring=ring)):
+            layouts, handles = _gathered_layouts(model)
+            out = _sample(model(**kwargs))
+            for handle in handles:
+                handle.remove()
         assert out.shape == ref.shape and out.dtype == ref.dtype, (family, out.shape, ref.shape)
         assert all(got or not stock for (_, got), (_, stock) in zip(layouts, unpatched_layouts)), (
             family,
@@ -457,39 +462,42 @@ _GRAD_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", 
 def backward_cases(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], dict[str, Any]]:
     """Per case: gradient errors after the documented SUM over the ``sp`` group, and the fp32 noise.
 
-    The unpatched gradients (fp32 and fp64) are computed once per family (a fresh model per case).
+    The unpatched gradients (fp32 and fp64) are computed once per family, on one rank of the pool and shared (a fresh
+    model per case).
     """
+
+    def reference(family: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float], float]:
+        model, kwargs, _ = build(family)
+        model.train()
+        model64, kwargs64 = _double(model, kwargs)
+        weight = _randn(*_sample(model(**kwargs)).shape, seed=7)
+        ref = _grads(model, kwargs, weight)
+        ref64 = _grads(model64, kwargs64, weight.double())
+        # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
+        # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
+        floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+        scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
+
+        # The unpatched model's own rounding scale for its gradients (its worst tensor).
+        def gradient_noise(fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor], s=scales) -> float:
+            return max(rel_error(fp32[name], fp64[name], s[name]) for name in fp32)
+
+        tol = _tolerance(
+            family,
+            gradient_noise(ref, ref64),
+            lambda m=model, kw=kwargs, m64=model64, kw64=kwargs64, w=weight: gradient_noise(
+                _grads(m, kw, w), _grads(m64, kw64, w.double())
+            ),
+            lambda m=model, kw=kwargs, w=weight: _grads(m, kw, w),
+            scales=scales,
+        )
+        return weight, ref, scales, tol
+
+    references = spread([family for family, *_ in cases], reference)  # each on one rank, shared
     results = {}
-    references: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float], float]] = {}
     for family, ulysses, ring in cases:
         model, kwargs, _ = build(family)
         model.train()
-        if family not in references:
-            model64, kwargs64 = _double(model, kwargs)
-            weight = _randn(*_sample(model(**kwargs)).shape, seed=7)
-            ref = _grads(model, kwargs, weight)
-            ref64 = _grads(model64, kwargs64, weight.double())
-            # Key biases have an exactly-zero true gradient (softmax ignores a per-query constant), so their
-            # values are rounding noise: errors are relative to max(|ref|, 1% of the largest gradient).
-            floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-            scales = {name: max(g.abs().max().item(), floor) for name, g in ref64.items()}
-
-            # The unpatched model's own rounding scale for its gradients (its worst tensor).
-            def gradient_noise(
-                fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor], s=scales
-            ) -> float:
-                return max(rel_error(fp32[name], fp64[name], s[name]) for name in fp32)
-
-            tol = _tolerance(
-                family,
-                gradient_noise(ref, ref64),
-                lambda m=model, kw=kwargs, m64=model64, kw64=kwargs64, w=weight: gradient_noise(
-                    _grads(m, kw, w), _grads(m64, kw64, w.double())
-                ),
-                lambda m=model, kw=kwargs, w=weight: _grads(m, kw, w),
-                scales=scales,
-            )
-            references[family] = (weight, ref, scales, tol)
         weight, ref, scales, tol = references[family]
         config = ParallelConfig(ulysses=ulysses, ring=ring)
         with hfpatch.apply(model, parallel=config):
