@@ -289,4 +289,5 @@ def spread(keys: Sequence[K], compute: Callable[[K], V], group: Any = None) -> d
     mine = {key: compute(key) for index, key in enumerate(unique) if index % world == rank}
     parts: list[dict[K, V] | None] = [None] * world
     dist.all_gather_object(parts, mine, group=group)
-    return {key: value for part in parts for key, value in part.items()}
+    shared = {key: value for part in parts for key, value in part.items()}
+    return {key: shared[key] for key in unique}  # in the order given

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfpatch.testing.runner import RankError, RankPool, run_ranks
+from hfpatch.testing.runner import RankError, RankPool, run_ranks, spread
 
 
 def _rank_and_sum():
@@ -91,3 +91,24 @@ def test_ranks_see_the_callers_environment_and_forkserver_ranks_start_preloaded(
 def test_start_method_is_checked():
     with pytest.raises(ValueError, match="start_method"):
         RankPool(2, start_method="fork")
+
+
+def _spread_keys() -> tuple[dict, list]:
+    computed = []
+
+    def compute(key: str) -> tuple[int, torch.Tensor]:
+        computed.append(key)
+        return dist.get_rank(), torch.full((2,), float(len(key)))
+
+    return spread(["a", "bb", "a", "ccc", "dddd"], compute), computed
+
+
+def test_spread_computes_each_key_once_on_one_rank_and_shares_it(rank_pool):
+    results = rank_pool(3).run(_spread_keys)
+    shared = [values for values, _ in results]
+    computed = sorted(key for _, keys in results for key in keys)
+    assert computed == ["a", "bb", "ccc", "dddd"]  # once each, the duplicate dropped
+    for values in shared:
+        assert list(values) == ["a", "bb", "ccc", "dddd"]
+        assert {key: rank for key, (rank, _) in values.items()} == {"a": 0, "bb": 1, "ccc": 2, "dddd": 0}
+        assert all(torch.equal(t, torch.full((2,), float(len(k)))) for k, (_, t) in values.items())
