@@ -30,7 +30,6 @@ from hfpatch import ParallelConfig
 from hfpatch.distributed.agreement import weight_digests
 from hfpatch.distributed.stored import (
     UnsupportedTensorError,
-    get_part,
     quantized_kind,
     row_split,
     stored_bytes,
@@ -222,22 +221,7 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
         before = weight_digests([("", model)])
         whole = parameter_bytes(model)
         quantized_params = [p for p in params.values() if quantized_kind(p) is not None]
-        whole_quantized = sum(stored_bytes(p) for p in quantized_params)
-        # What a quantized weight stores besides its rows stays whole on every rank (bitsandbytes' 16-value code
-        # book: 9% of a tiny [32, 32] nf4 weight, nothing of a real one).
-        split = [row_split(p)[0] for p in quantized_params]
-        replicated = sum(
-            stored_bytes(p) - sum(get_part(p, n).numel() * get_part(p, n).element_size() for n in r.parts)
-            for p, r in zip(quantized_params, split)
-            if r is not None
-        )
-        # FSDP2 gives every rank ceil(rows / N) rows of each floating-point parameter: more than 1/N of those
-        # with few rows (Wan's [1, 6, D] modulation tables: one padded row on every rank).
-        padding = sum(
-            -(-p.shape[0] // world) * p[:1].numel() * p.element_size() - p.numel() * p.element_size() / world
-            for p in params.values()
-            if quantized_kind(p) is None and p.dim()
-        )
+        whole_quantized = _unique_bytes(quantized_params)
         with torch.no_grad():
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=world)):
                 plain = model(**kwargs).sample
@@ -247,7 +231,7 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
                 results[(family, kind)] = {"refused": str(exc)}
                 continue
             held = parameter_bytes(model)
-            held_quantized = sum(stored_bytes(p) for p in quantized_params)  # their local rows now
+            held_quantized = _unique_bytes(quantized_params)  # their local rows now, each storage once
             out = model(**kwargs).sample
             again = model(**kwargs).sample
             patch.remove()
@@ -255,12 +239,21 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
             "equal": torch.equal(out, plain) and torch.equal(again, plain),
             "fraction": held / whole,
             "quantized fraction": held_quantized / whole_quantized,
-            "replicated": replicated / whole_quantized,
-            "padding": (padding + replicated) / whole,
+            # Each weight its own stored data again (bitsandbytes' code books shared while sharded included).
             "restored": weight_digests([("", model)]) == before
-            and all(p is params[n] for n, p in model.named_parameters()),
+            and all(p is params[n] for n, p in model.named_parameters())
+            and _unique_bytes(quantized_params) == whole_quantized,
         }
     return results
+
+
+def _unique_bytes(params: list[torch.Tensor]) -> int:
+    """Bytes of the storages ``params`` hold, each counted once (what the rank's memory holds)."""
+    storages = {}
+    for param in params:
+        for part in stored_tensors(param)[1]:
+            storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 class Opaque(torch.Tensor):
@@ -383,10 +376,12 @@ SHARDED = ("torchao-int8", "gguf-q8_0", "gguf-q4_k", "quanto-qint8", "bnb-nf4")
 @needs_kinds
 @pytest.mark.parametrize("world", [2, 4])
 def test_shard_weights(rank_pool, world):
-    """``shard_weights=True`` keeps about 1/N of the QUANTIZED bytes on each rank (at most 1.1/N of the quantized
-    weights' stored data and scales, plus what they store besides their rows: bitsandbytes' code books; of all
-    parameter bytes, at most 1.1/N plus that and FSDP2's padding of the floating-point parameters with fewer rows
-    than ranks: one row each on every rank), computes bit for bit what the same plan computes
+    """``shard_weights=True`` keeps about 1/N of the QUANTIZED bytes on each rank: at most 1.1/N of the quantized
+    weights' stored data and scales, and at most 1.1/N of all the model's parameter bytes, each storage counted once
+    (FSDP2's padding of the floating-point parameters with fewer rows than ranks included: Wan's [1, 6, D] modulation
+    tables hold one row on every rank; bitsandbytes' 16-value code book, one copy per weight in the model, is one
+    tensor per table while sharded). Measured: Wan 1.022-1.025/N at world 2 and 1.053-1.075/N at world 4, Flux
+    0.996-1.000/N. It computes bit for bit what the same plan computes
     unsharded, and ``remove()`` gives the very parameter objects back with their exact stored data; the kinds whose
     storage does not split by rows are refused by name on every rank (never dequantized)."""
     results = rank_pool(world).run(shard_cases, KINDS)
@@ -399,8 +394,8 @@ def test_shard_weights(rank_pool, world):
             continue
         for s in said:
             assert s["equal"] and s["restored"], (case, s)
-            assert s["quantized fraction"] <= 1.1 / world + s["replicated"], (case, world, s)
-            assert s["fraction"] <= 1.1 / world + s["padding"], (case, world, s)
+            assert s["quantized fraction"] <= 1.1 / world, (case, world, s)
+            assert s["fraction"] <= 1.1 / world, (case, world, s)
     assert len(results[0]) == len(FAMILIES) * len(KINDS)
 
 

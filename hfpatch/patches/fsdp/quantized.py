@@ -96,6 +96,7 @@ class _Entry:
     shapes: dict[str, tuple[int, ...]]  # part -> its full shape
     dtypes: dict[str, torch.dtype]
     device: torch.device  # where the full rows were (remove() puts them back there)
+    code_group: int | None = None  # bitsandbytes, while sharded: which weights shared its code book before
 
 
 @dataclass
@@ -104,6 +105,10 @@ class _Unit:
     entries: list[_Entry]
     handles: list[Any] = field(default_factory=list)
     held: list[tuple[_Entry, torch.Tensor]] = field(default_factory=list)  # gathered for the running call
+
+
+def _equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and torch.equal(a, b)
 
 
 def _row_bytes(entry: _Entry, part: str) -> int:
@@ -132,6 +137,9 @@ class QuantizedRows:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = device
         self.gathers = 0  # all-gathers made (tests)
+        self._kept_code_books: dict[
+            int, torch.Tensor
+        ] = {}  # bitsandbytes: code-book group -> original tensor
         owner: dict[int, int] = {}
         for index, unit in enumerate(units):  # inner units first: the root claims what is left
             for module in unit.modules():
@@ -169,6 +177,36 @@ class QuantizedRows:
                 unit.module.register_forward_pre_hook(lambda *_, u=unit: self._gather(u)),
                 unit.module.register_forward_hook(lambda *_, u=unit: self._release(u), always_call=True),
             ]
+        self._share_code_books()
+
+    def _share_code_books(self) -> None:
+        """bitsandbytes gives every 4-bit weight its own copy of the same 16-value code book (the NF4 or FP4 table):
+        while sharded, equal code books are one tensor, so a rank holds one per table instead of one per weight
+        (4% of the quantized bytes of the tiny Wan; remove() gives back one copy per original tensor)."""
+        tables: list[torch.Tensor] = []
+        originals: dict[int, int] = {}  # id of an original code book -> its group (weights that shared it)
+        for entry in self._entries():
+            state = getattr(entry.param, "quant_state", None)
+            code = getattr(state, "code", None)
+            if code is None:
+                continue
+            entry.code_group = originals.setdefault(id(code), len(originals))
+            state.code = next((t for t in tables if _equal_tensors(t, code)), code)
+            if state.code is code:
+                tables.append(code)
+                self._kept_code_books[entry.code_group] = code  # kept: its own weights get it back
+
+    def _own_code_books(self) -> None:
+        copies = self._kept_code_books
+        for entry in self._entries():
+            if entry.code_group is not None:
+                state = entry.param.quant_state
+                state.code = copies.setdefault(entry.code_group, state.code.clone())
+                entry.code_group = None
+        self._kept_code_books = {}
+
+    def _entries(self) -> list[_Entry]:
+        return [entry for unit in self.units for entry in unit.entries]
 
     def _all_rows(self, entries: Sequence[_Entry], device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Every rank's rows of ``entries``, gathered in one all-gather: per entry, part -> full tensor."""
@@ -246,3 +284,4 @@ class QuantizedRows:
             for entry, parts in zip(unit.entries, full):
                 for part, value in parts.items():
                     set_part(entry.param, part, value.to(entry.device))
+        self._own_code_books()
