@@ -41,6 +41,21 @@ def forward_references(
     return spread(cases, reference)
 
 
+def gradient_reference(
+    model: torch.nn.Module, kwargs: dict[str, Any], kwargs64: dict[str, Any], objective: Callable
+) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:
+    """The unpatched gradients of ``model`` (left in fp32, its grads cleared), each one's error scale, and their fp32
+    noise against the fp64 twin (``kwargs64``: inputs of its own, converted here)."""
+    ref = grads(model, kwargs, objective, patched=False)
+    ref64 = grads(to_fp64(model), to_fp64(kwargs64), objective, patched=False)
+    model.zero_grad(set_to_none=True)
+    # Errors relative to max(|ref|, 1% of the largest gradient): some gradients are exactly zero in exact
+    # arithmetic (key biases; rounding noise only).
+    floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
+    scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
+    return ref, scales, max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
+
+
 def backward_cases(
     cases: list[tuple[str, int, int, str]], build: Callable, objective: Callable
 ) -> dict[tuple, dict[str, Any]]:
@@ -50,13 +65,7 @@ def backward_cases(
     def reference(case: str) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:
         model, kwargs = build(case)
         model.train()
-        ref = grads(model, kwargs, objective, patched=False)
-        ref64 = grads(to_fp64(model), to_fp64(build(case)[1]), objective, patched=False)
-        # Errors relative to max(|ref|, 1% of the largest gradient): some gradients are exactly zero in exact
-        # arithmetic (key biases; rounding noise only).
-        floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-        scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
-        return ref, scales, max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
+        return gradient_reference(model, kwargs, build(case)[1], objective)
 
     refs = spread([case for case, *_ in cases], reference)  # each case's reference on one rank
     results = {}

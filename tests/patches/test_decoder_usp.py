@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from decoder_cases import CASES, build, objective, outputs
-from decoder_gradients import grads
+from decoder_gradients import gradient_reference
 
 import hfpatch
 from hfpatch import ParallelConfig, all_reduce_gradients
@@ -312,12 +312,7 @@ def fsdp2_case(case: str) -> dict[str, Any]:
 
     model, kwargs = build(case)
     model.train()
-    ref = grads(model, kwargs, objective, patched=False)
-    ref64 = grads(to_fp64(model), to_fp64(build(case)[1]), objective, patched=False)
-    floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
-    scales = {n: max(g.abs().max().item(), floor) for n, g in ref64.items()}
-    noise = max(rel_error(ref[n], ref64[n], scales[n]) for n in ref)
-    model.zero_grad(set_to_none=True)
+    ref, scales, noise = gradient_reference(model, kwargs, build(case)[1], objective)
     hfpatch.apply(model, parallel=dist.get_world_size())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.language_model.layers:
