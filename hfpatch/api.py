@@ -524,9 +524,9 @@ def apply(
                 child = Patch(type(obj).__name__, plan=config, options=resolved_options, part_of=top.name)
                 top.add_child(child)
             for family in families:
-                changes = len(child.entries())
+                changes = child.change_count()
                 family.apply(obj, child, mesh, {k: resolved_options[k] for k in family.options})
-                if len(child.entries()) > changes:  # the families that changed something (repr)
+                if child.change_count() > changes:  # the families that changed something (repr)
                     child.families[family.name] = family.role
                 if family.split_axis is not None and mesh.size(family.split_axis) > 1:
                     child.reduce_group = mesh.group(family.split_axis)

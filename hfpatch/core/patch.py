@@ -318,6 +318,10 @@ class Patch:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
+    def change_count(self) -> int:
+        """``len(self.entries())`` without formatting a line: the logged mutations, children included."""
+        return sum(e.obj.change_count() if e.kind == "child" else 1 for e in self._log)
+
     def entries(self) -> list[str]:
         """Human-readable list of every logged mutation, children included."""
         lines = []
@@ -350,7 +354,7 @@ class Patch:
         by = ", ".join(
             family if obj == self.name else f"{family} on {obj}" for obj, family, _ in self._all_families()
         )
-        count = len(self.entries())
+        count = self.change_count()
         parts = [f"<hfpatch.Patch {self.name} ({state}): {self._plan_text()}"]
         if by:
             parts.append(by)

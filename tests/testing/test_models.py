@@ -310,6 +310,25 @@ def test_weights_are_pinned(case):
     assert digest(CASES[case]()) == expected
 
 
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_a_second_build_is_a_bit_identical_copy_of_its_own(case):
+    """:func:`hfpatch.testing.models.build` builds each model once per process and copies it after: the copy is
+    pinned too, shares no tensor with the first, and changing the first does not reach the next."""
+    first = CASES[case]()
+    second = CASES[case]()
+    assert digest(second) == digest(first)
+    modules = (
+        [first]
+        if isinstance(first, torch.nn.Module)
+        else [c for c in getattr(first, "components", {}).values() if isinstance(c, torch.nn.Module)]
+    )
+    for module in modules:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    assert digest(CASES[case]()) == digest(second) != digest(first)
+
+
 def test_every_factory_and_row_is_covered():
     """Every public factory and every row of TINY_MODELS / TINY_DITS / TINY_DIT_PIPES is built by some case."""
     from hfpatch.testing import models
