@@ -157,7 +157,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.streaming.training": "ChunkInfo StreamingTrainingModel",
     "hfpatch.streaming.vae": "StreamingWanDecoder",
     "hfpatch.testing": (
-        "RankError RankPool qwen2_vl_inputs qwen3_vl_inputs run_ranks tiny_autoencoder_kl tiny_bert "
+        "RankError RankPool qwen2_vl_inputs qwen3_vl_inputs run_ranks spread tiny_autoencoder_kl tiny_bert "
         "tiny_chronoedit_transformer tiny_clip_text_model tiny_clip_tokenizer tiny_cogvideox_transformer "
         "tiny_flux2_transformer tiny_flux_pipe tiny_flux_pipe_with_text_encoders tiny_flux_transformer "
         "tiny_hunyuandit_pipe tiny_hunyuandit_transformer tiny_hunyuanvideo15_transformer "
@@ -188,7 +188,7 @@ PUBLIC: dict[str, str | None] = {
         "wan_prompt_embeds"
     ),
     "hfpatch.testing.quantized": "KINDS available_kinds quantize_q4_k quantized write_gguf",  # issue 50
-    "hfpatch.testing.runner": "RankError RankPool run_ranks",
+    "hfpatch.testing.runner": "RankError RankPool run_ranks spread",
     "hfpatch.testing.tolerance": (
         "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol perturbation_noise "
         "reassociation_tol rel_error rounding_noise stochastic_rounding_noise summation_tol to_fp64 "

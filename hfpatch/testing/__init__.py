@@ -32,7 +32,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 Running and measuring:
 
 * :func:`run_ranks` (one-shot) and :class:`RankPool` (N ranks kept alive): run a module-level function on
-  N local gloo ranks and collect each rank's result; :class:`RankError` carries the ranks' tracebacks.
+  N local gloo ranks and collect each rank's result; :class:`RankError` carries the ranks' tracebacks;
+  :func:`spread`, inside the ranks, computes each of a list of values on one rank and shares them.
 * :func:`track_memory`: peak bytes of the tensors created inside a ``with`` block, on any device.
 * :mod:`hfpatch.testing.tolerance` (import it by name): tolerances for "patched equals unpatched" derived
   from fp32 rounding.
@@ -96,7 +97,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         tiny_wan_vae,
         wan_prompt_embeds,
     )
-    from .runner import RankError, RankPool, run_ranks
+    from .runner import RankError, RankPool, run_ranks, spread
 
 # The public names, imported from their submodule on first access (PEP 562): the model builders pull in
 # diffusers/transformers, which ``import hfpatch.testing`` must not. Every name of ``models.__all__`` is
@@ -107,6 +108,7 @@ __all__ = [
     "qwen2_vl_inputs",
     "qwen3_vl_inputs",
     "run_ranks",
+    "spread",
     "tiny_autoencoder_kl",
     "tiny_bert",
     "tiny_chronoedit_transformer",
@@ -152,6 +154,7 @@ _SUBMODULE = {
     "RankError": ".runner",
     "RankPool": ".runner",
     "run_ranks": ".runner",
+    "spread": ".runner",
     "track_memory": ".memory",
 }
 

@@ -102,6 +102,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma4_vlm_packed": ("gemma4_vlm", "packed", {}),
     "mistral": ("mistral", "left", {}),
     "mistral_packed": ("mistral", "packed", {}),
+    "ministral": ("ministral", "left", {}),
     "ministral_packed": ("ministral", "packed", {}),
     "ministral3": ("ministral3", "left", {}),
     "ministral3_packed": ("ministral3", "packed", {}),

@@ -51,11 +51,10 @@ VARIANTS = ["gemma3_vlm_base", "mistral3_ministral3", "internvl_qwen3"]
 #: Packed samples, one case per family (transformers' packing: position ids that restart, no attention mask).
 PACKED_CASES = [case for case, (_, layout, _) in CASES.items() if layout.startswith("packed")]
 #: Packed cases beside a family's other cases, under the time budget: forward with Ulysses and Ring at world 2, with
-#: Ring at world 3 and with Ring and Ulysses 2 x Ring 2 at world 4 (Ministral's packed case, its only one, runs
-#: everything).
-PACKED_SECOND = [case for case in PACKED_CASES if case != "ministral_packed"]
-#: Of those, all but the Gemma 3 text case: gradients with Ring alone at world 2 (the time budget).
-RING_GRADS = [case for case in PACKED_SECOND if case != "gemma3_packed"]
+#: Ring at world 3 and with Ring and Ulysses 2 x Ring 2 at world 4.
+PACKED_SECOND = PACKED_CASES
+#: Of those, all but the Gemma 3 and Ministral text cases: gradients with Ring alone at world 2 (the time budget).
+RING_GRADS = [case for case in PACKED_SECOND if case not in ("gemma3_packed", "ministral_packed")]
 #: Backward at worlds 3 and 4: every family's unpacked case(s) (every case runs it at world 2; the packed ones also
 #: run at worlds 3 and 4, see PACKED_SECOND).
 BACKWARD_SUBSET = [case for case in ALL if case not in VARIANTS + PACKED_SECOND]
