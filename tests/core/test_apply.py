@@ -64,8 +64,24 @@ def registry():
 
 
 def test_apply_unsupported_target_names_supported_classes(registry):
-    with pytest.raises(TypeError, match="hfpatch has no patch for Linear; supported classes: AutoencoderKL"):
+    with pytest.raises(TypeError) as info:
         hfpatch.apply(torch.nn.Linear(2, 2), registry=registry)
+    assert str(info.value) == (
+        "hfpatch has no patch for Linear (torch.nn.modules.linear); supported classes: AutoencoderKL"
+    )
+
+
+def test_apply_to_a_namesake_of_a_supported_class_names_both_modules(registry):
+    """A trainer's own copy of a diffusers class (SimpleTuner ships its own ``WanTransformer3DModel``): the error
+    names the copy's module and the supported class of the same name."""
+    copy = type("AutoencoderKL", (torch.nn.Module,), {"__module__": "simpletuner.helpers.models.vae"})
+    with pytest.raises(TypeError) as info:
+        hfpatch.apply(copy(), registry=registry)
+    assert str(info.value) == (
+        "hfpatch has no patch for AutoencoderKL (simpletuner.helpers.models.vae); hfpatch supports "
+        "diffusers.AutoencoderKL, another class of the same name: this one is not a subclass of it (a copy of its "
+        "code in another package?); supported classes: AutoencoderKL"
+    )
 
 
 def test_apply_unknown_option_is_type_error_listing_known(registry):

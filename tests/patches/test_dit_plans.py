@@ -305,7 +305,9 @@ def test_planned_usp_errors_raise_before_collectives_on_every_rank(rank_pool):
     messages = results[0]
     # The built-in registry's dozens of classes are counted, not listed (`hfpatch info` lists them).
     unsupported = messages["unsupported"]
-    assert unsupported.startswith("hfpatch has no patch for UNet2DModel; supported classes: "), unsupported
+    assert unsupported.startswith(
+        "hfpatch has no patch for UNet2DModel (diffusers.models.unets.unet_2d); supported classes: "
+    ), unsupported
     assert "classes, listed by `hfpatch info`" in unsupported and len(unsupported) < 300, unsupported
     assert (
         "transformer_blocks.1.attn uses attention processor _Custom; sequence parallelism replaces only the stock "
