@@ -286,7 +286,13 @@ def two_nodes(tmp_path_factory) -> list[dict]:
     finally:
         for agent in agents:
             agent.kill()
-    assert all(agent.returncode == 0 for agent in agents), "\n".join(logs)[-6000:]
+    # A rank that aborts (SIGABRT) says why near the top of its agent's log, which the tail would cut off.
+    reasons = [
+        line for log in logs for line in log.splitlines() if "terminate called" in line or "what():" in line
+    ]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(
+        [*reasons, "...", "\n".join(logs)[-6000:]]
+    )
     return json.loads(out.read_text()), work
 
 
