@@ -120,13 +120,14 @@ def _unsupported(target: Any, registry: Registry) -> TypeError:
     if refused is not None:
         return TypeError(f"{_refusal_text(target, refused)}. To use several ranks, {_RUN_WHOLE}.")
     cls = type(target)
-    supported = sorted(key.split(".", 1)[1] for key in registry.supported())
+    names = {key: key.split(".", 1)[1] for key in registry.supported()}  # "diffusers.X" -> "X"
+    supported = sorted(names.values())
     listed = ", ".join(supported) or "none registered"
     # The built-in registry has dozens of classes: `hfpatch info` prints them with their families.
     if len(listed) > 240:
         listed = f"{len(supported)} classes, listed by `hfpatch info`"
     # A trainer's own copy of a diffusers class (SimpleTuner's WanTransformer3DModel) has the supported one's name.
-    namesakes = sorted(key for key in registry.supported() if key.split(".", 1)[1] == cls.__name__)
+    namesakes = sorted(key for key, name in names.items() if name == cls.__name__)
     same_name = (
         f"; hfpatch supports {', '.join(namesakes)}, another class of the same name: this one is not a subclass of "
         "it (a copy of its code in another package?)"

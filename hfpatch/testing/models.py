@@ -140,8 +140,8 @@ def build(
     segment). The one builder of every tiny model here and in :mod:`hfpatch.testing.dits`.
 
     A process builds each model once: later calls with the same arguments (plain data, or transformers configs)
-    return a deep copy of it (constructing and re-drawing a tiny model costs ~0.14 s of CPU, a copy ~5 ms, and the
-    test-suite builds the same models thousands of times). The copy is the built model bit for bit: its own
+    return a deep copy of it (constructing and re-drawing a tiny DiT costs ~26 ms of CPU in a process that has
+    imported its module, a copy ~5 ms, and the test-suite builds the same models thousands of times). The copy is the built model bit for bit: its own
     parameters, buffers and submodules.
     """
     key = _cache_key((cls, seed, args, redraw, attributes, kwargs))

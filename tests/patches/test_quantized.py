@@ -221,7 +221,7 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
         before = weight_digests([("", model)])
         whole = parameter_bytes(model)
         quantized_params = [p for p in params.values() if quantized_kind(p) is not None]
-        whole_quantized = _unique_bytes(quantized_params)
+        whole_quantized = parameter_bytes(quantized_params)  # each storage once
         with torch.no_grad():
             with hfpatch.apply(model, parallel=ParallelConfig(ulysses=world)):
                 plain = model(**kwargs).sample
@@ -231,7 +231,7 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
                 results[(family, kind)] = {"refused": str(exc)}
                 continue
             held = parameter_bytes(model)
-            held_quantized = _unique_bytes(quantized_params)  # their local rows now, each storage once
+            held_quantized = parameter_bytes(quantized_params)  # their local rows now
             out = model(**kwargs).sample
             again = model(**kwargs).sample
             patch.remove()
@@ -242,18 +242,9 @@ def shard_cases(kinds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
             # Each weight its own stored data again (bitsandbytes' code books shared while sharded included).
             "restored": weight_digests([("", model)]) == before
             and all(p is params[n] for n, p in model.named_parameters())
-            and _unique_bytes(quantized_params) == whole_quantized,
+            and parameter_bytes(quantized_params) == whole_quantized,
         }
     return results
-
-
-def _unique_bytes(params: list[torch.Tensor]) -> int:
-    """Bytes of the storages ``params`` hold, each counted once (what the rank's memory holds)."""
-    storages = {}
-    for param in params:
-        for part in stored_tensors(param)[1]:
-            storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 class Opaque(torch.Tensor):

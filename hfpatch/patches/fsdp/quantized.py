@@ -137,9 +137,7 @@ class QuantizedRows:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = device
         self.gathers = 0  # all-gathers made (tests)
-        self._kept_code_books: dict[
-            int, torch.Tensor
-        ] = {}  # bitsandbytes: code-book group -> original tensor
+        self._code_books: dict[int, torch.Tensor] = {}  # bitsandbytes, while sharded: group -> its kept table
         owner: dict[int, int] = {}
         for index, unit in enumerate(units):  # inner units first: the root claims what is left
             for module in unit.modules():
@@ -183,27 +181,27 @@ class QuantizedRows:
         """bitsandbytes gives every 4-bit weight its own copy of the same 16-value code book (the NF4 or FP4 table):
         while sharded, equal code books are one tensor, so a rank holds one per table instead of one per weight
         (4% of the quantized bytes of the tiny Wan; remove() gives back one copy per original tensor)."""
-        tables: list[torch.Tensor] = []
-        originals: dict[int, int] = {}  # id of an original code book -> its group (weights that shared it)
+        groups: dict[int, int] = {}  # id of an original code book -> its group (the weights that shared it)
         for entry in self._entries():
             state = getattr(entry.param, "quant_state", None)
             code = getattr(state, "code", None)
             if code is None:
                 continue
-            entry.code_group = originals.setdefault(id(code), len(originals))
-            state.code = next((t for t in tables if _equal_tensors(t, code)), code)
-            if state.code is code:
-                tables.append(code)
-                self._kept_code_books[entry.code_group] = code  # kept: its own weights get it back
+            entry.code_group = groups.setdefault(id(code), len(groups))
+            kept = next((t for t in self._code_books.values() if _equal_tensors(t, code)), None)
+            if kept is None:  # the first of its table: kept, and given back to its own group at remove()
+                kept = self._code_books[entry.code_group] = code
+            state.code = kept
 
     def _own_code_books(self) -> None:
-        copies = self._kept_code_books
         for entry in self._entries():
             if entry.code_group is not None:
                 state = entry.param.quant_state
-                state.code = copies.setdefault(entry.code_group, state.code.clone())
+                if entry.code_group not in self._code_books:
+                    self._code_books[entry.code_group] = state.code.clone()
+                state.code = self._code_books[entry.code_group]
                 entry.code_group = None
-        self._kept_code_books = {}
+        self._code_books = {}
 
     def _entries(self) -> list[_Entry]:
         return [entry for unit in self.units for entry in unit.entries]

@@ -11,6 +11,7 @@ is :mod:`hfpatch.patches.fsdp.sharding`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -79,11 +80,11 @@ def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 # ----------------------------------------------------------------------------------------------- measuring
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameter storage ``model`` holds on this rank now: the local shards (padding included) of
-    sharded parameters, the full size of the others (a quantized weight's stored data and scales, its row
-    shards under ``shard_weights``); each storage counted once, wherever it lives (in CPU memory under
-    ``shard_weights_offload``).
+def parameter_bytes(model: torch.nn.Module | Iterable[torch.Tensor]) -> int:
+    """Bytes of parameter storage ``model`` (or the parameters given) holds on this rank now: the local shards
+    (padding included) of sharded parameters, the full size of the others (a quantized weight's stored data and
+    scales, its row shards under ``shard_weights``); each storage counted once, wherever it lives (in CPU memory
+    under ``shard_weights_offload``).
 
     >>> import torch
     >>> parameter_bytes(torch.nn.Linear(4, 2))   # (8 + 2) fp32 values
@@ -93,7 +94,8 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
     seen: set[int] = set()
     total = 0
-    for param in model.parameters():
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
+    for param in params:
         local = param.to_local() if isinstance(param, DTensor) else param
         for part in stored_tensors(local)[1]:  # a quantized weight: its data and scales
             storage = part.untyped_storage()
