@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata as metadata
 import json
 import statistics
@@ -562,13 +563,21 @@ def gradcache(args, device, dtype, result) -> None:
 
     scale = torch.tensor(1 / 0.07, device=device)
 
-    def unchunked(i, t):
-        with autocast:
+    def unchunked(i, t, fp32=False):
+        with autocast if not fp32 else contextlib.nullcontext():
+            if fp32:
+                i, t = i.float(), t.float()
             logits = scale * F.normalize(i, dim=-1) @ F.normalize(t, dim=-1).T
             labels = torch.arange(len(i), device=device)
             return (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels)) / 2
 
-    stages = {"clip loss stage, row-blocked": CLIPLoss().to(device), "clip loss stage, unchunked": unchunked}
+    # CLIPLoss computes in fp32 whatever the embeddings' dtype (autocast off inside): the fp32 whole-matrix row is
+    # its like-for-like reference; the bf16-autocast row is what a stock script's loss does.
+    stages = {
+        "clip loss stage, row-blocked (fp32)": CLIPLoss().to(device),
+        "clip loss stage, unchunked (bf16 autocast)": unchunked,
+        "clip loss stage, unchunked (fp32)": functools.partial(unchunked, fp32=True),
+    }
     result["loss_stage"] = {"pairs": pairs, "width": width}
     for name, loss_fn in stages.items():
         try:

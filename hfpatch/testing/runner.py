@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.multiprocessing as mp
 
 __all__ = ["RankError", "RankPool", "run_ranks", "spread"]
@@ -53,6 +54,11 @@ def _free_port() -> int:
 
 
 def _default_start_method() -> str:
+    # Where CUDA exists, the forkserver's preload asks torch.cuda for the device count (diffusers, accelerate and
+    # transformers do at import), which marks every fork of it unable to use CUDA ("Cannot re-initialize CUDA in
+    # forked subprocess", seen on an H200): ranks there are spawned.
+    if torch.cuda.is_available():
+        return "spawn"
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
@@ -133,8 +139,9 @@ class RankPool:
         threads: torch intra-op threads per rank (1 avoids oversubscribing small CI machines), set again
             before every call: a call that changes it (accelerate's ``PartialState`` on CPU does) leaves no
             trace in the next.
-        start_method: ``"forkserver"`` (the default where the platform has it: ranks forked from a server that
-            imported ``PRELOAD`` once) or ``"spawn"`` (each rank imports everything itself).
+        start_method: ``"forkserver"`` (the default where the platform has it and CUDA does not: ranks forked
+            from a server that imported ``PRELOAD`` once) or ``"spawn"`` (each rank imports everything itself;
+            the default where CUDA is available, since a fork of a process that queried CUDA cannot use it).
 
     After a failure or a timeout the ranks are torn down (a rank may be stuck in a collective) and the
     next :meth:`run` starts fresh ones.

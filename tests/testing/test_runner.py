@@ -93,6 +93,15 @@ def test_start_method_is_checked():
         RankPool(2, start_method="fork")
 
 
+def test_ranks_are_spawned_where_cuda_is_available(monkeypatch):
+    """A fork of the forkserver cannot use CUDA once its preload queried it (seen on an H200: "Cannot
+    re-initialize CUDA in forked subprocess"), so where CUDA exists the default is spawn."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert RankPool(2).start_method == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert RankPool(2).start_method == "forkserver"
+
+
 def _spread_keys() -> tuple[dict, list]:
     computed = []
 
