@@ -70,6 +70,26 @@ def register_patch(class_key: str, family: type[PatchFamily] | str) -> None:
     default_registry().register(class_key, family)
 
 
+def register_like(cls: type, like: type) -> Any:
+    """Patch ``cls``, a copy of the supported class ``like`` in another package (a trainer's own
+    ``WanTransformer3DModel``), as ``like``; checks that both take the same arguments. Returns a handle whose
+    ``remove()`` undoes it (also a context manager). See :func:`hfpatch.core.registry.register_like`.
+
+    >>> import hfpatch, torch
+    >>> from diffusers import WanTransformer3DModel
+    >>> class NotACopy(torch.nn.Module):
+    ...     def forward(self, x): ...
+    >>> try:
+    ...     hfpatch.register_like(NotACopy, WanTransformer3DModel)
+    ... except ValueError as error:
+    ...     print(str(error).split(": ", 1)[1])
+    forward takes (self, x), WanTransformer3DModel.forward (self, hidden_states, timestep, ...); __init__ takes ...
+    """
+    from .core.registry import register_like as register
+
+    return register(cls, like)
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -103,6 +123,7 @@ __all__ = [
     "get_patch",
     "prepare_accelerator",
     "register_ddp_hook",
+    "register_like",
     "register_patch",
     "step_generator",
     "step_rng",

@@ -130,7 +130,8 @@ def _unsupported(target: Any, registry: Registry) -> TypeError:
     namesakes = sorted(key for key, name in names.items() if name == cls.__name__)
     same_name = (
         f"; hfpatch supports {', '.join(namesakes)}, another class of the same name: this one is not a subclass of "
-        "it (a copy of its code in another package?)"
+        f"it (a copy of its code in another package?). If it computes what that class does, "
+        f"`hfpatch.register_like({cls.__name__}, {namesakes[0]})` patches it as that class"
         if namesakes
         else ""
     )

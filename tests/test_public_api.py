@@ -21,7 +21,7 @@ PUBLIC: dict[str, str | None] = {
         "ApplyMismatchError CollectiveError InputMismatchError LoadError ModelFacts ParallelConfig Patch "
         "PatchError PatchFamily StepRNG WeightMismatchError __version__ all_reduce_gradients apply "
         "data_parallel_loaders data_parallel_sampler from_pretrained get_patch prepare_accelerator "
-        "register_ddp_hook register_patch step_generator step_rng"
+        "register_ddp_hook register_like register_patch step_generator step_rng"
     ),
     "hfpatch.api": "ApplyMismatchError WeightMismatchError apply get_patch plan_of",  # plan_of: issue 48
     "hfpatch.loading": "LoadError from_pretrained",
@@ -64,7 +64,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.core.ranks": (  # peer_access, topology: issue 48
         "data_coordinates data_position launched_world_size node_size peer_access rank topology world_size"
     ),
-    "hfpatch.core.registry": "PatchFamily Registry class_key",
+    "hfpatch.core.registry": "LikeRegistration PatchFamily Registry class_key register_like",
     "hfpatch.core.wrappers": "unwrap_model unwrap_once",
     "hfpatch.demo": (
         "DEFAULT_ATOL DemoResult MAX_DEMO_NPROC MAX_SELFTEST_NPROC demo_limit_reason demo_rank "

@@ -4,6 +4,10 @@ Keys look like ``"diffusers.WanTransformer3DModel"``: the top-level package plus
 subclass of a supported class matches and no HF module is imported to build the registry. Families are
 given as ``"module:Class"`` strings and imported on first lookup.
 
+A class that copies a supported class's code in another package (SimpleTuner ships its own
+``WanTransformer3DModel``, not a subclass of diffusers') is patched as that class once registered with
+:func:`register_like`, which checks that the two take the same arguments.
+
 Classes no family patches can be *refused* with a reason (:meth:`Registry.register_refusals`): a table of class
 key -> reason, or of class name -> reason for one library (``"module:NAME"``, imported on the first lookup), so
 that :func:`hfpatch.apply` says why instead of only that nothing matched.
@@ -12,18 +16,26 @@ that :func:`hfpatch.apply` says why instead of only that nothing matched.
 from __future__ import annotations
 
 import importlib
+import inspect
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from .config import ModelFacts, ParallelConfig
 
-__all__ = ["PatchFamily", "Registry", "class_key"]
+__all__ = ["LikeRegistration", "PatchFamily", "Registry", "class_key", "register_like"]
+
+#: Classes patched as another class (:func:`register_like`) -> that class's key. Weak: a class that goes away
+#: (a test's copy) leaves no entry.
+_LIKE: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 
 
 def class_key(cls: type) -> str:
-    """``"<top-level package>.<ClassName>"``, e.g. ``"diffusers.AutoencoderKL"``."""
-    return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+    """``"<top-level package>.<ClassName>"``, e.g. ``"diffusers.AutoencoderKL"``; for a class registered with
+    :func:`register_like`, the key of the class it copies."""
+    like = _LIKE.get(cls)
+    return like if like is not None else f"{cls.__module__.split('.')[0]}.{cls.__name__}"
 
 
 class PatchFamily:
@@ -172,3 +184,89 @@ def _load(entry: Any) -> Any:
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)
     return entry
+
+
+# ----------------------------------------------------------------------------------------------- register_like
+class LikeRegistration:
+    """What :func:`register_like` returns: :meth:`remove` (or leaving its ``with`` block) undoes it."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def remove(self) -> None:
+        _LIKE.pop(self.cls, None)
+
+    def __enter__(self) -> LikeRegistration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _signature_differences(cls: type, like: type) -> list[str]:
+    """How ``cls``'s ``forward`` and ``__init__`` differ from ``like``'s: parameter names, order, kinds and
+    defaults (what a plan's inputs and the config are named by)."""
+    differences = []
+    for method in ("forward", "__init__"):
+        mine, theirs = (getattr(c, method, None) for c in (cls, like))
+        if mine is None or theirs is None:
+            differences.append(f"{method}: {cls.__name__} has {'one' if mine else 'none'}, {like.__name__} "
+                               f"{'has one' if theirs else 'none'}")  # fmt: skip
+            continue
+        a, b = inspect.signature(mine).parameters, inspect.signature(theirs).parameters
+        if list(a) != list(b):
+            differences.append(f"{method} takes ({', '.join(a)}), {like.__name__}.{method} ({', '.join(b)})")
+            continue
+        for name in a:
+            if (a[name].kind, a[name].default) != (b[name].kind, b[name].default):
+                differences.append(
+                    f"{method}'s {name}: {a[name].kind.description} = {a[name].default!r} here, "
+                    f"{b[name].kind.description} = {b[name].default!r} in {like.__name__}"
+                )
+    return differences
+
+
+def register_like(cls: type, like: type, registry: Registry | None = None) -> LikeRegistration:
+    """Patch ``cls`` as the supported class ``like``, whose code it copies from another package.
+
+    For a trainer's own copy of a diffusers model (SimpleTuner's ``WanTransformer3DModel``): not a subclass of
+    diffusers' class, so nothing matches it along its MRO. From this call on, ``cls`` is patched with
+    ``like``'s families and plan (:func:`class_key` answers ``like``'s key for it). Checked here: ``like`` is a
+    class hfpatch patches, ``cls`` is not already one of its subclasses, and their ``forward`` and ``__init__``
+    take the same parameters (names, order, kinds, defaults); a difference raises ``ValueError`` naming it.
+    Not checkable here: that the copy COMPUTES what ``like`` does (a rope that returns another layout, a
+    processor of its own). Verify that as hfpatch's tests do, patched against unpatched on 2 and 3 ranks
+    (``tests/core/test_register_like.py`` is the recipe).
+
+    Returns a :class:`LikeRegistration`: ``remove()`` undoes it; usable as a context manager.
+
+    >>> import torch
+    >>> from hfpatch.core.registry import register_like
+    >>> class Copy(torch.nn.Module): ...
+    >>> try:
+    ...     register_like(Copy, torch.nn.Linear)
+    ... except ValueError as error:
+    ...     print(str(error).split(":")[0])
+    Linear is not a class hfpatch patches
+    """
+    if not isinstance(cls, type) or not isinstance(like, type):
+        raise TypeError(f"register_like takes two classes, got {cls!r} and {like!r}")
+    if registry is None:
+        from ..patches import default_registry
+
+        registry = default_registry()
+    if not registry.families_for_class(like):
+        raise ValueError(
+            f"{like.__name__} is not a class hfpatch patches: register a copy of one of the supported classes "
+            "(`hfpatch info` lists them)"
+        )
+    if issubclass(cls, like):
+        raise ValueError(f"{cls.__name__} is a subclass of {like.__name__}: hfpatch patches it already")
+    differences = _signature_differences(cls, like)
+    if differences:
+        raise ValueError(
+            f"{cls.__module__}.{cls.__name__} does not take the arguments {like.__module__}.{like.__name__} takes, "
+            f"so {like.__name__}'s plan does not fit it: " + "; ".join(differences)
+        )
+    _LIKE[cls] = class_key(like)
+    return LikeRegistration(cls)

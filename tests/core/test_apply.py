@@ -80,7 +80,8 @@ def test_apply_to_a_namesake_of_a_supported_class_names_both_modules(registry):
     assert str(info.value) == (
         "hfpatch has no patch for AutoencoderKL (simpletuner.helpers.models.vae); hfpatch supports "
         "diffusers.AutoencoderKL, another class of the same name: this one is not a subclass of it (a copy of its "
-        "code in another package?); supported classes: AutoencoderKL"
+        "code in another package?). If it computes what that class does, `hfpatch.register_like(AutoencoderKL, "
+        "diffusers.AutoencoderKL)` patches it as that class; supported classes: AutoencoderKL"
     )
 
 

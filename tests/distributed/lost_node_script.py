@@ -2,7 +2,7 @@
 transformer at ``parallel=4`` (``ring=2 x ulysses=2``, Ring across the nodes) called in a loop until a collective
 fails. Each rank writes ``ready.RANK`` (its pid, its agent's pid and its node) after its first call; the test then
 kills one node (its agent and both its workers). A survivor writes ``report.RANK.json``: when it caught hfpatch's
-``CollectiveError`` and its message."""
+``CollectiveError`` and its message, then waits for its node's other survivor to report before it exits."""
 
 from __future__ import annotations
 
@@ -39,7 +39,15 @@ def main(folder: Path) -> None:
                 model(x, t, text)
         except CollectiveError as exc:
             report = {"caught": time.time(), "message": str(exc), "node": ready["node"]}
-            (folder / f"report.{rank}.json").write_text(json.dumps(report))
+            (folder / f"report.{rank}.tmp").write_text(json.dumps(report))
+            (folder / f"report.{rank}.tmp").rename(folder / f"report.{rank}.json")  # whole when it appears
+    # The first survivor to exit makes its agent terminate the other: wait (bounded) until every rank of this node
+    # has reported, so that a survivor still inside its timeout is not killed before it raises.
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    node_ranks = [ready["node"] * local + i for i in range(local)]
+    deadline = time.monotonic() + 2 * float(os.environ.get("HFPATCH_TIMEOUT_S", "30")) + 10
+    while time.monotonic() < deadline and not all((folder / f"report.{r}.json").exists() for r in node_ranks):
+        time.sleep(0.1)
     # A failed rank: its agent stops at once (a successful one would wait for the lost node at torchrun's exit
     # barrier); no teardown either, which would wait for the peers that are gone.
     os._exit(3)

@@ -98,11 +98,12 @@ def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON,
     return _results(args, out, world)
 
 
-def _run_several(runs: list[tuple[list[str], Path]], world: int, common: list[str]) -> list[dict]:
-    """``_run`` for each ``(args, out)`` of ``runs``, one after the other in ONE launch of ``world`` processes
-    under torchrun (``several_runs.py``: a launch costs ~7 s of CPU per process, a tiny run under a second)."""
+def _run_several(runs: list[tuple[list[str], Path]], world: int) -> list[dict]:
+    """``_run`` for each ``(full command line, out)`` of ``runs``, one after the other in ONE launch of ``world``
+    processes under torchrun (``several_runs.py``: a launch costs ~7 s of CPU per process, a tiny run under a
+    second)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    argvs = [json.dumps([*common, "--output-dir", str(out), *args]) for args, out in runs]
+    argvs = [json.dumps([*argv, "--output-dir", str(out)]) for argv, out in runs]
     command = [
         sys.executable,
         *launcher,
@@ -112,7 +113,48 @@ def _run_several(runs: list[tuple[list[str], Path]], world: int, common: list[st
     ]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return [_results(args, out, world) for args, out in runs]
+    return [_results(argv, out, world) for argv, out in runs]
+
+
+class _PatchedLaunches:
+    """The first patched launch of each world size, shared by the tests that use it: the epochs run that saves
+    the mid-run checkpoint, then the learning-rate schedules, one after the other in ONE torchrun launch
+    (``_run_several``; the epochs run first, so it runs as in a launch of its own). The resumed launches stay
+    launches of their own: a resume must start from a fresh process."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.done: dict[int, dict[str, dict]] = {}
+
+    def folder(self, world: int, name: str) -> Path:
+        return self.tmp / f"world{world}" / name
+
+    def runs(self, world: int) -> list[tuple[str, list[str]]]:
+        ulysses = dict(LR_WORLDS)[world]
+        epochs = [*COMMON, "--num-samples", str(3 * (world // ulysses)), "--checkpoint-at", str(CHECKPOINT)]
+        if world > ulysses:
+            epochs += ["--ulysses", str(ulysses)]
+        lr_data = [
+            "--num-samples",
+            str(3 * (world // ulysses)),
+            "--ulysses",
+            str(ulysses),
+        ]  # 3 batches per replica
+        return [("epochs", epochs)] + [
+            (f"lr-{k}", [*LR_COMMON, *lr_data, *args]) for k, args in _lr_cases(world).items()
+        ]
+
+    def results(self, world: int) -> dict[str, dict]:
+        if world not in self.done:
+            runs = self.runs(world)
+            found = _run_several([(argv, self.folder(world, name)) for name, argv in runs], world)
+            self.done[world] = {name: result for (name, _), result in zip(runs, found)}
+        return self.done[world]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> _PatchedLaunches:
+    return _PatchedLaunches(tmp_path_factory.mktemp("patched"))
 
 
 def _references(tmp: Path) -> dict[str, list[tuple[list[str], Path]]]:
@@ -272,10 +314,10 @@ def _check_resumed(run: dict, resumed: dict) -> None:
     assert all(resumed["mid_run_validations"][s] == run["mid_run_validations"][s] for s in after)
 
 
-def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path, references):
+def test_lora_sp_accelerate_world2_epochs_resume_against_stock(launches, references):
     data = ["--num-samples", "3"]
-    sp = tmp_path / "sp"
-    run = _run([*data, "--checkpoint-at", str(CHECKPOINT)], sp, world=2)
+    run = launches.results(2)["epochs"]
+    sp = launches.folder(2, "epochs")
     assert (sp / f"checkpoint-{CHECKPOINT}").is_dir()
     resumed = _run([*data, "--resume", "--results-file", "resumed.json"], sp, world=2)
     ref32, ref64, stock = references.results("world2")
@@ -294,10 +336,10 @@ def test_lora_sp_accelerate_world2_epochs_resume_against_stock(tmp_path, referen
     print(_compare(run, ref32, ref64))
 
 
-def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(tmp_path, references):
+def test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume(launches, references):
     data = ["--num-samples", "6"]  # 3 per replica
-    sp = tmp_path / "sp"
-    run = _run([*data, "--ulysses", "2", "--checkpoint-at", str(CHECKPOINT)], sp, world=4)
+    run = launches.results(4)["epochs"]
+    sp = launches.folder(4, "epochs")
     resumed = _run([*data, "--ulysses", "2", "--resume", "--results-file", "resumed.json"], sp, world=4)
     ref32, ref64 = references.results("world4")
     assert run["world"] == 4 and "data=2" in run["plan"] and "ulysses=2" in run["plan"], run["plan"]
@@ -374,18 +416,16 @@ def _lr_cases(world: int) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize(("world", "ulysses"), LR_WORLDS)
 def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(
-    tmp_path, references, world, ulysses
+    launches, references, world, ulysses
 ):
     """Issue 45 (1b): the README recipe in a script that sizes its scheduler as diffusers' Flux LoRA script does
     (``num_processes`` in the warmup and in the steps; the loader length divided by ``num_processes``), with no
     ``--max_train_steps`` and with it: the learning rate the script logs after every optimizer step equals the
     stock script's on one process training on the same global batch (per-replica batch x data replicas), bit for
     bit. Before the fix accelerate stepped the scheduler once per process: 2x too fast at world 2. The patched
-    schedules run one after the other in one launch (``_run_several``)."""
-    data = ["--num-samples", str(3 * (world // ulysses))]  # 3 batches per replica
+    schedules run one after the other in the world's first launch (``_PatchedLaunches``)."""
     cases = _lr_cases(world)
-    patched = [([*data, *args, "--ulysses", str(ulysses)], tmp_path / k) for k, args in cases.items()]
-    runs = dict(zip(cases, _run_several(patched, world, LR_COMMON)))
+    runs = {k: launches.results(world)[f"lr-{k}"] for k in cases}
     stock = dict(zip(cases, references.results(f"lr{world}")))  # per-replica batch x replicas, one process
     for k in cases:
         got, want = runs[k]["lrs"], stock[k]["lrs"]
