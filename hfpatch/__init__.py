@@ -86,8 +86,9 @@ def register_like(cls: type, like: type) -> Any:
     forward takes (self, x), WanTransformer3DModel.forward (self, hidden_states, timestep, ...); __init__ takes ...
     """
     from .core.registry import register_like as register
+    from .patches import default_registry
 
-    return register(cls, like)
+    return register(cls, like, default_registry())
 
 
 def __getattr__(name: str) -> Any:

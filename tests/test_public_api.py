@@ -60,6 +60,7 @@ PUBLIC: dict[str, str | None] = {
         "check_compile_backend check_cuda_graphs compile_function compiled_variant fresh_copy"
     ),
     "hfpatch.core.config": "ModelFacts ParallelConfig crosses_nodes plan_parallel resolve_parallel",
+    "hfpatch.core.dropout": "active_dropouts refuse_dropout",  # issue 51: dropout inside a split forward
     "hfpatch.core.patch": "ABSENT MARKER Patch PatchError get_patch",
     "hfpatch.core.ranks": (  # peer_access, topology: issue 48
         "data_coordinates data_position launched_world_size node_size peer_access rank topology world_size"

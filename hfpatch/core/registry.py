@@ -226,8 +226,9 @@ def _signature_differences(cls: type, like: type) -> list[str]:
     return differences
 
 
-def register_like(cls: type, like: type, registry: Registry | None = None) -> LikeRegistration:
-    """Patch ``cls`` as the supported class ``like``, whose code it copies from another package.
+def register_like(cls: type, like: type, registry: Registry) -> LikeRegistration:
+    """Patch ``cls`` as the supported class ``like`` of ``registry``, whose code it copies from another package
+    (:func:`hfpatch.register_like`: the default registry).
 
     For a trainer's own copy of a diffusers model (SimpleTuner's ``WanTransformer3DModel``): not a subclass of
     diffusers' class, so nothing matches it along its MRO. From this call on, ``cls`` is patched with
@@ -241,20 +242,16 @@ def register_like(cls: type, like: type, registry: Registry | None = None) -> Li
     Returns a :class:`LikeRegistration`: ``remove()`` undoes it; usable as a context manager.
 
     >>> import torch
-    >>> from hfpatch.core.registry import register_like
+    >>> from hfpatch.core.registry import Registry, register_like
     >>> class Copy(torch.nn.Module): ...
     >>> try:
-    ...     register_like(Copy, torch.nn.Linear)
+    ...     register_like(Copy, torch.nn.Linear, Registry())
     ... except ValueError as error:
     ...     print(str(error).split(":")[0])
     Linear is not a class hfpatch patches
     """
     if not isinstance(cls, type) or not isinstance(like, type):
         raise TypeError(f"register_like takes two classes, got {cls!r} and {like!r}")
-    if registry is None:
-        from ..patches import default_registry
-
-        registry = default_registry()
     if not registry.families_for_class(like):
         raise ValueError(
             f"{like.__name__} is not a class hfpatch patches: register a copy of one of the supported classes "

@@ -492,7 +492,8 @@ class StepRNG:
     NumPy's global RNG start from :func:`step_seed` of ``(seed, n, data replica)``, where ``n`` counts the blocks
     this object has entered (0, 1, 2, ... over every epoch); on exit they are restored. So the ranks of a
     sequence-parallel group draw the same VAE posterior sample, noise, timesteps, caption dropout and dropout
-    masks, each data replica its own, no two micro-steps (or epochs) alike, and a draw made on some ranks only
+    masks of replicated tensors (dropout inside a sequence-parallel forward, where each rank holds a shard, is
+    refused), each data replica its own, no two micro-steps (or epochs) alike, and a draw made on some ranks only
     (validation on the main process) changes nothing inside the next block. Draws need no ``generator=`` and
     follow the device they are made on (``torch.randn_like``, ``torch.rand(..., device=device)``).
 

@@ -30,7 +30,7 @@ ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
 PROJ_OUT = ("proj_out",)
 
 
-def _add_lora(model: torch.nn.Module, targets: tuple[str, ...] = ATTENTION) -> None:
+def _add_lora(model: torch.nn.Module, targets: tuple[str, ...] = ATTENTION, dropout: float = 0.0) -> None:
     from peft import LoraConfig
 
     # The same adapter weights on every model and rank. peft draws them from the global RNG (no generator
@@ -39,7 +39,9 @@ def _add_lora(model: torch.nn.Module, targets: tuple[str, ...] = ATTENTION) -> N
         torch.manual_seed(5)
         # init_lora_weights=False: a random (non-zero) B, so the adapter changes the output.
         model.add_adapter(
-            LoraConfig(r=2, lora_alpha=4, target_modules=list(targets), init_lora_weights=False)
+            LoraConfig(
+                r=2, lora_alpha=4, lora_dropout=dropout, target_modules=list(targets), init_lora_weights=False
+            )
         )
 
 
@@ -113,3 +115,33 @@ def test_lora_before_or_after_apply_matches_unpatched_output_and_grads(rank_pool
             assert error <= reassociation_tol(noise), (rank, case, "lora grads", error, noise)
             # The same stock computation as the reference: only the floor of single roundings is allowed.
             assert result["after_remove"] <= reassociation_tol(0.0), (rank, case, result["after_remove"])
+
+
+def dropout_cases() -> dict[str, Any]:
+    """A LoRA with ``lora_dropout=0.1`` (added after ``apply``) on Wan at Ulysses 2: refused in training mode, run
+    in eval mode."""
+    model, kwargs, _ = build("wan21")
+    report: dict[str, Any] = {}
+    with hfpatch.apply(model, parallel=ParallelConfig(ulysses=2)):
+        _add_lora(model, dropout=0.1)
+        model.train()
+        try:
+            model(**kwargs)
+            report["train"] = None
+        except ValueError as error:
+            report["train"] = str(error)
+        model.eval()
+        with torch.no_grad():
+            report["eval"] = tuple(model(**kwargs).sample.shape)
+    return report
+
+
+def test_lora_dropout_under_sequence_parallelism_is_refused_by_name(rank_pool):
+    """Issue 51: dropout inside a sequence-parallel forward draws per-shard masks (not the slice of the unpatched
+    model's mask): refused on every rank alike, naming the modules and the LoRA option; eval mode runs."""
+    reports = rank_pool(2).run(dropout_cases)
+    said = reports[0]["train"]
+    assert said is not None and all(r["train"] == said for r in reports), reports
+    assert "blocks.0.attn1.to_q.lora_dropout.default (Dropout, p=0.1)" in said, said
+    assert "LoraConfig(lora_dropout=0.0)" in said, said
+    assert all(r["eval"] == reports[0]["eval"] for r in reports)

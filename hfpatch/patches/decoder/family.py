@@ -54,6 +54,7 @@ import torch
 
 from ...attention.masked import DEFAULT_TILE
 from ...core.config import ModelFacts, ParallelConfig
+from ...core.dropout import refuse_dropout
 from ...core.patch import Patch
 from ...core.registry import PatchFamily, class_key
 from ...distributed.agreement import check_same_inputs, named_arguments
@@ -341,6 +342,8 @@ class DecoderUSP(PatchFamily):
         what = f"{type(target).__name__}.forward"
 
         def begin_call(_module, args, kwargs):
+            # A training-mode dropout module (peft's lora_dropout) would draw per-shard masks: refused by name.
+            refuse_dropout(target, "sequence-parallel forward")
             named = named_arguments(forward, (target, *args), kwargs)
             named.pop("self", None)
             extra = named.pop("kwargs", None)

@@ -53,6 +53,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...core.config import ModelFacts, ParallelConfig
+from ...core.dropout import refuse_dropout
 from ...core.patch import Patch
 from ...core.registry import PatchFamily
 from ...distributed.agreement import check_same_inputs, named_arguments
@@ -385,6 +386,9 @@ def apply_sequence_plan(
     what = f"{type(model).__name__}.forward"
 
     def begin_call(_module, args, kwargs):
+        # Dropout that draws in this forward (a LoRA's lora_dropout, added before or after apply): refused before
+        # any collective, the same on every rank (the ranks hold the same model).
+        refuse_dropout(model, "sequence-parallel forward")
         # First, before any collective whose shape depends on the inputs: the ranks split ONE sample.
         named = named_arguments(type(model).forward, (model, *args), kwargs)
         named.pop("self", None)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...core.dropout import refuse_dropout
 from ...distributed.agreement import check_same_inputs
 from ...distributed.collectives import all_gather
 from ...distributed.gradients import grad_averaged_over_group, grad_scaled_by_group
@@ -457,8 +458,13 @@ def session_forward(
     hold alike, checked with the inputs (the RNG state of a decoder that draws noise).
     """
 
+    vae = getattr(original, "__self__", None)
+    coder = getattr(vae, "encoder" if kind == "encode" else "decoder", vae)
+
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if state.mode is None:
+            if isinstance(coder, torch.nn.Module):  # a training-mode dropout in the coder this call splits
+                refuse_dropout(coder, f"split {kind}")
             # Every rank computes its rows of ONE output from its own copy of x: copies must be identical.
             named = {"x": x, **{f"arg{i}": a for i, a in enumerate(args, 1)}, **kwargs}
             if same_state is not None:
