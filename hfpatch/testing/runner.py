@@ -15,6 +15,7 @@ Functions must be importable by the children (module-level functions of an impor
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -72,6 +73,12 @@ def _worker(
     tasks: Any,
     results: Any,
 ) -> None:
+    # The heap inherited from the forkserver (torch, diffusers, transformers: millions of objects) out of the
+    # garbage collector's walks: each full collection would read and write every inherited object's header,
+    # copying nearly every inherited page (copy-on-write). Measured on the 2-core machine, 8 ranks started and run
+    # on tiny Wans: 25 % less user and 20 % less system CPU. (Python's gc docs recommend freezing before fork;
+    # freezing first thing after it, before any collection, keeps the same pages untouched.)
+    gc.freeze()
     # A forked rank inherits the forkserver's environment, frozen when the server started: take the caller's,
     # as a spawned rank would.
     os.environ.clear()
