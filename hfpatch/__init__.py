@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .api import ApplyMismatchError, apply
     from .core.config import ModelFacts, ParallelConfig
     from .core.patch import Patch, PatchError, get_patch
-    from .core.registry import PatchFamily
+    from .core.registry import LikeRegistration, PatchFamily
     from .distributed.agreement import InputMismatchError, WeightMismatchError
     from .distributed.data import (
         StepRNG,
@@ -70,7 +70,7 @@ def register_patch(class_key: str, family: type[PatchFamily] | str) -> None:
     default_registry().register(class_key, family)
 
 
-def register_like(cls: type, like: type) -> Any:
+def register_like(cls: type, like: type) -> LikeRegistration:
     """Patch ``cls``, a copy of the supported class ``like`` in another package (a trainer's own
     ``WanTransformer3DModel``), as ``like``; checks that both take the same arguments. Returns a handle whose
     ``remove()`` undoes it (also a context manager). See :func:`hfpatch.core.registry.register_like`.

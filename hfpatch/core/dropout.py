@@ -22,11 +22,13 @@ def active_dropouts(module: torch.nn.Module) -> list[str]:
     >>> active_dropouts(net), active_dropouts(net.eval())
     (['1 (Dropout, p=0.1)'], [])
     """
-    return [
-        f"{name} ({type(m).__name__}, p={m.p})"
-        for name, m in module.named_modules()
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
-    ]
+
+    def draws(m: torch.nn.Module) -> bool:
+        return isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+
+    if not any(draws(m) for m in module.modules()):  # every call: no name strings built unless one draws
+        return []
+    return [f"{name} ({type(m).__name__}, p={m.p})" for name, m in module.named_modules() if draws(m)]
 
 
 def refuse_dropout(module: torch.nn.Module, where: str) -> None:
