@@ -131,15 +131,11 @@ class _PatchedLaunches:
 
     def runs(self, world: int) -> list[tuple[str, list[str]]]:
         ulysses = dict(LR_WORLDS)[world]
-        epochs = [*COMMON, "--num-samples", str(3 * (world // ulysses)), "--checkpoint-at", str(CHECKPOINT)]
+        samples = ["--num-samples", str(3 * (world // ulysses))]  # 3 batches per data replica
+        epochs = [*COMMON, *samples, "--checkpoint-at", str(CHECKPOINT)]
         if world > ulysses:
             epochs += ["--ulysses", str(ulysses)]
-        lr_data = [
-            "--num-samples",
-            str(3 * (world // ulysses)),
-            "--ulysses",
-            str(ulysses),
-        ]  # 3 batches per replica
+        lr_data = [*samples, "--ulysses", str(ulysses)]
         return [("epochs", epochs)] + [
             (f"lr-{k}", [*LR_COMMON, *lr_data, *args]) for k, args in _lr_cases(world).items()
         ]
