@@ -188,7 +188,7 @@ PUBLIC: dict[str, str | None] = {
         "tiny_t5_tokenizer tiny_wan_pipe tiny_wan_transformer tiny_wan_vace_transformer tiny_wan_vae "
         "wan_prompt_embeds"
     ),
-    "hfpatch.testing.quantized": "KINDS available_kinds quantize_q4_k quantized write_gguf",  # issue 50
+    "hfpatch.testing.quantized": "KINDS available_kinds quantize_q4_k quantized tiny_quantizable write_gguf",  # issue 50
     "hfpatch.testing.runner": "RankError RankPool run_ranks spread",
     "hfpatch.testing.tolerance": (
         "FLOOR_ULPS MAX_NOISE NOISE_FACTOR attention_tol eps low_precision_tol perturbation_noise "

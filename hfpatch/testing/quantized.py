@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "available_kinds", "quantize_q4_k", "quantized", "write_gguf"]
+__all__ = ["KINDS", "available_kinds", "quantize_q4_k", "quantized", "tiny_quantizable", "write_gguf"]
 
 #: kind -> the module it needs.
 KINDS: dict[str, str] = {
@@ -174,6 +174,42 @@ def _bnb_nf4(model: torch.nn.Module, nested: bool = False) -> torch.nn.Module:
             layer.support_avx512bf16_for_cpu = False
             setattr(module, child_name, layer)
     return model.eval()
+
+
+def tiny_quantizable(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``(tiny stock float model, forward kwargs)`` whose linears every kind quantizes whole, for ``family``
+    ``"wan"`` (``ffn_dim=256``: the FFN's second projection is whole Q4_K super-blocks; batch 2) or ``"flux"``
+    (``head_dim=16``: its FFNs' 256 too; batch 1). 25 image tokens, so that worlds 2, 3 and 4 leave padding.
+
+    >>> from hfpatch.testing.quantized import tiny_quantizable
+    >>> model, kwargs = tiny_quantizable("wan")
+    >>> tuple(model(**kwargs).sample.shape)
+    (2, 4, 1, 10, 10)
+    """
+    from . import tiny_flux_transformer, tiny_wan_transformer
+
+    def randn(*shape: int, seed: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+    if family == "wan":  # 1 x 5 x 5 tokens
+        kwargs = dict(
+            hidden_states=randn(2, 4, 1, 10, 10, seed=1),
+            timestep=torch.tensor([500, 20]),
+            encoder_hidden_states=randn(2, 6, 16, seed=3),
+        )
+        return tiny_wan_transformer(ffn_dim=256), kwargs
+    if family != "flux":
+        raise ValueError(f"unknown family {family!r}; known: wan, flux")
+    grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
+    kwargs = dict(
+        hidden_states=randn(1, 25, 16, seed=1),
+        encoder_hidden_states=randn(1, 7, 16, seed=2),
+        pooled_projections=randn(1, 16, seed=3),
+        timestep=torch.tensor([0.7]),
+        img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
+        txt_ids=torch.zeros(7, 3),
+    )
+    return tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8)), kwargs
 
 
 def quantized(model: torch.nn.Module, kind: str) -> torch.nn.Module:

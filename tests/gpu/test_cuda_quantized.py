@@ -24,7 +24,7 @@ import torch
 
 import hfpatch
 from hfpatch import ParallelConfig
-from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
+from hfpatch.testing.quantized import tiny_quantizable
 from hfpatch.testing.tolerance import perturbation_noise, reassociation_tol, rel_error
 
 DEVICE = os.environ.get("HFPATCH_GPU_LANE_DEVICE", "cuda:0")
@@ -37,28 +37,6 @@ KINDS = [
     for k, module in (("torchao-fp8", "torchao"), ("bnb-nf4", "bitsandbytes"))
     if importlib.util.find_spec(module)
 ]
-
-
-def _inputs(family: str, device: torch.device) -> dict[str, Any]:
-    """25 image tokens (worlds 2 pad the second shard), batch 2 for Wan, 1 for Flux."""
-    gen = torch.Generator().manual_seed(1)
-    if family == "wan":
-        kwargs = dict(
-            hidden_states=torch.randn(2, 4, 1, 10, 10, generator=gen),
-            timestep=torch.tensor([500, 20]),
-            encoder_hidden_states=torch.randn(2, 6, 16, generator=gen),
-        )
-    else:
-        grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
-        kwargs = dict(
-            hidden_states=torch.randn(1, 25, 16, generator=gen),
-            encoder_hidden_states=torch.randn(1, 7, 16, generator=gen),
-            pooled_projections=torch.randn(1, 16, generator=gen),
-            timestep=torch.tensor([0.7]),
-            img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
-            txt_ids=torch.zeros(7, 3),
-        )
-    return {k: v.to(device) for k, v in kwargs.items()}
 
 
 def _config(kind: str) -> Any:
@@ -93,7 +71,7 @@ def _cases(device_name: str, folders: dict[str, str], kinds: list[str]) -> dict[
     classes = {"wan": WanTransformer3DModel, "flux": FluxTransformer2DModel}
     results: dict[tuple, Any] = {}
     for family, folder in folders.items():
-        kwargs = _inputs(family, device)
+        kwargs = {k: v.to(device) for k, v in tiny_quantizable(family)[1].items()}
         for kind in kinds:
             model = classes[family].from_pretrained(
                 folder,
@@ -115,12 +93,9 @@ def _cases(device_name: str, folders: dict[str, str], kinds: list[str]) -> dict[
 @pytest.mark.skipif(not KINDS, reason="neither torchao nor bitsandbytes is installed")
 def test_diffusers_quantized_fp8_and_nf4_at_two_ranks(rank_pool, tmp_path):
     folders = {}
-    for family, build in (
-        ("wan", lambda: tiny_wan_transformer(ffn_dim=256)),
-        ("flux", lambda: tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8))),
-    ):
+    for family in ("wan", "flux"):
         folders[family] = str(tmp_path / family)
-        build().save_pretrained(folders[family])
+        tiny_quantizable(family)[0].save_pretrained(folders[family])
     per_rank = rank_pool(2).run(_cases, DEVICE, folders, KINDS)
     print({k: v for k, v in per_rank[0].items()})
     for family in folders:

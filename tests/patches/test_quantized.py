@@ -35,7 +35,7 @@ from hfpatch.distributed.stored import (
     stored_bytes,
     stored_tensors,
 )
-from hfpatch.testing.quantized import available_kinds, quantized
+from hfpatch.testing.quantized import available_kinds, quantized, tiny_quantizable
 from hfpatch.testing.tolerance import perturbation_noise, reassociation_tol, rel_error
 
 #: Every kind but the nested bitsandbytes one (its parallel runs are the plain one's; its refusal is unit-tested).
@@ -47,31 +47,8 @@ needs_kinds = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------------------------------------- models
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def build(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """(tiny stock float model, forward kwargs): 25 image tokens, so that worlds 2 and 4 leave padding."""
-    from hfpatch.testing import tiny_flux_transformer, tiny_wan_transformer
-
-    if family == "wan":  # batch 2, 1 x 5 x 5 tokens
-        kwargs = dict(
-            hidden_states=_randn(2, 4, 1, 10, 10, seed=1),
-            timestep=torch.tensor([500, 20]),
-            encoder_hidden_states=_randn(2, 6, 16, seed=3),
-        )
-        return tiny_wan_transformer(ffn_dim=256), kwargs
-    grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
-    kwargs = dict(
-        hidden_states=_randn(1, 25, 16, seed=1),
-        encoder_hidden_states=_randn(1, 7, 16, seed=2),
-        pooled_projections=_randn(1, 16, seed=3),
-        timestep=torch.tensor([0.7]),
-        img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
-        txt_ids=torch.zeros(7, 3),
-    )
-    return tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8)), kwargs
+#: (tiny stock float model, forward kwargs) of a family: 25 image tokens, so that worlds 2 and 4 leave padding.
+build = tiny_quantizable
 
 
 _CACHE: dict[tuple[str, str], torch.nn.Module] = {}
@@ -138,7 +115,7 @@ def _wan_pipe(kind: str) -> tuple[Any, dict[str, Any]]:
     inputs = dict(
         prompt_embeds=wan_prompt_embeds(),
         negative_prompt_embeds=wan_prompt_embeds(seed=2),
-        latents=_randn(1, 4, 2, 4, 4, seed=5),
+        latents=torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(5)),
     )
     return pipe, inputs
 
