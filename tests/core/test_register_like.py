@@ -3,8 +3,8 @@
 The copy is made the way trainers make theirs (SimpleTuner ships ``simpletuner.helpers.models.wan.transformer``): the
 source of diffusers' ``transformer_wan.py`` executed as a module of another package (``trainer_copy``; its relative
 imports still resolve to diffusers'), so its ``WanTransformer3DModel``, attention class and processor are classes of
-their own, not subclasses of diffusers'. Checked, on 2 and 3 gloo ranks (Ulysses 2, Ring 2, Ulysses 3; 25 tokens, so
-worlds 2 and 3 pad): refused before registration with an error that names ``register_like``; once registered, the
+their own, not subclasses of diffusers'. Checked, on 2, 3 and 4 gloo ranks (Ulysses 2, Ring 2, Ulysses 3, Ulysses 2
+x Ring 2; 25 tokens, so every world pads): refused before registration with an error that names ``register_like``; once registered, the
 patched copy's output and every parameter and input gradient (after the documented SUM over the ``sp`` group) equal
 the unpatched copy's within ``reassociation_tol`` of its fp32-vs-fp64 noise, and equal diffusers' own model with the
 same weights (unpatched: bit for bit, the same code); ``remove()`` restores the refusal. A class whose ``forward``
@@ -131,9 +131,9 @@ def like_cases(configs: list[tuple[int, int]]) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_registered_copy_is_patched_exactly_and_unregistered_refused(rank_pool, world):
-    configs = [(2, 1), (1, 2)] if world == 2 else [(3, 1)]
+    configs = {2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(2, 2)]}[world]
     for rank, report in enumerate(rank_pool(world).run(like_cases, configs)):
         refused = report["refused"]
         assert (
