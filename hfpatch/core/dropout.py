@@ -12,6 +12,16 @@ import torch
 
 __all__ = ["active_dropouts", "refuse_dropout"]
 
+#: torch's dropout modules (every one takes ``p``; their common base is private).
+DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
 
 def active_dropouts(module: torch.nn.Module) -> list[str]:
     """The dropout modules of ``module`` that draw in this forward (training mode, ``p > 0``), named.
@@ -24,7 +34,7 @@ def active_dropouts(module: torch.nn.Module) -> list[str]:
     """
 
     def draws(m: torch.nn.Module) -> bool:
-        return isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+        return isinstance(m, DROPOUTS) and m.training and m.p > 0
 
     if not any(draws(m) for m in module.modules()):  # every call: no name strings built unless one draws
         return []
