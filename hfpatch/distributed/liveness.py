@@ -5,8 +5,9 @@ closed or that the timeout passed. To name the lost ranks, each rank that builds
 thread that bumps its counter in the default group's store (hosted by rank 0 or torchrun's agent) every
 :data:`BEAT_S` seconds, through a connection of its own (a rank blocked in a collective or in a long
 ``store.wait`` still beats: the thread runs beside it). A rank about to raise
-:class:`~hfpatch.distributed.runtime.CollectiveError` for a peer failure reads the group's counters twice,
-:data:`WINDOW_S` apart: a counter that did not move belongs to a rank whose process is gone.
+:class:`~hfpatch.distributed.runtime.CollectiveError` for a peer failure reads every rank's counter twice,
+:data:`WINDOW_S` apart: a counter that did not move belongs to a rank whose process is gone (in the failed group, or
+elsewhere in the job: a live peer of this group may be stuck on it in another group).
 
 >>> silent_ranks(None, None) is None  # no process group: nothing to say
 True

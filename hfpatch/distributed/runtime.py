@@ -179,15 +179,15 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
     me = dist.get_rank() if dist.is_initialized() else 0
     from .liveness import silent_ranks
 
-    silent = silent_ranks(group, default_store()) if dist.is_initialized() else None
-    lost = ""
-    if len(silent or ()) == 1:
-        lost = f" Rank {silent[0]} of the group shows no heartbeat: its process is gone (a crash, an exit, a lost node)."
-    elif silent:
-        lost = (
-            f" Ranks {', '.join(map(str, silent))} of the group show no heartbeat: their processes are gone (a crash, "
-            "an exit, a lost node)."
-        )
+    # Probe the whole job: a member of this group may wait here on a rank lost in another of its groups.
+    silent = silent_ranks(None, default_store()) if dist.is_initialized() else None
+    members = (
+        set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        if silent
+        else set()
+    )
+    lost = _name_silent([r for r in silent or () if r in members], "of the group")
+    lost += _name_silent([r for r in silent or () if r not in members], "of the job, outside this group,")
     return CollectiveError(
         f"hfpatch: {op} over the {where} failed on rank {me}: another rank of the group failed, exited or "
         f"did not get there within {limit}.{lost} Every rank of the group must make each patched call: a call made "
@@ -197,6 +197,17 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
         op=op,
         group=where,
         timeout=timeout,
+    )
+
+
+def _name_silent(ranks: list[int], where: str) -> str:
+    if not ranks:
+        return ""
+    if len(ranks) == 1:
+        return f" Rank {ranks[0]} {where} shows no heartbeat: its process is gone (a crash, an exit, a lost node)."
+    return (
+        f" Ranks {', '.join(map(str, ranks))} {where} show no heartbeat: their processes are gone (a crash, an exit, "
+        "a lost node)."
     )
 
 

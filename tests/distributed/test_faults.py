@@ -455,7 +455,9 @@ def test_every_other_rank_raises_within_the_timeout(fault_reports, scenario):
         if pg == "user" and fault not in ABSENT:
             assert report["user_timeout_s"] == 1800.0  # the user's default group keeps its own timeout
         # Issue 48: the heartbeat names a rank whose process is gone, and only such a rank.
-        named = re.findall(r"Ranks? ([\d, ]+) of the group shows? no heartbeat", message)
+        named = re.findall(
+            r"Ranks? ([\d, ]+) of the (?:group|job, outside this group,) shows? no heartbeat", message
+        )
         assert named in ([], [str(FAULTY_RANK)]) and (not named or fault == "exit"), where
     if fault == "exit":  # some survivor failed in a group with the exited rank and named it
         assert any(
