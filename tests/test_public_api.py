@@ -97,7 +97,7 @@ PUBLIC: dict[str, str | None] = {
         "storage_stamp stored_bytes stored_tensors"
     ),
     "hfpatch.distributed.runtime": (
-        "AXES CollectiveError ParallelMesh check_launch_agrees collective_error default_timeout "
+        "AXES CollectiveError ParallelMesh axis_group axis_ranks check_launch_agrees collective_error default_timeout "
         "describe_group ensure_process_group exchange get_mesh is_peer_failure launched_world_size rank "
         "wait_timeout world_size"
     ),

@@ -2,7 +2,8 @@
 
 hfpatch never starts processes: under ``torchrun`` (or accelerate's launchers) it initialises the default
 process group from the environment the launcher set (NCCL on CUDA, gloo on CPU); otherwise it explains how
-to launch. Groups for the named axes come from a :class:`torch.distributed.device_mesh.DeviceMesh`.
+to launch. Each axis of a plan gets its own process groups (:func:`axis_group`, reused by every plan that splits the
+ranks the same way along that axis), wrapped in a :class:`torch.distributed.device_mesh.DeviceMesh`.
 
 Bounded waits: every process group hfpatch communicates over is its own, created with
 :func:`default_timeout` (``HFPATCH_TIMEOUT_S``), whoever initialised the default group (hfpatch from the
@@ -16,6 +17,7 @@ default group's store before creating any group.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -36,6 +38,8 @@ __all__ = [
     "AXES",
     "CollectiveError",
     "ParallelMesh",
+    "axis_group",
+    "axis_ranks",
     "check_launch_agrees",
     "collective_error",
     "default_timeout",
@@ -370,7 +374,8 @@ class ParallelMesh:
 
     Attributes:
         config: The degrees.
-        device_mesh: The torch ``DeviceMesh`` with dims ``AXES`` (``None`` for a single rank).
+        device_mesh: A torch ``DeviceMesh`` over the axes of degree > 1, named and ordered as in ``AXES``, on the
+            groups below (``None`` when no axis of ``AXES`` is split).
         groups: Axis name -> ProcessGroup (``None`` when the axis has degree 1). ``"sp"`` is ring x ulysses,
             ``"pipefusion_sp"`` pipefusion x ring x ulysses (every rank of a PipeFusion pipeline),
             ``"vae"`` is every rank (when the VAE is split), ``"world"`` every rank of the plan (both hfpatch's
@@ -397,37 +402,28 @@ class ParallelMesh:
         return 0 if group is None else dist.get_rank(group)
 
 
-# Process groups are expensive (gloo opens sockets), so meshes are built once per shape per process.
+# Process groups are expensive (gloo opens sockets and polls each group's from a thread of its own; NCCL holds a
+# communicator's buffers on the GPU), so meshes are built once per shape per process, and a mesh of another shape
+# reuses the group of an axis that splits the ranks the same way (a transformer's CFG 2 x Ulysses 2 and its
+# pipeline's Ring 2 x Ulysses 2 share their Ulysses groups).
 _MESHES: dict[tuple, ParallelMesh] = {}
 # hfpatch's own group of every rank (the "vae" and "world" axes), one per default group and timeout.
 _WORLD_GROUPS: dict[tuple, Any] = {}
+# (default group, backend, timeout, axis name, every group's ranks) -> this rank's group.
+_AXIS_GROUPS: dict[tuple, Any] = {}
 
 
 def _reset_state() -> None:
     """Forget the cached meshes (tests, or before re-initialising torch.distributed in one process)."""
     _MESHES.clear()
     _WORLD_GROUPS.clear()
+    _AXIS_GROUPS.clear()
     _GROUPS.clear()
 
 
-def _backend_options(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
-    """``init_device_mesh`` backend override that creates every mesh group with ``timeout`` (None: unknown)."""
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return backend, options
-
-
-def _timed_group(group: Any, timeout: timedelta) -> None:
-    """Set ``timeout`` on a group created without one (a backend hfpatch has no creation options for)."""
-    try:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
-    except Exception:  # an exotic backend without settable timeouts: keep its own
-        pass
+def _world_key() -> tuple:
+    # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
+    return (id(dist.group.WORLD), dist.get_backend(), default_timeout())
 
 
 def _world_group(key: tuple, timeout: timedelta) -> Any:
@@ -437,6 +433,40 @@ def _world_group(key: tuple, timeout: timedelta) -> Any:
         register_group(group, "hfpatch world", timeout)
         _WORLD_GROUPS[key] = group
     return _WORLD_GROUPS[key]
+
+
+def axis_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]]:
+    """The global ranks of every group along ``axes``: ranks that differ only in their ``axes`` coordinates,
+    in :data:`AXES` order (the last axis innermost); every rank of the plan in one group when ``axes`` is empty.
+
+    >>> axis_ranks(ParallelConfig(cfg=2, ulysses=2), ("ulysses",))
+    [[0, 1], [2, 3]]
+    >>> axis_ranks(ParallelConfig(cfg=2, ring=2, ulysses=2), ("ring", "ulysses"))
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    if not axes:
+        return [list(range(config.world_size))]
+    shape = [getattr(config, axis) for axis in AXES]
+    keep = [i for i, axis in enumerate(AXES) if axis in axes]
+    rest = [i for i in range(len(AXES)) if i not in keep]
+    size = 1
+    for i in keep:
+        size *= shape[i]
+    return torch.arange(math.prod(shape)).view(shape).permute(*rest, *keep).reshape(-1, size).tolist()
+
+
+def axis_group(name: str, ranks: list[list[int]]) -> Any:
+    """This rank's group among the groups ``ranks`` (from :func:`axis_ranks`), created with :func:`default_timeout`
+    and named ``name`` in error messages; the same group for the same name and ranks while the default group
+    lives (creating one is a collective of every rank, so every rank must ask in the same order)."""
+    world_key = _world_key()
+    key = (*world_key, name, tuple(map(tuple, ranks)))
+    if key not in _AXIS_GROUPS:
+        timeout = world_key[2]
+        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+        register_group(group, name, timeout)
+        _AXIS_GROUPS[key] = group
+    return _AXIS_GROUPS[key]
 
 
 def get_mesh(config: ParallelConfig) -> ParallelMesh:
@@ -451,10 +481,8 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     if config.world_size == 1:  # no parallelism: every rank runs the model on its own
         return ParallelMesh(config, None, {a: None for a in (*AXES, "sp", "pipefusion_sp", "vae", "world")})
     ensure_process_group(config.world_size)
-    timeout = default_timeout()
-    backend = dist.get_backend()
-    # Keyed by the default group too: after destroy/init_process_group (notebooks, relaunch) build anew.
-    world_key = (id(dist.group.WORLD), backend, timeout)
+    world_key = _world_key()
+    timeout = world_key[2]
     key = (*world_key, config.data, config.cfg, config.pipefusion, config.ring, config.ulysses, config.vae)
     if key in _MESHES:
         return _MESHES[key]
@@ -471,7 +499,7 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
         default_store()
     )  # with the first groups of this default group: a rank lost later is named
     try:
-        result = _build_mesh(config, backend, timeout, world_key)
+        result = _build_mesh(config, world_key)
     except RuntimeError as exc:
         if not is_peer_failure(exc):
             raise
@@ -487,46 +515,33 @@ def get_mesh(config: ParallelConfig) -> ParallelMesh:
     return result
 
 
-def _build_mesh(config: ParallelConfig, backend: str, timeout: timedelta, world_key: tuple) -> ParallelMesh:
-    from torch.distributed.device_mesh import init_device_mesh
+def _build_mesh(config: ParallelConfig, world_key: tuple) -> ParallelMesh:
+    from torch.distributed.device_mesh import DeviceMesh
 
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    override = _backend_options(backend, timeout)
-    groups: dict[str, object | None] = {}
-    product = config.data * config.cfg * config.pipefusion * config.ring * config.ulysses
-    if product > 1:
-        shape = tuple(getattr(config, axis) for axis in AXES)
-        overrides = {"backend_override": {axis: override for axis in AXES}} if override else {}
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, **overrides)
-        for axis in AXES:
-            groups[axis] = mesh.get_group(axis) if getattr(config, axis) > 1 else None
-        groups["sp"] = (  # DeviceMesh._flatten (torch >= 2.4): ring x ulysses in sp order, ulysses innermost
-            mesh["ring", "ulysses"]._flatten("sp", backend_override=override).get_group()
-            if config.ring > 1 and config.ulysses > 1
-            else (groups["ring"] or groups["ulysses"])
-        )
-        staged = [axis for axis in ("pipefusion", "ring", "ulysses") if getattr(config, axis) > 1]
-        groups["pipefusion_sp"] = (  # PipeFusion x sequence parallel: every stage's sp ranks (same inputs)
-            mesh[tuple(staged)]._flatten("pipefusion_sp", backend_override=override).get_group()
-            if config.pipefusion > 1 and len(staged) > 1
-            else groups["pipefusion"]
-        )
-    else:
-        mesh = None
-        groups.update({a: None for a in AXES})
-        groups["sp"] = groups["pipefusion_sp"] = None
-    world = _world_group(world_key, timeout)
-    for axis in (*AXES, "sp", "pipefusion_sp"):
-        group = groups[axis]
-        if group is None:
-            continue
-        if group is dist.group.WORLD:  # no creation options for this backend: the mesh reused the default
-            groups[axis] = group = world
-        elif override is None:
-            _timed_group(group, timeout)
-        if group is not world and group.group_name not in _GROUPS:  # sp: only a flattened group is new
-            names = {"sp": "sp (ring x ulysses)", "pipefusion_sp": "pipefusion x sp"}
-            register_group(group, names.get(axis, axis), timeout)
+    def group_of(axes: tuple[str, ...], name: str) -> Any:
+        return axis_group(name, axis_ranks(config, axes))
+
+    groups: dict[str, object | None] = {
+        axis: group_of((axis,), axis) if getattr(config, axis) > 1 else None for axis in AXES
+    }
+    groups["sp"] = (  # ring x ulysses in sp order, ulysses innermost
+        group_of(("ring", "ulysses"), "sp (ring x ulysses)")
+        if config.ring > 1 and config.ulysses > 1
+        else (groups["ring"] or groups["ulysses"])
+    )
+    staged = tuple(axis for axis in ("pipefusion", "ring", "ulysses") if getattr(config, axis) > 1)
+    groups["pipefusion_sp"] = (  # PipeFusion x sequence parallel: every stage's sp ranks (same inputs)
+        group_of(staged, "pipefusion x sp")
+        if config.pipefusion > 1 and len(staged) > 1
+        else groups["pipefusion"]
+    )
+    split = tuple(axis for axis in AXES if getattr(config, axis) > 1)
+    mesh = None
+    if split:  # a DeviceMesh over the split axes, on the groups above (wrapping them creates none)
+        device_type = "cuda" if world_key[1] == "nccl" else "cpu"
+        grid = torch.arange(config.world_size).view([getattr(config, axis) for axis in split])
+        mesh = DeviceMesh.from_group([groups[a] for a in split], device_type, grid, mesh_dim_names=split)
+    world = _world_group(world_key, world_key[2])
     groups["vae"] = world if config.vae > 1 else None
     groups["world"] = world  # every rank of the plan (same-input checks of a pipeline call)
     return ParallelMesh(config, mesh, groups)

@@ -82,27 +82,13 @@ def _shard_mesh(mesh: Any, axes: tuple[str, ...]) -> Any:
     cache = _GROUPS.setdefault(mesh, {})
     if axes in cache:
         return cache[axes]
-    config = mesh.config
-    world = config.world_size
-    if axes:
-        shape = [getattr(config, axis) for axis in runtime.AXES]
-        grid = torch.arange(world).view(shape)
-        keep = [i for i, axis in enumerate(runtime.AXES) if axis in axes]
-        rest = [i for i in range(len(runtime.AXES)) if i not in keep]
-        size = 1
-        for i in keep:
-            size *= shape[i]
-        ranks = grid.permute(*rest, *keep).reshape(-1, size).tolist()
-    else:
-        ranks = [list(range(world))]
-    timeout = runtime.default_timeout()
+    name = "shard_weights (" + (" x ".join(axes) or "all ranks") + ")"
     try:
-        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+        group = runtime.axis_group(name, runtime.axis_ranks(mesh.config, axes))
     except RuntimeError as exc:
         if not runtime.is_peer_failure(exc):
             raise
         raise runtime.collective_error("creating the shard_weights groups", None, exc) from exc
-    runtime.register_group(group, "shard_weights (" + (" x ".join(axes) or "all ranks") + ")", timeout)
     device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     device_mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
     cache[axes] = device_mesh
