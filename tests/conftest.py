@@ -7,6 +7,9 @@ import torch
 
 from hfpatch.testing.runner import RankPool
 
+#: World sizes whose pools live for the whole session (many modules use them).
+SHARED_WORLDS = 4
+
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
@@ -24,7 +27,8 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="session")
 def rank_pool():
-    """``rank_pool(n)`` -> a live :class:`RankPool` of ``n`` ranks, shared by every test in the session.
+    """``rank_pool(n)`` -> a live :class:`RankPool` of ``n`` ranks, shared by every test in the session (a pool of
+    more than :data:`SHARED_WORLDS` ranks by the tests of one module).
 
     Run many cases in one ``pool.run`` call where you can: each call is a round trip through all ranks.
     """
@@ -35,6 +39,18 @@ def rank_pool():
             pools[world_size] = RankPool(world_size, timeout_s=300)
         return pools[world_size]
 
+    get.pools = pools
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_large_pools(rank_pool):
+    """Close a pool of more than :data:`SHARED_WORLDS` ranks with the module that asked for it: one module uses
+    it, and its idle ranks would go on waking (gloo polls every group's sockets every 10 ms) for the rest of
+    the session."""
+    yield
+    pools = rank_pool.pools
+    for world in [w for w in pools if w > SHARED_WORLDS]:
+        pools.pop(world).close()
