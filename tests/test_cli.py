@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,30 @@ def _hfpatch(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hfpatch.cli", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+# The commands that start ranks or import every library, by the test that checks each.
+HEAVY_COMMANDS = {
+    "test_cli_demo_two_ranks_passes_and_reports": ("demo", "--nproc", "2"),
+    "test_cli_info_lists_versions_and_families": ("info",),
+    "test_cli_selftest_two_ranks_passes_every_check": ("selftest", "--nproc", "2"),
+    "test_cli_selftest_five_ranks_with_padding_only_shards_passes": ("selftest", "--nproc", "5"),
+}
+
+
+@pytest.fixture(scope="module")
+def heavy_runs(request) -> dict[str, Future]:
+    """The selected tests' commands, started at once two at a time (each is mostly one process importing torch
+    and diffusers on one core, so two keep both cores busy): test name -> future of the finished process."""
+    selected = {
+        item.name for item in request.session.items if getattr(item, "module", None) is request.module
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            name: pool.submit(_hfpatch, *argv, timeout=300)
+            for name, argv in HEAVY_COMMANDS.items()
+            if name in selected
+        }
 
 
 # Tolerance of the 2-rank demo, from what differs: its plan is CFG parallel (bit-exact: each rank makes one
@@ -35,8 +60,8 @@ REASSOCIATED_SUMS = 32  # 31 decoder convs + 1 attention block on each pixel's p
 TWO_RANK_PIXEL_ATOL = 8 * FP32_EPS * PIXEL_SCALE * REASSOCIATED_SUMS
 
 
-def test_cli_demo_two_ranks_passes_and_reports():
-    result = _hfpatch("demo", "--nproc", "2", timeout=300)
+def test_cli_demo_two_ranks_passes_and_reports(heavy_runs):
+    result = heavy_runs["test_cli_demo_two_ranks_passes_and_reports"].result()
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     # Plan 1, parallel=2: CFG parallel (the call guides); plan 2: sequence parallelism alone on both ranks.
@@ -65,8 +90,8 @@ def test_cli_demo_two_ranks_passes_and_reports():
     assert lines[-1].startswith("verdict: PASS")
 
 
-def test_cli_info_lists_versions_and_families():
-    result = _hfpatch("info", timeout=300)
+def test_cli_info_lists_versions_and_families(heavy_runs):
+    result = heavy_runs["test_cli_info_lists_versions_and_families"].result()
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for package in ("hfpatch", "torch", "diffusers", "transformers", "peft", "accelerate", "xformers"):
@@ -234,8 +259,8 @@ def test_lazy_package_still_exposes_the_api():
         hfpatch.nope  # noqa: B018
 
 
-def test_cli_selftest_two_ranks_passes_every_check():
-    result = _hfpatch("selftest", "--nproc", "2", timeout=300)
+def test_cli_selftest_two_ranks_passes_every_check(heavy_runs):
+    result = heavy_runs["test_cli_selftest_two_ranks_passes_every_check"].result()
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     checks = [line for line in lines if line.startswith(("PASS", "FAIL"))]
@@ -245,9 +270,9 @@ def test_cli_selftest_two_ranks_passes_every_check():
     assert all(line.startswith("PASS") for line in checks) and lines[-1] == "verdict: PASS"
 
 
-def test_cli_selftest_five_ranks_with_padding_only_shards_passes():
+def test_cli_selftest_five_ranks_with_padding_only_shards_passes(heavy_runs):
     # 3N + 1 = 16 rows over 5 ranks in shards of 4: the last rank holds padding only (nothing to compare).
-    result = _hfpatch("selftest", "--nproc", "5", timeout=300)
+    result = heavy_runs["test_cli_selftest_five_ranks_with_padding_only_shards_passes"].result()
     assert result.returncode == 0, result.stdout + result.stderr
     names = " | ".join(line for line in result.stdout.splitlines() if line.startswith("PASS"))
     assert "ring=1 ulysses=5" in names and "ring=5 ulysses=1" in names, result.stdout

@@ -1,6 +1,6 @@
 """The examples run as documented: scripts on CPU with tiny models, notebooks through a real kernel.
 
-Each runs in a fresh process (as a user would run it; the scripts two at a time) and must exit 0; the scripts
+Each runs in a fresh process (as a user would run it; two at a time) and must exit 0; the scripts
 check their own results (e.g. the parallel VAE example's ``--check`` compares with the unpatched decode and fails
 otherwise).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import nbclient
@@ -39,6 +39,9 @@ SCRIPTS = [
 ]
 
 
+NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
@@ -47,25 +50,29 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def script_runs(request, tmp_path_factory):
-    """Every selected script run of this module, started at once two at a time: most of a script's time is one
-    process importing torch and diffusers on one core, so two keep both cores busy. Each test waits for its own
-    (``argv`` tuple -> future of the finished process)."""
+    """Every selected script run and notebook of this module, started at once two at a time, the longest first:
+    most of a script's time is one process importing torch and diffusers on one core, so two keep both cores busy.
+    Each test waits for its own (``argv`` tuple -> future of the finished process; ``("notebook", name)`` -> future
+    of its execution)."""
     frames = tmp_path_factory.mktemp("wan_usp") / "frames.pt"
     wanted = [tuple(argv) for argv in SCRIPTS]
-    wanted.append(("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/wan_usp_torchrun.py", "--tiny",
+    wanted.insert(0, ("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/wan_usp_torchrun.py", "--tiny",
                    "--output", str(frames)))  # fmt: skip
     selected = {
         item.name for item in request.session.items if getattr(item, "module", None) is request.module
     }
     if not any(name.startswith("test_example_wan_usp_torchrun_tiny") for name in selected):
-        wanted.pop()
+        wanted.pop(0)
     wanted = [
         a
         for a in wanted
         if a[-1] == str(frames) or f"test_example_script_runs[{' '.join(a[-3:])}]" in selected
     ]
+    notebooks = [name for name in NOTEBOOKS if f"test_example_notebook_executes[{name}]" in selected]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {argv: pool.submit(_run, list(argv)) for argv in wanted}, frames
+        runs: dict[tuple, Future] = {argv: pool.submit(_run, list(argv)) for argv in wanted}
+        runs.update({("notebook", name): pool.submit(_execute_notebook, name) for name in notebooks})
+        yield runs, frames
 
 
 def test_example_wan_usp_torchrun_tiny_equals_unpatched(script_runs):
@@ -111,8 +118,7 @@ def test_example_script_runs(argv, script_runs):
     assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.ipynb")))
-def test_example_notebook_executes(name):
+def _execute_notebook(name: str) -> None:
     notebook = nbformat.read(EXAMPLES / name, as_version=4)
     for attempt in range(2):
         client = nbclient.NotebookClient(
@@ -126,3 +132,8 @@ def test_example_notebook_executes(name):
             # test run) may take one in between and the kernel dies at start. Only that is retried, once.
             if "Kernel died before replying to kernel_info" not in str(exc) or attempt:
                 raise
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_example_notebook_executes(name, script_runs):
+    script_runs[0][("notebook", name)].result()  # re-raises the kernel's error
