@@ -66,3 +66,55 @@ def test_single_rank_mesh_has_no_groups():
     assert mesh.size("sp") == 1 and mesh.local_rank("ulysses") == 0
     with pytest.raises(KeyError, match="unknown mesh axis 'tensor'"):
         mesh.group("tensor")
+
+
+def _sharing_case():
+    from hfpatch.distributed.runtime import describe_group
+
+    shapes = {
+        "r2u2": dict(ring=2, ulysses=2),
+        "c2u2": dict(cfg=2, ulysses=2),
+        "d2r2": dict(data=2, ring=2),
+        "c2r2": dict(cfg=2, ring=2),
+        "u4": dict(ulysses=4),
+        "r4": dict(ring=4),
+    }
+    meshes = {name: get_mesh(ParallelConfig(**kwargs)) for name, kwargs in shapes.items()}
+    names = {
+        name: {axis: getattr(g, "group_name", None) for axis, g in mesh.groups.items()}
+        for name, mesh in meshes.items()
+    }
+    device_mesh = meshes["r2u2"].device_mesh
+    return {
+        "names": names,
+        "described": {
+            axis: describe_group(meshes[m].group(axis)) for m, axis in (("u4", "ulysses"), ("r4", "ring"))
+        },
+        "dims": device_mesh.mesh_dim_names,
+        "dim_groups": [device_mesh.get_group(a) is meshes["r2u2"].group(a) for a in ("ring", "ulysses")],
+        "u4_dims": meshes["u4"].device_mesh.mesh_dim_names,
+    }
+
+
+def test_plans_of_other_shapes_share_the_groups_of_an_axis_that_splits_the_ranks_alike(rank_pool):
+    """A group per axis and rank set, not per plan (each gloo group polls its sockets from a thread of its own;
+    each NCCL communicator holds GPU buffers)."""
+    for rank, result in enumerate(rank_pool(4).run(_sharing_case)):
+        names = result["names"]
+        assert names["c2u2"]["ulysses"] == names["r2u2"]["ulysses"], rank  # [0, 1], [2, 3] in both
+        assert names["c2r2"]["ring"] == names["d2r2"]["ring"], rank  # [0, 1], [2, 3] in both
+        assert names["c2r2"]["cfg"] == names["c2u2"]["cfg"], rank  # [0, 2], [1, 3] in both
+        assert names["r2u2"]["ring"] != names["d2r2"]["ring"], rank  # [0, 2], [1, 3] there
+        # the same ranks on other axes: groups of their own, named for their axis in error messages
+        assert names["c2u2"]["cfg"] not in (names["r2u2"]["ring"], names["d2r2"]["data"]), rank
+        assert names["u4"]["ulysses"] != names["r4"]["ring"], rank
+        assert result["described"] == {
+            "ulysses": "ulysses group of global ranks [0, 1, 2, 3]",
+            "ring": "ring group of global ranks [0, 1, 2, 3]",
+        }, rank
+        assert (
+            len({n["world"] for n in names.values()}) == 1 and names["u4"]["vae"] == names["u4"]["world"]
+        ), rank
+        # the DeviceMesh spans the split axes, on the same groups
+        assert result["dims"] == ("ring", "ulysses") and result["dim_groups"] == [True, True], rank
+        assert result["u4_dims"] == ("ulysses",), rank
