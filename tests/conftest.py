@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
 import pytest
 import torch
 
@@ -54,3 +58,22 @@ def _close_large_pools(rank_pool):
     pools = rank_pool.pools
     for world in [w for w in pools if w > SHARED_WORLDS]:
         pools.pop(world).close()
+
+
+@pytest.fixture(scope="module")
+def background(request):
+    """``background(test_name, fn, *args, **kwargs)`` -> a future of ``fn(*args, **kwargs)`` started now in a thread
+    when the test ``test_name`` of this module is selected (``None`` otherwise).
+
+    For a test that mostly waits out a timeout on ranks of its own: a module-scoped autouse fixture starts it with
+    the module's first test, so the module's other tests use the idle cores meanwhile.
+    """
+    selected = {
+        item.name for item in request.session.items if getattr(item, "module", None) is request.module
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+
+        def start(test_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future | None:
+            return pool.submit(fn, *args, **kwargs) if test_name in selected else None
+
+        yield start

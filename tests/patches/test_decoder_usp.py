@@ -492,12 +492,27 @@ def failing_rank_case(timeout_s: float) -> dict[str, Any]:
     return {"error": None}
 
 
-def test_decoder_a_failing_rank_makes_the_other_raise_within_the_timeout():
+FAILING_RANK_TIMEOUT_S = 5.0
+
+
+def _failing_rank_run() -> list[dict]:
     from hfpatch.testing import RankPool
 
-    timeout_s, margin_s = 5.0, 15.0
     with RankPool(2, timeout_s=120) as pool:  # its own ranks: the failure leaves their groups unusable
-        waiting, failed = pool.run(failing_rank_case, timeout_s)
+        return pool.run(failing_rank_case, FAILING_RANK_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def failing_rank(background):
+    """The failing-rank run (mostly waiting out its 5 s timeout), started with the module."""
+    return background(
+        "test_decoder_a_failing_rank_makes_the_other_raise_within_the_timeout", _failing_rank_run
+    )
+
+
+def test_decoder_a_failing_rank_makes_the_other_raise_within_the_timeout(failing_rank):
+    timeout_s, margin_s = FAILING_RANK_TIMEOUT_S, 15.0
+    waiting, failed = failing_rank.result()
     assert failed["error"] == "injected failure"
     assert waiting["error"] == "CollectiveError", waiting
     assert 0.5 * timeout_s <= waiting["seconds"] <= timeout_s + margin_s, waiting
