@@ -449,9 +449,7 @@ def axis_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]]
     shape = [getattr(config, axis) for axis in AXES]
     keep = [i for i, axis in enumerate(AXES) if axis in axes]
     rest = [i for i in range(len(AXES)) if i not in keep]
-    size = 1
-    for i in keep:
-        size *= shape[i]
+    size = math.prod(shape[i] for i in keep)
     return torch.arange(math.prod(shape)).view(shape).permute(*rest, *keep).reshape(-1, size).tolist()
 
 
@@ -539,7 +537,8 @@ def _build_mesh(config: ParallelConfig, world_key: tuple) -> ParallelMesh:
     mesh = None
     if split:  # a DeviceMesh over the split axes, on the groups above (wrapping them creates none)
         device_type = "cuda" if world_key[1] == "nccl" else "cpu"
-        grid = torch.arange(config.world_size).view([getattr(config, axis) for axis in split])
+        sizes = [getattr(config, axis) for axis in split]
+        grid = torch.arange(math.prod(sizes)).view(sizes)
         mesh = DeviceMesh.from_group([groups[a] for a in split], device_type, grid, mesh_dim_names=split)
     world = _world_group(world_key, world_key[2])
     groups["vae"] = world if config.vae > 1 else None
