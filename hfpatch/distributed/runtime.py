@@ -184,14 +184,16 @@ def collective_error(op: str, group: Any, exc: BaseException) -> CollectiveError
     from .liveness import silent_ranks
 
     # Probe the whole job: a member of this group may wait here on a rank lost in another of its groups.
-    silent = silent_ranks(None, default_store()) if dist.is_initialized() else None
-    members = (
-        set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        if silent
-        else set()
-    )
-    lost = _name_silent([r for r in silent or () if r in members], "of the group")
-    lost += _name_silent([r for r in silent or () if r not in members], "of the job, outside this group,")
+    silent = (silent_ranks(None, default_store()) if dist.is_initialized() else None) or []
+    try:
+        members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except Exception:  # torn down meanwhile: say only that they are gone (never mask the error being raised)
+        members = None
+    if members is None:
+        lost = _name_silent(silent, "of the job")
+    else:
+        lost = _name_silent([r for r in silent if r in members], "of the group")
+        lost += _name_silent([r for r in silent if r not in members], "of the job, outside this group,")
     return CollectiveError(
         f"hfpatch: {op} over the {where} failed on rank {me}: another rank of the group failed, exited or "
         f"did not get there within {limit}.{lost} Every rank of the group must make each patched call: a call made "
