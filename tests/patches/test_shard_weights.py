@@ -585,6 +585,9 @@ def _fault_case() -> dict[str, Any]:
     return {"error": error, "elapsed": time.monotonic() - start}
 
 
+PEER_FAILURE_DEFAULT_TIMEOUT_S = 120  # the ranks' default group's: the one timeout that must not fire first
+
+
 @pytest.fixture(scope="module", autouse=True)
 def peer_failure(background):
     """The peer-failure run (its own two ranks, mostly waiting out the 8 s timeout), started with the module."""
@@ -594,9 +597,6 @@ def peer_failure(background):
         "test_shard_weights_peer_failure_raises_collective_error_within_timeout",
         run_ranks, 2, _fault_case, timeout_s=PEER_FAILURE_DEFAULT_TIMEOUT_S,
     )  # fmt: skip
-
-
-PEER_FAILURE_DEFAULT_TIMEOUT_S = 120
 
 
 def test_shard_weights_peer_failure_raises_collective_error_within_timeout(peer_failure):
