@@ -65,8 +65,8 @@ def background(request):
     """``background(test_name, fn, *args, **kwargs)`` -> a future of ``fn(*args, **kwargs)`` started now in a thread
     when the test ``test_name`` of this module is selected (``None`` otherwise).
 
-    For a test that mostly waits out a timeout on ranks of its own: a module-scoped autouse fixture starts it with
-    the module's first test, so the module's other tests use the idle cores meanwhile.
+    For a test whose work is mostly waiting (out a timeout on ranks of its own, or on one process importing on
+    one core): a module-scoped fixture starts it early, so other work uses the idle cores meanwhile.
     """
     selected = {
         item.name for item in request.session.items if getattr(item, "module", None) is request.module

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -31,18 +31,10 @@ HEAVY_COMMANDS = {
 
 
 @pytest.fixture(scope="module")
-def heavy_runs(request) -> dict[str, Future]:
+def heavy_runs(background) -> dict[str, Future | None]:
     """The selected tests' commands, started at once two at a time (each is mostly one process importing torch
     and diffusers on one core, so two keep both cores busy): test name -> future of the finished process."""
-    selected = {
-        item.name for item in request.session.items if getattr(item, "module", None) is request.module
-    }
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {
-            name: pool.submit(_hfpatch, *argv, timeout=300)
-            for name, argv in HEAVY_COMMANDS.items()
-            if name in selected
-        }
+    return {name: background(name, _hfpatch, *argv, timeout=300) for name, argv in HEAVY_COMMANDS.items()}
 
 
 # Tolerance of the 2-rank demo, from what differs: its plan is CFG parallel (bit-exact: each rank makes one
