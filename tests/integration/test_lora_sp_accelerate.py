@@ -42,6 +42,9 @@ from hfpatch.testing.tolerance import reassociation_tol, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "integrations" / "lora_sp_accelerate.py"
+#: diffusers' CogVideoX LoRA script (issue 51). Its runs share this module's launches and reference process:
+#: their command lines start with its path (``several_runs.py``).
+COGVIDEOX = ROOT / "examples" / "integrations" / "cogvideox_lora_sp.py"
 EPOCHS, STEPS_PER_EPOCH, CHECKPOINT = 3, 2, 3  # 3 batches per replica: windows of 2 and 1 micro-steps
 # SGD: AdamW's first updates are ~lr * sign(grad), which turns rounding noise on tiny gradients into
 # lr-sized weight differences (the script's default stays AdamW, as DreamBooth's).
@@ -85,14 +88,21 @@ def _results(args: list[str], out: Path, world: int) -> dict:
     return results
 
 
-def _run(args: list[str], out: Path, world: int = 1, common: list[str] = COMMON, fsdp2: bool = False) -> dict:
+def _run(
+    args: list[str],
+    out: Path,
+    world: int = 1,
+    common: list[str] = COMMON,
+    fsdp2: bool = False,
+    script: Path = SCRIPT,
+) -> dict:
     """Launch the example; its main process's results, with ``traces``: every process's micro-steps."""
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     )
     if fsdp2:
         launcher = _fsdp2_launcher(world)
-    command = [sys.executable, *launcher, str(SCRIPT), *common, "--output-dir", str(out), *args]
+    command = [sys.executable, *launcher, str(script), *common, "--output-dir", str(out), *args]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return _results(args, out, world)
@@ -136,9 +146,12 @@ class _PatchedLaunches:
         if world > ulysses:
             epochs += ["--ulysses", str(ulysses)]
         lr_data = [*samples, "--ulysses", str(ulysses)]
-        return [("epochs", epochs)] + [
-            (f"lr-{k}", [*LR_COMMON, *lr_data, *args]) for k, args in _lr_cases(world).items()
-        ]
+        cogvideox = [("cogvideox", [str(COGVIDEOX), *COGVIDEOX_COMMON])] if world == 2 else []
+        return (
+            [("epochs", epochs)]
+            + [(f"lr-{k}", [*LR_COMMON, *lr_data, *args]) for k, args in _lr_cases(world).items()]
+            + cogvideox
+        )
 
     def results(self, world: int) -> dict[str, dict]:
         if world not in self.done:
@@ -170,6 +183,12 @@ def _references(tmp: Path) -> dict[str, list[tuple[list[str], Path]]]:
             ([*fsdp2, "--unpatched", "--dtype", "float64"], "ref64"),
         ],
     }
+    cogvideox = [str(COGVIDEOX), *COGVIDEOX_COMMON]
+    runs["cogvideox"] = [
+        ([*cogvideox, "--unpatched"], "ref32"),
+        ([*cogvideox, "--unpatched", "--dtype", "float64"], "ref64"),
+        ([*cogvideox, "--stock"], "stock"),
+    ]
     for world, ulysses in LR_WORLDS:
         replicas = world // ulysses
         lr = [*LR_COMMON, "--num-samples", str(3 * replicas), "--batch-size", str(replicas)]
@@ -226,6 +245,7 @@ def references(request, tmp_path_factory):
         "world2": "test_lora_sp_accelerate_world2_epochs_resume_against_stock[",
         "world4": "test_lora_sp_accelerate_world4_two_replicas_of_ulysses2_resume[",
         "fsdp2": "test_lora_sp_accelerate_fsdp2_world2_ulysses2_resume[",
+        "cogvideox": "test_cogvideox_lora_script_world2_epochs_resume_against_stock[",
         **{
             f"lr{w}": "test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process["
             for w, _ in LR_WORLDS
@@ -254,8 +274,9 @@ def _compare(
     """The patched run against the unpatched fp32 run, within ``reassociation_tol`` of its fp64 gap."""
     steps = sorted(ref32["losses"], key=int)
     assert sorted(run["losses"], key=int) == steps, (sorted(run["losses"]), steps)
-    got = torch.tensor([run["losses"][s] for s in steps])
-    loss32 = torch.tensor([ref32["losses"][s] for s in steps])
+    # float64 tensors: the losses are Python floats of fp32 sums, rounding them to fp32 again would hide errors
+    got = torch.tensor([run["losses"][s] for s in steps], dtype=torch.float64)
+    loss32 = torch.tensor([ref32["losses"][s] for s in steps], dtype=torch.float64)
     loss64 = torch.tensor([ref64["losses"][s] for s in steps], dtype=torch.float64)
     loss_noise, loss_error = rel_error(loss32, loss64), rel_error(got, loss32)
     assert loss_error <= reassociation_tol(loss_noise), (loss_error, loss_noise)
@@ -272,8 +293,8 @@ def _compare(
     worst = max(errors, key=errors.get)
     assert errors[worst] <= reassociation_tol(weight_noise), (worst, errors[worst], weight_noise)
 
-    val_noise = rel_error(torch.tensor(ref32["validation_loss"]), torch.tensor(ref64["validation_loss"]))
-    val_error = rel_error(torch.tensor(run["validation_loss"]), torch.tensor(ref32["validation_loss"]))
+    val32, val64, val = (torch.tensor(r["validation_loss"], dtype=torch.float64) for r in (ref32, ref64, run))
+    val_noise, val_error = rel_error(val32, val64), rel_error(val, val32)
     assert val_error <= reassociation_tol(val_noise), (val_error, val_noise)
     return (
         f"loss {loss_error:.3g} <= {reassociation_tol(loss_noise):.3g}; LoRA updates {errors[worst]:.3g} <= "
@@ -428,3 +449,63 @@ def test_lora_sp_accelerate_lr_schedule_equals_the_stock_script_on_one_process(
         assert len(want) == (5 if k == "warmup_max_steps" else EPOCHS * STEPS_PER_EPOCH), (k, want)
         assert got == want, (k, got, want)
         assert want[str(len(want))] == 0.0  # the schedule ends where the stock one does
+
+
+#: diffusers' CogVideoX LoRA script's runs: 3 videos, 3 epochs, accumulation 2 (windows of 2 and 1 micro-steps),
+#: a checkpoint every 2 optimizer steps: checkpoint-2 closes epoch 0. The script resumes by restarting the
+#: checkpoint's epoch, so a resume that equals the uninterrupted run starts from an epoch boundary.
+COGVIDEOX_COMMON = [
+    *("--epochs", str(EPOCHS), "--grad-accum", "2", "--optimizer", "sgd", "--num-samples", "3"),
+    *("--checkpointing-steps", "2"),
+]
+
+
+def _with_validations(result: dict) -> dict:
+    """``result`` with its per-epoch validation latents (fingerprints) as the one vector ``_compare`` reads."""
+    epochs = sorted(result["validations"], key=int)
+    return {**result, "validation_loss": [v for e in epochs for v in result["validations"][e]]}
+
+
+def test_cogvideox_lora_script_world2_epochs_resume_against_stock(launches, references):
+    """Issue 51: diffusers' CogVideoX LoRA script (``examples/integrations/cogvideox_lora_sp.py``: its VAE encoding
+    split over the processes and broadcast before training, the posterior sampled in ``collate_fn``, external
+    rotary embeddings, the v-prediction loss, checkpoints on the main process, validation with a
+    ``CogVideoXPipeline`` on the main process after every epoch) with the recipe's lines at world 2, 3 epochs,
+    against:
+
+    * the same script unpatched on one process (fp32, and fp64 for the rounding noise): the same videos, posterior
+      samples, noise and timesteps at every micro-step, bit for bit; losses, LoRA updates and every epoch's
+      validation latents within ``reassociation_tol``;
+    * itself resumed from ``checkpoint-2`` (the end of epoch 0) in a new launch: epochs 1 and 2 bit for bit
+      (losses, draws, validations, the saved LoRA file);
+    * the stock script (no hfpatch line, every draw from the global RNG) on one process: the same steps, the
+      first epoch's videos in its order, and its draws never repeat either.
+    """
+    run = launches.results(2)["cogvideox"]
+    out = launches.folder(2, "cogvideox")
+    assert (out / "checkpoint-2").is_dir()
+    resume = ["--resume-from-checkpoint", "checkpoint-2", "--results-file", "resumed.json"]
+    resumed = _run(resume, out, world=2, common=COGVIDEOX_COMMON, script=COGVIDEOX)
+    ref32, ref64, stock = references.results("cogvideox")
+    assert run["world"] == 2 and "ulysses=2" in run["plan"], run["plan"]
+
+    assert run["batches_per_epoch"] == stock["batches_per_epoch"] == ref32["batches_per_epoch"] == 3
+    assert run["optimizer_steps"] == stock["optimizer_steps"] == EPOCHS * STEPS_PER_EPOCH
+    _check_draws(run["traces"], [[0, 1]])
+    _check_draws(stock["traces"], [[0]])
+    trace = run["traces"][0]
+    assert [t["samples"] for t in trace] == [t["samples"] for t in ref32["traces"][0]]
+    assert [t["draws"] for t in trace] == [t["draws"] for t in ref32["traces"][0]]
+    assert [t["samples"] for t in trace][:3] == [t["samples"] for t in stock["traces"][0]][:3]
+
+    after = [s for s in run["losses"] if int(s) > 2]
+    assert sorted(resumed["losses"]) == sorted(after)
+    assert all(resumed["losses"][s] == run["losses"][s] for s in after)
+    for full, tail in zip(run["traces"], resumed["traces"]):
+        assert [t["epoch"] for t in tail] == [1] * 3 + [2] * 3 and full[-len(tail) :] == tail
+    assert resumed["lora_final"] == run["lora_final"]
+    assert sorted(resumed["validations"]) == ["1", "2"]
+    assert all(resumed["validations"][e] == run["validations"][e] for e in ("1", "2"))
+    print(
+        _compare(_with_validations(run), _with_validations(ref32), _with_validations(ref64), ("transformer",))
+    )
