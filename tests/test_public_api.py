@@ -75,8 +75,8 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.distributed": None,
     "hfpatch.distributed.agreement": (
         "FIELDS InputMismatchError SLOTS WeightMismatchError WeightWatch bulk_digest bytes_per_check "
-        "check_same_inputs content_digest describe_inputs install_call_guard named_arguments weight_digests "
-        "weight_watch_of weights_mismatch_message"
+        "check_same_inputs compared_as_files content_digest describe_inputs install_call_guard named_arguments "
+        "weight_digests weight_watch_of weights_mismatch_message"
     ),
     "hfpatch.distributed.collectives": (
         "CommCounter PendingP2P all_gather all_reduce_sum all_to_all count_comm even_sizes halo_exchange "

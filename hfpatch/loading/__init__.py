@@ -60,11 +60,15 @@ that folder. A checkpoint with a ``quantization_config`` or integer weights is n
 (issue 50): ``quantization_config=`` (a ``PipelineQuantizationConfig``: diffusers quantizes while loading) and
 ``single_files=`` (a component from one file, a ``.gguf`` through ``GGUFQuantizationConfig``) load those components
 whole on every rank, then ``hfpatch.apply`` runs; with ``shard_weights`` their quantized rows are sharded then,
-where the kind splits by rows (:mod:`hfpatch.patches.fsdp.quantized`).
+where the kind splits by rows (:mod:`hfpatch.patches.fsdp.quantized`). A ``.gguf`` single file under
+``shard_weights`` on several ranks is read through a private mapping of the file instead of diffusers' copy of
+every tensor (:mod:`hfpatch.loading.gguf_files`): each rank copies only its rows; the ranks compare the file's
+bytes (``check_files="full"``) in place of its tensors' digests.
 
 The package: :mod:`hfpatch.loading.pretrained` (:func:`from_pretrained`, :class:`LoadError`: the steps above, in
-order), :mod:`hfpatch.loading.files` (the files a load reads and their agreement over the ranks) and
-:mod:`hfpatch.loading.models` (the models a pipeline folder names, built on ``meta``).
+order), :mod:`hfpatch.loading.files` (the files a load reads and their agreement over the ranks),
+:mod:`hfpatch.loading.models` (the models a pipeline folder names, built on ``meta``) and
+:mod:`hfpatch.loading.gguf_files` (a GGUF file's tensors as views of one mapping).
 """
 
 from .pretrained import LoadError, from_pretrained

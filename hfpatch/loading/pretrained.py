@@ -19,8 +19,10 @@ import torch
 from ..core.config import ParallelConfig
 from ..core.patch import Patch
 from ..distributed import runtime
+from ..distributed.agreement import compared_as_files
 from ..patches.checkpoint import CheckpointSource, TensorEntry, attach_source, detach_source
 from . import files as loading_files
+from .gguf_files import mapped_gguf_state_dict
 from .models import component_dtype, meta_model, model_components, target_dtypes
 
 __all__ = ["LoadError", "from_pretrained", "meta_pipeline"]
@@ -538,6 +540,9 @@ def from_pretrained(
             it (``{"transformer": "wan2.1-t2v-14b-Q8_0.gguf"}``): a ``.gguf`` file is loaded with
             ``GGUFQuantizationConfig`` (computing in ``torch_dtype``, fp32 by default), other files as they are,
             the config from the folder's component; loaded whole on every rank, then passed to the pipeline.
+            With ``shard_weights`` on several ranks a ``.gguf`` file is read through a mapping instead
+            (:mod:`hfpatch.loading.gguf_files`: each rank copies only the rows it keeps) and compared over the
+            ranks as a file (``check_files="full"``).
         **options: :func:`hfpatch.apply`'s options (``shard_weights=True``, ``shard_weights_offload``, ...).
 
     Returns:
@@ -583,13 +588,20 @@ def from_pretrained(
         runtime.ensure_process_group(world)
     load: _Load | None = None
     error: Exception | None = None
+    mapped: dict[str, str] = {}
     folder = str(pretrained_model_name_or_path)
     try:
         folder = _resolve_folder(
             folder, revision, None if cache_dir is None else str(cache_dir), local_files_only, distributed
         )
         whole = _loaded_whole(folder, quantization_config, single_files)
+        mapped = _mapped_single_files(single_files, options, distributed, check_files)
         load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device, whole)
+        for name, path in mapped.items():  # compared whole over the ranks: their weights are not digested
+            load.files += [
+                {**f, "path": f"single_files[{name!r}]"}
+                for f in loading_files.file_identities(folder, [path])
+            ]
         problem = _memory_problem(load.needs)
         if problem is not None:
             raise LoadError(problem)
@@ -611,8 +623,21 @@ def from_pretrained(
     elif error is not None:
         raise error
     assert load is not None
-    extra = _whole_components(load.folder, torch_dtype, quantization_config, single_files)
-    return _load(load, pipeline_class, torch_dtype, parallel, prepare, options, extra)
+    extra, regions = _whole_components(load.folder, torch_dtype, quantization_config, single_files, mapped)
+    with compared_as_files(regions):
+        return _load(load, pipeline_class, torch_dtype, parallel, prepare, options, extra)
+
+
+def _mapped_single_files(
+    single_files: Mapping[str, Any] | None, options: dict[str, Any], distributed: bool, check_files: str
+) -> dict[str, str]:
+    """The ``.gguf`` single files read through a mapping of the file (:mod:`hfpatch.loading.gguf_files`: each
+    rank copies only the rows it keeps): with ``shard_weights`` on several ranks and the files compared whole
+    (``check_files="full"``, which then stands for the weight check of their tensors)."""
+    if not distributed or options.get("shard_weights") in (None, False) or check_files != "full":
+        return {}
+    paths = {name: os.fspath(path) for name, path in (single_files or {}).items()}
+    return {name: path for name, path in paths.items() if path.endswith(".gguf")}
 
 
 def _loaded_whole(folder: str, quantization_config: Any, single_files: Any) -> dict[str, int]:
@@ -637,11 +662,13 @@ def _loaded_whole(folder: str, quantization_config: Any, single_files: Any) -> d
 
 
 def _whole_components(
-    folder: str, torch_dtype: Any, quantization_config: Any, single_files: Any
-) -> dict[str, Any]:
+    folder: str, torch_dtype: Any, quantization_config: Any, single_files: Any, mapped: Mapping[str, str]
+) -> tuple[dict[str, Any], list[tuple[int, int]]]:
     """The ``from_pretrained`` arguments of what diffusers loads whole: ``quantization_config`` and each single
-    file's component, loaded with its class's ``from_single_file`` (a ``.gguf`` with ``GGUFQuantizationConfig``)."""
+    file's component, loaded with its class's ``from_single_file`` (a ``.gguf`` with ``GGUFQuantizationConfig``);
+    and the address ranges of the ``mapped`` files' mappings (their state dicts: :func:`mapped_gguf_state_dict`)."""
     extra: dict[str, Any] = {}
+    regions: list[tuple[int, int]] = []
     if quantization_config is not None:
         extra["quantization_config"] = quantization_config
     components = model_components(folder)
@@ -662,8 +689,12 @@ def _whole_components(
             kwargs.update(
                 quantization_config=GGUFQuantizationConfig(compute_dtype=compute), torch_dtype=compute
             )
-        extra[name] = cls.from_single_file(os.fspath(path), **kwargs)
-    return extra
+        checkpoint: Any = os.fspath(path)
+        if name in mapped:
+            checkpoint, region = mapped_gguf_state_dict(checkpoint)
+            regions.append(region)
+        extra[name] = cls.from_single_file(checkpoint, **kwargs)
+    return extra, regions
 
 
 def _load(

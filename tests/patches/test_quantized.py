@@ -19,6 +19,7 @@ fp32-vs-fp64 noise); ``reassociation_tol`` allows 10x of it, at least 8 ulps.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -400,6 +401,8 @@ def load_cases(folder: str, gguf: str) -> dict[str, bool]:
     def kind(pipe: Any) -> str | None:
         return quantized_kind(pipe.transformer.blocks[0].attn1.to_q.weight)
 
+    from hfpatch.patches.fsdp import parameter_bytes
+
     results = {}
     single = WanTransformer3DModel.from_single_file(
         gguf,
@@ -409,14 +412,54 @@ def load_cases(folder: str, gguf: str) -> dict[str, bool]:
         torch_dtype=torch.float32,
     )
     ref = WanPipeline.from_pretrained(folder, transformer=single)
+    whole_quantized = parameter_bytes([p for p in single.parameters() if quantized_kind(p) is not None])
     with hfpatch.apply(ref, parallel=2):
         expected = call(ref)
-    for options in ({}, {"shard_weights": True}):
-        pipe, patch = hfpatch.from_pretrained(
-            folder, parallel=2, single_files={"transformer": gguf}, **options
+    pipe, patch = hfpatch.from_pretrained(folder, parallel=2, single_files={"transformer": gguf})
+    results["gguf"] = kind(pipe) == "GGUF Q8_0" and torch.equal(call(pipe), expected)
+    patch.remove()
+
+    # shard_weights: each quantized weight a view of the file's mapping until apply (nothing copied whole), then
+    # only this rank's rows; no mapping of the file left once loaded.
+    seen: dict[str, Any] = {}
+
+    def before_apply(pipe: Any) -> None:
+        ranges = mapped_ranges(gguf)
+        weights = [p for p in pipe.transformer.parameters() if quantized_kind(p) is not None]
+        seen["weights"] = weights  # the module's own objects: they hold this rank's rows once sharded
+        seen["all in the mapping"] = bool(ranges) and all(
+            any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in weights
         )
-        results[f"gguf {options}"] = kind(pipe) == "GGUF Q8_0" and torch.equal(call(pipe), expected)
-        patch.remove()
+
+    pipe, patch = hfpatch.from_pretrained(
+        folder, parallel=2, single_files={"transformer": gguf}, shard_weights=True, prepare=before_apply
+    )
+    results["gguf shard_weights: equal"] = kind(pipe) == "GGUF Q8_0" and torch.equal(call(pipe), expected)
+    results["gguf shard_weights: every quantized weight mapped, none copied, before apply"] = (
+        len(seen["weights"]) > 0 and seen["all in the mapping"]
+    )
+    results["gguf shard_weights: no mapping of the file left"] = not mapped_ranges(gguf)
+    results["gguf shard_weights: rows held <= 1.1/2 of the quantized bytes"] = (
+        parameter_bytes(seen["weights"]) <= 1.1 / 2 * whole_quantized
+    )
+    patch.remove()
+
+    # Ranks whose GGUF files differ (one bit near the end, in the tensors' data: the same size and header): refused
+    # on both ranks, naming the file (its tensors are compared as a file, not digested).
+    mine = gguf
+    if dist.get_rank() == 1:
+        mine = gguf.replace(".gguf", "-rank1.gguf")
+        data = bytearray(open(gguf, "rb").read())
+        data[-100] ^= 1
+        with open(mine, "wb") as f:
+            f.write(data)
+    try:
+        hfpatch.from_pretrained(folder, parallel=2, single_files={"transformer": mine}, shard_weights=True)
+        results["gguf shard_weights: different files refused"] = False
+    except ValueError as exc:
+        results["gguf shard_weights: different files refused"] = "single_files['transformer'] differs" in str(
+            exc
+        ) and "ranks read different checkpoints" in str(exc)
     config = PipelineQuantizationConfig(quant_mapping={"transformer": QuantoConfig(weights_dtype="int8")})
     ref = WanPipeline.from_pretrained(folder, quantization_config=config)
     with hfpatch.apply(ref, parallel=2):
@@ -434,7 +477,10 @@ def load_cases(folder: str, gguf: str) -> dict[str, bool]:
 )
 def test_from_pretrained(rank_pool, tmp_path):
     """``hfpatch.from_pretrained`` with a GGUF transformer file and with a ``PipelineQuantizationConfig`` at world 2
-    equals loading with diffusers then ``hfpatch.apply``, bit for bit (CFG 2: every transformer call as unpatched)."""
+    equals loading with diffusers then ``hfpatch.apply``, bit for bit (CFG 2: every transformer call as unpatched).
+    With ``shard_weights`` the GGUF file is read through a mapping: before ``apply`` every quantized weight is a
+    view of it (no rank copies the whole model), after it each rank holds at most 1.1/2 of the quantized bytes and
+    no mapping of the file is left; ranks whose files differ by one byte are refused on both, naming the file."""
     from hfpatch.testing import tiny_wan_pipe
     from hfpatch.testing.quantized import write_gguf
 
@@ -443,4 +489,18 @@ def test_from_pretrained(rank_pool, tmp_path):
     gguf = str(tmp_path / "transformer.gguf")
     write_gguf(pipe.transformer, gguf)
     results = rank_pool(2).run(load_cases, str(tmp_path), gguf)
-    assert all(all(r.values()) for r in results) and len(results[0]) == 3, results
+    assert len(results[0]) == 7, results
+    assert all(all(r.values()) for r in results), [[k for k, ok in r.items() if not ok] for r in results]
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of the file ``path`` (``/proc/self/maps``)."""
+    real = os.path.realpath(path)
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == real:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                found.append((lo, hi))
+    return found

@@ -65,6 +65,7 @@ from .weights import WEIGHTS_SLOT as WEIGHTS_SLOT
 from .weights import (
     WeightMismatchError,
     WeightWatch,
+    compared_as_files,
     weight_digests,
     weight_watch_of,
     weights_mismatch_message,
@@ -80,6 +81,7 @@ __all__ = [
     "bulk_digest",
     "bytes_per_check",
     "check_same_inputs",
+    "compared_as_files",
     "content_digest",
     "describe_inputs",
     "install_call_guard",

@@ -12,7 +12,8 @@ import contextvars
 import hashlib
 import struct
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "WEIGHTS_SLOT",
     "WeightMismatchError",
     "WeightWatch",
+    "compared_as_files",
     "current_watch",
     "fold_digests",
     "weight_digests",
@@ -53,11 +55,58 @@ _NAMED_TENSORS = 5
 _MIX = to_int64(0x9E3779B97F4A7C15)
 
 
+#: Address ranges ``(start, stop)`` of file mappings whose bytes the caller compared over the ranks itself
+#: (:func:`compared_as_files`); set only inside that block.
+_COMPARED_FILES: contextvars.ContextVar[tuple[tuple[int, int], ...]] = contextvars.ContextVar(
+    "hfpatch_compared_files", default=()
+)
+
+
+@contextmanager
+def compared_as_files(regions: Sequence[tuple[int, int]]) -> Iterator[None]:
+    """Inside the block, tensors whose stored bytes all lie in one of ``regions`` (``(start, stop)`` addresses of
+    file mappings) are compared by their kind only, not digested: the caller compared those files' bytes over the
+    ranks (``hfpatch.from_pretrained``: the sha256 of every byte of a GGUF file, computed once per node), and a
+    digest would read every byte of the mapping on every rank, where each rank keeps only its rows.
+
+    >>> import numpy as np, torch
+    >>> array = np.arange(8, dtype=np.float32)
+    >>> mapped = torch.from_numpy(array)                       # stands for a view of a mapped file
+    >>> start = mapped.data_ptr()
+    >>> with compared_as_files([(start, start + array.nbytes)]):
+    ...     weight_digests([("", torch.nn.ParameterList([mapped]))])["0"][1:]
+    [0, 0]
+    """
+    token = _COMPARED_FILES.set(tuple(regions))
+    try:
+        yield
+    finally:
+        _COMPARED_FILES.reset(token)
+
+
+def _in_compared_files(parts: Sequence[torch.Tensor]) -> bool:
+    regions = _COMPARED_FILES.get()
+    if not regions or not parts or any(p.device.type != "cpu" for p in parts):
+        return False
+    for part in parts:
+        start = part.data_ptr()
+        last = (
+            sum((size - 1) * stride for size, stride in zip(part.shape, part.stride()))
+            if part.numel()
+            else -1
+        )
+        stop = start + (last + 1) * part.element_size()
+        if not any(lo <= start and stop <= hi for lo, hi in regions):
+            return False
+    return True
+
+
 def _weight_row(tensor: torch.Tensor) -> torch.Tensor:
     """``(3,)`` int64 row of one parameter or buffer, on its device.
 
     A tensor without data of its own here holds no digest, only its kind: on the meta device (offload hooks
-    bring the weights in per call), or a DTensor (FSDP2: each rank holds another shard by design). A quantized
+    bring the weights in per call), or a DTensor (FSDP2: each rank holds another shard by design); so does a
+    view of a file whose bytes the ranks compared (:func:`compared_as_files`). A quantized
     weight (a tensor subclass: torchao, optimum-quanto, GGUF, bitsandbytes) is digested over what it stores
     (:func:`~hfpatch.distributed.stored.stored_tensors`: its quantized data and scales, in order), its kind and
     layout in the kind hash; an unknown subclass raises
@@ -65,6 +114,8 @@ def _weight_row(tensor: torch.Tensor) -> torch.Tensor:
     """
     local = not tensor.is_meta and not any(c.__name__ == "DTensor" for c in type(tensor).__mro__)
     text, parts = stored_tensors(tensor) if local else ("", [])
+    if local and _in_compared_files(parts):
+        local, text = False, f"{text}/file compared"
     kind = hash_text(
         f"{tensor.dtype}/{tuple(tensor.shape)}/{'data' if local else 'no data'}"
         + (f"/{text}" if text else "")
