@@ -158,7 +158,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.streaming.training": "ChunkInfo StreamingTrainingModel",
     "hfpatch.streaming.vae": "StreamingWanDecoder",
     "hfpatch.testing": (
-        "RankError RankPool qwen2_vl_inputs qwen3_vl_inputs run_ranks spread tiny_autoencoder_kl tiny_bert "
+        "RankError RankPool flux_inputs qwen2_vl_inputs qwen3_vl_inputs run_ranks spread tiny_autoencoder_kl tiny_bert "
         "tiny_chronoedit_transformer tiny_clip_text_model tiny_clip_tokenizer tiny_cogvideox_transformer "
         "tiny_flux2_transformer tiny_flux_pipe tiny_flux_pipe_with_text_encoders tiny_flux_transformer "
         "tiny_hunyuandit_pipe tiny_hunyuandit_transformer tiny_hunyuanvideo15_transformer "
@@ -177,7 +177,7 @@ PUBLIC: dict[str, str | None] = {
     ),
     "hfpatch.testing.memory": "CopyCounter MemoryTracker count_copies measure_peak resident_peak track_memory",
     "hfpatch.testing.models": (
-        "qwen2_vl_inputs qwen3_vl_inputs tiny_autoencoder_kl tiny_bert tiny_chronoedit_transformer "
+        "flux_inputs qwen2_vl_inputs qwen3_vl_inputs tiny_autoencoder_kl tiny_bert tiny_chronoedit_transformer "
         "tiny_clip_text_model tiny_clip_tokenizer tiny_cogvideox_transformer tiny_flux2_transformer "
         "tiny_flux_pipe tiny_flux_pipe_with_text_encoders tiny_flux_transformer tiny_hunyuandit_pipe "
         "tiny_hunyuandit_transformer tiny_hunyuanvideo15_transformer tiny_hunyuanvideo_pipe "

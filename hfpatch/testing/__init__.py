@@ -8,7 +8,8 @@ Tiny stock models (random weights, :mod:`hfpatch.testing.models`):
 
 * VAEs: :func:`tiny_wan_vae` (``AutoencoderKLWan``, ``"2.1"`` or ``"2.2"``),
   :func:`tiny_autoencoder_kl` (``AutoencoderKL``).
-* Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer`, :func:`tiny_sd3_transformer`,
+* Transformers: :func:`tiny_wan_transformer`, :func:`tiny_flux_transformer` (inputs: :func:`flux_inputs`),
+  :func:`tiny_sd3_transformer`,
   :func:`tiny_cogvideox_transformer`, :func:`tiny_qwenimage_transformer`, :func:`tiny_flux2_transformer`,
   :func:`tiny_ltx_transformer`, :func:`tiny_chronoedit_transformer`, :func:`tiny_hunyuanvideo_transformer`,
   :func:`tiny_wan_vace_transformer`, :func:`tiny_hunyuanvideo15_transformer`, :func:`tiny_ltx2_transformer`,
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .memory import track_memory
     from .models import (
+        flux_inputs,
         qwen2_vl_inputs,
         qwen3_vl_inputs,
         tiny_autoencoder_kl,
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
 __all__ = [
     "RankError",
     "RankPool",
+    "flux_inputs",
     "qwen2_vl_inputs",
     "qwen3_vl_inputs",
     "run_ranks",

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "flux_inputs",
     "qwen2_vl_inputs",
     "qwen3_vl_inputs",
     "tiny_autoencoder_kl",
@@ -893,6 +894,33 @@ KL_VAE_8X = dict(
 def wan_prompt_embeds(batch: int = 1, length: int = 6, text_dim: int = 16, seed: int = 1) -> torch.Tensor:
     """Random text-encoder outputs shaped like UMT5's, for running a tiny Wan pipeline without a tokenizer."""
     return torch.randn(batch, length, text_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def flux_inputs(side: int = 5, text_tokens: int = 7, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Forward kwargs of :func:`tiny_flux_transformer` (16 latent channels, text and pooled width 16), batch 1: a
+    ``side x side`` grid of image tokens (``img_ids`` ``[0, row, column]``) and ``text_tokens`` text tokens, drawn
+    from ``seed``, ``seed + 1`` and ``seed + 2``. The default 25 image tokens leave padding at worlds 2, 3 and 4.
+
+    >>> from hfpatch.testing.models import flux_inputs, tiny_flux_transformer
+    >>> tuple(tiny_flux_transformer()(**flux_inputs()).sample.shape)
+    (1, 25, 16)
+    """
+
+    def randn(*shape: int, seed: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+    tokens = side * side
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(
+        tokens, 2
+    )
+    return dict(
+        hidden_states=randn(1, tokens, 16, seed=seed),
+        encoder_hidden_states=randn(1, text_tokens, 16, seed=seed + 1),
+        pooled_projections=randn(1, 16, seed=seed + 2),
+        timestep=torch.tensor([0.7]),
+        img_ids=torch.cat([torch.zeros(tokens, 1), grid.float()], dim=1),
+        txt_ids=torch.zeros(text_tokens, 3),
+    )
 
 
 def tiny_wan_pipe(seed: int = 0, two_transformers: bool = False, text_encoder: bool = False):

@@ -186,7 +186,7 @@ def tiny_quantizable(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     >>> tuple(model(**kwargs).sample.shape)
     (2, 4, 1, 10, 10)
     """
-    from . import tiny_flux_transformer, tiny_wan_transformer
+    from .models import flux_inputs, tiny_flux_transformer, tiny_wan_transformer
 
     def randn(*shape: int, seed: int) -> torch.Tensor:
         return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -200,16 +200,7 @@ def tiny_quantizable(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
         return tiny_wan_transformer(ffn_dim=256), kwargs
     if family != "flux":
         raise ValueError(f"unknown family {family!r}; known: wan, flux")
-    grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
-    kwargs = dict(
-        hidden_states=randn(1, 25, 16, seed=1),
-        encoder_hidden_states=randn(1, 7, 16, seed=2),
-        pooled_projections=randn(1, 16, seed=3),
-        timestep=torch.tensor([0.7]),
-        img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
-        txt_ids=torch.zeros(7, 3),
-    )
-    return tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8)), kwargs
+    return tiny_flux_transformer(head_dim=16, axes_dims_rope=(4, 4, 8)), flux_inputs()
 
 
 def quantized(model: torch.nn.Module, kind: str) -> torch.nn.Module:

@@ -117,17 +117,7 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, Any], str]:
         )
         return model, kwargs, "hidden_states"
     if family == "flux":  # 5 x 5 = 25 image tokens, 7 text tokens
-        model = testing.tiny_flux_transformer()
-        grid = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(5), indexing="ij"), -1).reshape(25, 2)
-        kwargs = dict(
-            hidden_states=_randn(1, 25, 16, seed=1),
-            encoder_hidden_states=_randn(1, 7, 16, seed=2),
-            pooled_projections=_randn(1, 16, seed=3),
-            timestep=torch.tensor([0.7]),
-            img_ids=torch.cat([torch.zeros(25, 1), grid.float()], dim=1),
-            txt_ids=torch.zeros(7, 3),
-        )
-        return model, kwargs, "hidden_states"
+        return testing.tiny_flux_transformer(), testing.flux_inputs(), "hidden_states"
     if family in ("sd3", "sd35"):  # 5 x 5 = 25 image tokens, 7 text tokens
         overrides = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if family == "sd35" else {}
         model = testing.tiny_sd3_transformer(**overrides)
