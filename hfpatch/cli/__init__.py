@@ -1,7 +1,9 @@
-"""The ``hfpatch`` command: ``generate``, ``demo``, ``selftest``, ``bench`` and ``info``.
+"""The ``hfpatch`` command: ``generate``, ``serve``, ``demo``, ``selftest``, ``bench`` and ``info``.
 
 * ``hfpatch generate MODEL --prompt ... --out FILE``: a diffusers checkpoint on every launched rank
   (``torchrun --nproc-per-node N -m hfpatch generate ...``), see :mod:`hfpatch.cli.generate`.
+* ``hfpatch serve MODEL --port 8000``: the same pipeline kept loaded on every launched rank behind an HTTP API on
+  rank 0 (``[serve]`` extra), see :mod:`hfpatch.cli.serve`.
 * ``hfpatch demo [--nproc N]``: the tiny Wan pipeline unpatched vs ``hfpatch.apply(pipe, parallel=N)``.
 * ``hfpatch selftest [--nproc N]``: collectives and ``usp_attention`` exactness on N local gloo ranks.
 * ``hfpatch bench [NAME]``: list, or run, the scripts in ``benchmarks/`` of a source checkout.
@@ -81,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
             "command and computes the unpatched pipeline's output; what can be checked without the weights "
             "(degrees vs the world size, output suffixes, the model's classes) is a usage error (exit status 2) "
             "before any weight loads.",
+        )
+    )
+    from .serve import add_serve_arguments
+
+    add_serve_arguments(
+        commands.add_parser(
+            "serve",
+            help="keep a diffusers checkpoint loaded on every launched rank behind an HTTP API on rank 0: torchrun "
+            "--nproc-per-node N -m hfpatch serve MODEL --port 8000 (needs hfpatch[serve])",
+            description="Load and patch a diffusers pipeline on every rank as hfpatch generate does, then answer "
+            "OpenAI-style requests (POST /v1/images/generations, /v1/videos/generations; GET /health, /metrics) "
+            "from rank 0, every rank running each request's call in step. The generate options fix the pipeline; "
+            "the call's options are the defaults of every request.",
         )
     )
     from .plan import add_arguments as add_plan_arguments
@@ -342,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .generate import main as generate
 
         return generate(args)
+    if args.command == "serve":
+        from .serve import main as serve
+
+        return serve(args)
     if args.command == "plan":
         from .plan import main as plan
 

@@ -126,14 +126,30 @@ def parse_quantize(text: str) -> tuple[str, str | None]:
     raise argparse.ArgumentTypeError(f"unknown quantization {text!r}; known: {', '.join(QUANTIZE)}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hfpatch generate`` (imports no torch: ``--help`` and usage errors are instant)."""
+def add_arguments(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The options of ``hfpatch generate`` (imports no torch: ``--help`` and usage errors are instant); with
+    ``serve``, those of ``hfpatch serve``: the same pipeline options, the call's options as the defaults of every
+    request, no ``--prompt``, ``--out`` or ``--report``."""
     parser.add_argument(
         "model",
         metavar="MODEL",
         help="a local diffusers pipeline folder (with model_index.json) or a Hugging Face hub id, loaded with "
         "diffusers' DiffusionPipeline.from_pretrained",
     )
+    if not serve:
+        _add_outputs(parser)
+    _add_call(parser, serve)
+    _add_pipeline(parser)
+    if not serve:
+        parser.add_argument(
+            "--report",
+            metavar="FILE.json",
+            help="write a JSON report (rank 0): plan, time per denoising step, VAE and end-to-end time, peak "
+            "memory and bytes sent per rank, versions and device names (default: none)",
+        )
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         action="append",
@@ -144,10 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "raw output tensor (output_type='pt'). A batch of several writes NAME-0.png, NAME-1.png, ... "
         "(required, no default)",
     )
+
+
+def _add_call(parser: argparse.ArgumentParser, serve: bool) -> None:
     call = parser.add_argument_group(
-        "the pipeline call (an option left out keeps the pipeline's own default)"
+        "the defaults of every request's call (an option left out keeps the pipeline's own default)"
+        if serve
+        else "the pipeline call (an option left out keeps the pipeline's own default)"
     )
-    call.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (required, no default)")
+    if not serve:
+        call.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (required, no default)")
     call.add_argument(
         "--negative-prompt",
         metavar="TEXT",
@@ -197,6 +219,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="frames per second of .mp4/.gif outputs (default: %(default)s)",
     )
+
+
+def _add_pipeline(parser: argparse.ArgumentParser) -> None:
     plan = parser.add_argument_group(
         "parallelism (their product must equal the launched world size, e.g. torchrun --nproc-per-node N)"
     )
@@ -269,12 +294,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + "; ".join(f"{k}: {v}" for k, v in QUANTIZE.items())
         + ". Sequence, CFG and Ring parallelism run on them exactly; --shard-weights shards the quantized rows of "
         "int8, GGUF and nf4 (default: none)",
-    )
-    parser.add_argument(
-        "--report",
-        metavar="FILE.json",
-        help="write a JSON report (rank 0): plan, time per denoising step, VAE and end-to-end time, peak memory "
-        "and bytes sent per rank, versions and device names (default: none)",
     )
 
 

@@ -598,41 +598,60 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def rank_device(args: argparse.Namespace) -> tuple[Any, Any]:
+    """This rank's device (its ``LOCAL_RANK``'s GPU, made current, or the CPU) and the compute dtype (``--dtype``,
+    else bf16 on a GPU and fp32 on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return device, getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+
+
+def load_and_patch(
+    args: argparse.Namespace, info: ModelInfo, world_size: int, device: Any, dtype: Any, times: dict[str, Any]
+) -> tuple[Any, Any, list[str]]:
+    """The pipeline the options fix (``--quantize``, ``--lora``, ``--cache``), placed on ``device``, patched with
+    the plan (``--parallel``/degrees, ``--shard-weights``) and compiled (``--compile``): ``(pipe, patch, compiled
+    denoisers)``; ``times`` gets ``load`` and ``apply`` in seconds. Shared by ``hfpatch generate`` and ``hfpatch
+    serve``."""
+    import hfpatch
+
+    started = time.perf_counter()
+    quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
+    pipe = load_pipeline(args.model, dtype, **quantized)
+    if args.lora is not None:
+        pipe.load_lora_weights(args.lora)
+    _place_pipeline(pipe, device, args.shard_weights)
+    if args.cache is not None:
+        _enable_cache(pipe, *args.cache)
+    times["load"] = time.perf_counter() - started
+    started = time.perf_counter()
+    options = {"shard_weights": True} if args.shard_weights else {}
+    patch = hfpatch.apply(pipe, parallel=_parallel(args, world_size), **options)
+    compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
+    times["apply"] = time.perf_counter() - started
+    return pipe, patch, compiled
+
+
 def _generate(args: argparse.Namespace, info: ModelInfo, world_size: int) -> None:
     import torch
     import torch.distributed as dist
-
-    import hfpatch
 
     from ..distributed import runtime
     from ..distributed.collectives import count_comm
     from .outputs import quiet_unless_rank0
 
     rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    device, dtype = rank_device(args)
     initialised_here = world_size > 1 and not dist.is_initialized()
     restore_voices = quiet_unless_rank0(rank)  # one progress bar and one copy of each warning: rank 0's
     try:
         times: dict[str, Any] = {}
-        started = time.perf_counter()
-        quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
-        pipe = load_pipeline(args.model, dtype, **quantized)
-        if args.lora is not None:
-            pipe.load_lora_weights(args.lora)
-        _place_pipeline(pipe, device, args.shard_weights)
-        if args.cache is not None:
-            _enable_cache(pipe, *args.cache)
-        times["load"] = time.perf_counter() - started
-        started = time.perf_counter()
-        options = {"shard_weights": True} if args.shard_weights else {}
-        patch = hfpatch.apply(pipe, parallel=_parallel(args, world_size), **options)
-        compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
-        times["apply"] = time.perf_counter() - started
+        pipe, patch, compiled = load_and_patch(args, info, world_size, device, dtype, times)
         pipe.set_progress_bar_config(disable=rank != 0)
         backend = dist.get_backend() if dist.is_initialized() else "none"
         if rank == 0:
