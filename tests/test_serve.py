@@ -1,20 +1,25 @@
-"""``hfpatch serve`` under torchrun at 2 CPU ranks: a real HTTP client against the tiny saved Flux pipeline.
+"""``hfpatch serve`` under torchrun at 2 CPU ranks: a real HTTP client against the tiny saved Flux and Wan pipelines.
 
-One launch runs ``hfpatch generate`` (the reference: ``--out ref.pt`` and ``ref.png``) and then ``hfpatch serve``
-with the same options in the same two processes (a launch costs ~7 s of CPU per process). The client checks:
+One launch runs, in the same two processes (a launch costs ~7 s of CPU per process), ``hfpatch generate`` on the
+tiny Flux (the reference: ``--out ref.pt`` and ``ref.png``), ``hfpatch serve`` with the same options until
+``SIGTERM``, then the same for the tiny Wan (a video). The client checks:
 
 * the served image equals ``hfpatch generate``'s: the raw tensor (``response_format: "pt"``) bit for bit, and the
-  PNG (``b64_json``) byte for byte;
+  PNG (``b64_json``) byte for byte; the served video's tensor bit for bit and its MP4 byte for byte;
 * bad requests get a 400 that says what to change and never reach the ranks: the next request still runs, and
   another seed gives another image;
+* 4 clients at once with a queue of 2: the requests over the bound get 429, retried; every answer is its own
+  seed's image (none lost or mixed up);
 * ``/health`` is 200 once every rank has loaded, ``/metrics`` counts the answers;
-* ``SIGTERM`` to rank 0 stops every rank cleanly (exit status 0).
+* ``SIGTERM`` to rank 0 stops every rank cleanly (exit status 0 after both servers).
+
+A second launch kills rank 1 during a long request: that request is answered 503 within ``HFPATCH_TIMEOUT_S`` + 5 s
+and the server stops (503, then nothing listens), the launch exits with a failure.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import re
@@ -22,9 +27,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +38,13 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from hfpatch.cli.serve import decode_tensor, post  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = ["--steps", "2", "--pipeline-kwargs", '{"max_sequence_length": 8}', "--parallel", "2"]
+TEXT = ["--pipeline-kwargs", '{"max_sequence_length": 8}']
+FLUX = ["--steps", "2", *TEXT, "--parallel", "2"]
+WAN = ["--steps", "2", "--negative-prompt", "blurry", *TEXT, "--parallel", "2"]
+TIMEOUT_S = 10  # HFPATCH_TIMEOUT_S of the launches
 
 DRIVER = """\
 import json, sys
@@ -54,67 +63,107 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _request(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            payload = response.read()
-            status = response.status
-    except urllib.error.HTTPError as exc:
-        payload, status = exc.read(), exc.code
-    text = payload.decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+class _Launch:
+    """``hfpatch`` commands run one after the other in one torchrun launch of 2 processes, output in a file."""
 
+    def __init__(self, folder: Path, commands: list[list[str]]) -> None:
+        self.log_path = folder / "launch.log"
+        (folder / "commands.json").write_text(json.dumps(commands))
+        (folder / "driver.py").write_text(DRIVER)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.update(OMP_NUM_THREADS="1", HFPATCH_TIMEOUT_S=str(TIMEOUT_S))
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(folder / "driver.py"),
+             str(folder / "commands.json")],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )  # fmt: skip
 
-def _decode_tensor(answer: dict[str, Any]) -> torch.Tensor:
-    return torch.load(io.BytesIO(base64.b64decode(answer["data"][0]["b64_json"])))
+    def output(self) -> str:
+        return self.log_path.read_text()[-6000:]
 
-
-def test_serve_two_ranks_equals_generate_refuses_bad_requests_and_stops_on_sigterm(tmp_path):
-    from hfpatch.testing import tiny_flux_pipe_with_text_encoders
-
-    folder = tmp_path / "flux"
-    tiny_flux_pipe_with_text_encoders().save_pretrained(folder)
-    port = _port()
-    commands = [
-        ["generate", str(folder), "--prompt", "a fox", "--height", "16", "--width", "16", "--seed", "3", *OPTIONS,
-         "--out", str(tmp_path / "ref.pt"), "--out", str(tmp_path / "ref.png")],
-        ["serve", str(folder), *OPTIONS, "--port", str(port), "--max-queue", "4"],
-    ]  # fmt: skip
-    (tmp_path / "commands.json").write_text(json.dumps(commands))
-    (tmp_path / "driver.py").write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.update(OMP_NUM_THREADS="1", HFPATCH_TIMEOUT_S="60")
-    log = open(tmp_path / "serve.log", "w")
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "driver.py"),
-         str(tmp_path / "commands.json")],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
+    def wait_ready(self, base: str, pipeline: str) -> None:
         deadline = time.monotonic() + 300
         while True:
-            assert launch.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
+            assert self.process.poll() is None, self.output()
             try:
-                status, health = _request(f"{base}/health")
+                status, health = post(f"{base}/health", timeout=5)
                 if status == 200:
-                    break
+                    assert health == {"status": "ready", "pipeline": pipeline}, health
+                    return
             except OSError:
                 pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-6000:]
-            time.sleep(0.5)
-        assert health == {"status": "ready", "pipeline": "FluxPipeline"}
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.3)
 
+    def pid(self, rank: int) -> int:
+        pattern = r"\(rank 0: pid (\d+)\)" if rank == 0 else rf"rank {rank} \(pid (\d+)\)"
+        return int(re.findall(pattern, self.log_path.read_text())[-1])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def _concurrent(url: str, seeds: list[int], clients: int) -> tuple[dict[int, list[torch.Tensor]], int]:
+    """``clients`` threads posting their share of ``seeds`` at once (a 429 is retried); their images by seed and
+    the number of 429s."""
+    found: dict[int, list[torch.Tensor]] = {}
+    refused = [0]
+    lock, start = threading.Lock(), threading.Barrier(clients)
+
+    def client(mine: list[int]) -> None:
+        start.wait()
+        for seed in mine:
+            while True:
+                status, answer = post(
+                    url, {"prompt": "a fox", "size": "16x16", "seed": seed, "response_format": "pt"}
+                )
+                if status != 429:
+                    break
+                with lock:
+                    refused[0] += 1
+                time.sleep(0.05)
+            assert status == 200, answer
+            with lock:
+                found.setdefault(seed, []).append(decode_tensor(answer))
+
+    threads = [threading.Thread(target=client, args=(seeds[i::clients],)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return found, refused[0]
+
+
+def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_stop(tmp_path):
+    from hfpatch.testing import tiny_flux_pipe_with_text_encoders, tiny_wan_pipe
+
+    flux, wan = tmp_path / "flux", tmp_path / "wan"
+    tiny_flux_pipe_with_text_encoders().save_pretrained(flux)
+    tiny_wan_pipe(text_encoder=True).save_pretrained(wan)
+    ports = _port(), _port()
+    commands = [
+        ["generate", str(flux), "--prompt", "a fox", "--height", "16", "--width", "16", "--seed", "3", *FLUX,
+         "--out", str(tmp_path / "ref.pt"), "--out", str(tmp_path / "ref.png")],
+        ["serve", str(flux), *FLUX, "--port", str(ports[0]), "--max-queue", "2"],
+        ["generate", str(wan), "--prompt", "a cat", "--height", "32", "--width", "32", "--frames", "5", "--seed",
+         "5", *WAN, "--out", str(tmp_path / "video.pt"), "--out", str(tmp_path / "video.mp4")],
+        ["serve", str(wan), *WAN, "--port", str(ports[1])],
+    ]  # fmt: skip
+    launch = _Launch(tmp_path, commands)
+    try:
+        base = f"http://127.0.0.1:{ports[0]}"
+        images = f"{base}/v1/images/generations"
+        launch.wait_ready(base, "FluxPipeline")
         body = {"prompt": "a fox", "size": "16x16", "seed": 3}
-        status, answer = _request(f"{base}/v1/images/generations", {**body, "response_format": "pt"})
+        status, answer = post(images, {**body, "response_format": "pt"})
         assert status == 200, answer
-        assert torch.equal(_decode_tensor(answer), torch.load(tmp_path / "ref.pt"))
-        status, answer = _request(f"{base}/v1/images/generations", body)
+        reference = torch.load(tmp_path / "ref.pt")
+        assert torch.equal(decode_tensor(answer), reference)
+        status, answer = post(images, body)
         assert status == 200, answer
         assert base64.b64decode(answer["data"][0]["b64_json"]) == (tmp_path / "ref.png").read_bytes()
 
@@ -125,34 +174,147 @@ def test_serve_two_ranks_equals_generate_refuses_bad_requests_and_stops_on_sigte
             "no prompt": ({"size": "16x16"}, "prompt is required"),
             "a url": ({**body, "response_format": "url"}, 'use "b64_json" or "pt"'),
             "a video field": ({**body, "frames": 5}, "unknown field frames"),
+            "a huge size": ({**body, "size": "65536x16"}, "at most 4096"),
         }
         for what, (request, said) in bad.items():
-            status, answer = _request(f"{base}/v1/images/generations", request)
+            status, answer = post(images, request)
             assert status == 400 and said in answer["error"]["message"], (what, status, answer)
-        status, answer = _request(f"{base}/v1/images/generations", raw=b"{not json")
+        status, answer = post(images, raw=b"{not json")
         assert status == 400 and "not JSON" in answer["error"]["message"], answer
-        status, answer = _request(f"{base}/v1/videos/generations", body)
+        status, answer = post(f"{base}/v1/videos/generations", body)
         assert status == 400 and "/v1/images/generations" in answer["error"]["message"], answer
 
-        # The ranks were not touched: the next request runs, and another seed gives another image.
-        status, answer = _request(
-            f"{base}/v1/images/generations", {**body, "seed": 4, "response_format": "pt"}
+        # The ranks were not touched: the next request runs; another seed gives another image.
+        seeds = [10, 11, 12, 13]
+        alone = {}
+        for seed in seeds:
+            status, answer = post(images, {**body, "seed": seed, "response_format": "pt"})
+            assert status == 200, answer
+            alone[seed] = decode_tensor(answer)
+        assert alone[10].shape == reference.shape and not torch.equal(alone[10], reference)
+
+        # 4 clients at once, 3 requests each, a queue of 2: none lost or mixed up, the bound answered 429.
+        found, refused = _concurrent(images, seeds * 3, clients=4)
+        assert sorted(found) == seeds and all(len(found[s]) == 3 for s in seeds), {
+            s: len(v) for s, v in found.items()
+        }
+        assert all(torch.equal(t, alone[s]) for s, got in found.items() for t in got)
+        assert refused >= 1, "4 clients at once never filled a queue of 2"
+
+        status, metrics = post(f"{base}/metrics")
+        assert status == 200
+        answered = 2 + len(seeds) + 12
+        assert f'hfpatch_requests_total{{status="200"}} {answered}' in metrics, metrics
+        assert 'hfpatch_requests_total{status="400"} 9' in metrics, metrics
+        assert f'hfpatch_requests_total{{status="429"}} {refused}' in metrics, metrics
+        assert "hfpatch_queue_length 0" in metrics and "hfpatch_healthy 1" in metrics, metrics
+        os.kill(
+            launch.pid(0), signal.SIGTERM
+        )  # the flux server stops; the launch goes on with the Wan commands
+
+        base = f"http://127.0.0.1:{ports[1]}"
+        launch.wait_ready(base, "WanPipeline")
+        video = {"prompt": "a cat", "size": "32x32", "frames": 5, "seed": 5}
+        status, answer = post(f"{base}/v1/videos/generations", {**video, "response_format": "pt"})
+        assert status == 200, answer
+        assert torch.equal(decode_tensor(answer), torch.load(tmp_path / "video.pt"))
+        status, answer = post(f"{base}/v1/videos/generations", video)
+        assert status == 200, answer
+        assert base64.b64decode(answer["data"][0]["b64_json"]) == (tmp_path / "video.mp4").read_bytes()
+        status, answer = post(f"{base}/v1/images/generations", {"prompt": "a cat"})
+        assert status == 400 and "/v1/videos/generations" in answer["error"]["message"], answer
+        os.kill(launch.pid(0), signal.SIGTERM)
+        assert launch.process.wait(timeout=60) == 0, launch.output()
+    finally:
+        launch.close()
+
+
+def test_serve_a_rank_killed_mid_request_turns_into_503_and_stops(tmp_path):
+    from hfpatch.testing import tiny_wan_pipe
+
+    wan = tmp_path / "wan"
+    tiny_wan_pipe(text_encoder=True).save_pretrained(wan)
+    port = _port()
+    launch = _Launch(tmp_path, [["serve", str(wan), *WAN, "--port", str(port)]])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        launch.wait_ready(base, "WanPipeline")
+        answers: list[tuple[int, float, Any]] = []
+
+        def long_request() -> None:  # hundreds of steps: still running when rank 1 dies
+            body = {"prompt": "a cat", "size": "32x32", "frames": 5, "steps": 1000, "response_format": "pt"}
+            status, answer = post(f"{base}/v1/videos/generations", body)
+            answers.append((status, time.monotonic(), answer))
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(2.0)
+        assert thread.is_alive(), answers
+        killed = time.monotonic()
+        os.kill(launch.pid(1), signal.SIGKILL)
+        thread.join(timeout=TIMEOUT_S + 30)
+        status, when, answer = answers[0]
+        assert status == 503 and "the ranks failed" in answer["error"]["message"], answer
+        assert when - killed <= TIMEOUT_S + 5, when - killed
+        try:  # the next request: 503 while the server stops, or nothing listens any more
+            status, _ = post(f"{base}/v1/videos/generations", {"prompt": "a cat"}, timeout=10)
+            assert status == 503
+        except OSError:
+            pass
+        assert launch.process.wait(timeout=60) != 0, launch.output()
+    finally:
+        launch.close()
+
+
+def _browser() -> str | None:
+    """A Chromium for Playwright to drive: Playwright's own, or the system's (Debian's ``chromium``)."""
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def test_serve_ui_in_a_real_browser_shows_the_served_image(tmp_path):
+    """``--ui``: a headless Chromium (driven by Playwright) opens the page, types a prompt, size and seed, clicks
+    Generate, and the image on the page is the PNG the API answers for the same request, byte for byte; a bad
+    size shows the server's 400 message on the page."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = _browser()
+    if executable is None:
+        pytest.skip("no Chromium: apt-get install chromium (Debian), or `playwright install chromium`")
+    from hfpatch.testing import tiny_flux_pipe_with_text_encoders
+
+    flux = tmp_path / "flux"
+    tiny_flux_pipe_with_text_encoders().save_pretrained(flux)
+    port = _port()
+    launch = _Launch(tmp_path, [["serve", str(flux), *FLUX, "--port", str(port), "--ui"]])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        launch.wait_ready(base, "FluxPipeline")
+        status, answer = post(
+            f"{base}/v1/images/generations", {"prompt": "a red fox", "size": "16x16", "seed": 7}
         )
         assert status == 200, answer
-        other = _decode_tensor(answer)
-        assert other.shape == torch.load(tmp_path / "ref.pt").shape
-        assert not torch.equal(other, torch.load(tmp_path / "ref.pt"))
-
-        status, metrics = _request(f"{base}/metrics")
-        assert status == 200
-        assert 'hfpatch_requests_total{status="200"} 3' in metrics and 'status="400"} 8' in metrics, metrics
-        assert "hfpatch_queue_length 0" in metrics and "hfpatch_healthy 1" in metrics, metrics
-
-        rank0 = int(re.search(r"\(rank 0: pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
-        os.kill(rank0, signal.SIGTERM)
-        assert launch.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-6000:]
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=executable, headless=True, args=["--no-sandbox"]
+            )
+            page = browser.new_page()
+            page.goto(base + "/")
+            assert "FluxPipeline" in page.title()
+            page.fill("#prompt", "a red fox")
+            page.fill("#size", "16x16")
+            page.fill("#seed", "7")
+            page.click("#generate")
+            image = page.wait_for_selector("#result img", timeout=60_000)
+            shown = image.get_attribute("src")
+            assert shown == "data:image/png;base64," + answer["data"][0]["b64_json"]
+            assert page.evaluate("document.querySelector('#result img').naturalWidth") == 16
+            page.fill("#size", "17x16")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=60_000)
+            assert page.text_content("#error").startswith("400: size 17x16")
+            browser.close()
+        os.kill(launch.pid(0), signal.SIGTERM)
+        assert launch.process.wait(timeout=60) == 0, launch.output()
     finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
-        log.close()
+        launch.close()

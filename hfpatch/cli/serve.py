@@ -52,11 +52,14 @@ from .generate import (
 )
 
 __all__ = [
+    "PAGE",
     "REQUEST_FIELDS",
     "RequestError",
     "add_serve_arguments",
+    "decode_tensor",
     "encode",
     "main",
+    "post",
     "request_call",
     "size_multiple",
 ]
@@ -90,7 +93,7 @@ REQUEST_FIELDS = {
 }
 MAX_SIDE = 4096  #: pixels: a larger size is refused before it reaches the ranks
 MAX_N = 8  #: images or videos per request
-_JOB = "hfpatch/serve/job/"
+_JOB = "hfpatch/serve/{session}/job/"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,12 +112,50 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests waiting at most; more are answered 429 (default: %(default)s)",
     )
     server.add_argument(
+        "--ui",
+        action="store_true",
+        help="serve a web page at / to type a prompt and see the image or video (default: off)",
+    )
+    server.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
         metavar="SECONDS",
         help="a request not answered by then gets 504 (dropped if it has not started) (default: %(default)s)",
     )
+
+
+def post(url: str, body: Any = None, timeout: float = 600.0, raw: bytes | None = None) -> tuple[int, Any]:
+    """A minimal client (the standard library's): POST ``body`` as JSON (GET without a body) to ``url``; returns
+    ``(status, the JSON answer, or its text)``, 4xx and 5xx included. For scripts and tests; any HTTP client works.
+
+    >>> post("http://127.0.0.1:9/health", timeout=0.5)   # nothing listens there
+    Traceback (most recent call last):
+    ...
+    urllib.error.URLError: <urlopen error [Errno 111] Connection refused>
+    """
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            payload, status = response.read(), response.status
+    except urllib.error.HTTPError as exc:
+        payload, status = exc.read(), exc.code
+    text = payload.decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def decode_tensor(answer: dict[str, Any]) -> Any:
+    """The raw output tensor of a ``response_format: "pt"`` answer."""
+    import torch
+
+    return torch.load(io.BytesIO(base64.b64decode(answer["data"][0]["b64_json"])))
 
 
 class RequestError(ValueError):
@@ -312,20 +353,30 @@ def _serve(args: argparse.Namespace, info: ModelInfo, world_size: int) -> int:
             )
             return output_tensor(output)
 
+        # Each server of this launch (a script may run several in turn) posts under keys of its own: the ranks
+        # count their servers alike (each its own counter in the store).
+        prefix = (
+            _JOB.format(session=store.add(f"hfpatch/serve/sessions/{rank}", 1)) if store is not None else ""
+        )
         if rank != 0:
-            return _follow(store, run)
-        return _lead(args, info, pipe, patch, store, run, defaults)
+            print(
+                f"hfpatch serve: rank {rank} (pid {os.getpid()}) runs rank 0's requests",
+                file=sys.stderr,
+                flush=True,
+            )
+            return _follow(store, prefix, run)
+        return _lead(args, info, pipe, patch, store, prefix, run, defaults)
     finally:
         restore_voices()
 
 
-def _follow(store: Any, run: Any) -> int:
+def _follow(store: Any, prefix: str, run: Any) -> int:
     """Ranks other than 0: run each posted job in step with rank 0 until a stop."""
     from datetime import timedelta
 
     number = 0
     while True:
-        key = f"{_JOB}{number}"
+        key = f"{prefix}{number}"
         while True:
             try:
                 store.wait([key], timedelta(seconds=5))
@@ -355,6 +406,7 @@ def _lead(
     pipe: Any,
     patch: Any,
     store: Any,
+    prefix: str,
     run: Any,
     defaults: dict[str, Any],
 ) -> int:
@@ -362,7 +414,7 @@ def _lead(
     import uvicorn
 
     state = _State(jobs=queue.Queue(maxsize=args.max_queue))
-    app = _app(args, info, state, size_multiple(pipe), defaults)
+    app = _app(args, info, state, size_multiple(pipe), defaults, str(patch.plan))
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     )
@@ -393,7 +445,7 @@ def _lead(
                 continue
             if store is not None:
                 payload = {"call": job.call, "seed": job.seed}
-                store.set(f"{_JOB}{number}", json.dumps(payload))
+                store.set(f"{prefix}{number}", json.dumps(payload))
             number += 1
             started = time.perf_counter()
             try:
@@ -421,7 +473,7 @@ def _lead(
             if left.future.set_running_or_notify_cancel():
                 left.future.set_exception(RequestError("the server is stopping", 503))
         if store is not None:
-            store.set(f"{_JOB}{number}", json.dumps({"stop": True, "healthy": state.healthy}))
+            store.set(f"{prefix}{number}", json.dumps({"stop": True, "healthy": state.healthy}))
         server.should_exit = True
         thread.join(timeout=10)
         for sig, handler in previous.items():
@@ -429,8 +481,68 @@ def _lead(
     return 0 if state.healthy else 1
 
 
+#: The ``--ui`` page: a prompt, size, seed and steps, posted to the pipeline's endpoint; the answer shown in place.
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>hfpatch serve: {pipeline}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 46rem; margin: 2rem auto; padding: 0 1rem; }}
+textarea {{ width: 100%; }} label {{ margin-right: 1rem; }} #error {{ color: #b00020; white-space: pre-wrap; }}
+#result img, #result video {{ max-width: 100%; margin-top: 1rem; image-rendering: pixelated; min-width: 256px; }}
+</style>
+</head>
+<body>
+<h1>{pipeline}</h1>
+<p>{model}, plan <code>{plan}</code></p>
+<form id="form">
+<p><textarea id="prompt" rows="3" placeholder="a prompt" required></textarea></p>
+<p><label>size <input id="size" placeholder="WIDTHxHEIGHT" size="10"></label>
+<label>seed <input id="seed" type="number" value="0" size="6"></label>
+<label>steps <input id="steps" type="number" min="1" size="4"></label>{frames}
+<button id="generate" type="submit">Generate</button></p>
+</form>
+<p id="status"></p><p id="error"></p><div id="result"></div>
+<script>
+const kind = "{kind}";
+document.getElementById("form").addEventListener("submit", async (event) => {{
+  event.preventDefault();
+  const body = {{prompt: document.getElementById("prompt").value, seed: Number(document.getElementById("seed").value)}};
+  for (const name of ["size", "steps", "frames"]) {{
+    const input = document.getElementById(name);
+    if (input && input.value) body[name] = name === "size" ? input.value : Number(input.value);
+  }}
+  const status = document.getElementById("status"), error = document.getElementById("error");
+  const result = document.getElementById("result");
+  status.textContent = "generating..."; error.textContent = ""; result.innerHTML = "";
+  const started = performance.now();
+  const response = await fetch(`/v1/${{kind}}s/generations`,
+                               {{method: "POST", headers: {{"Content-Type": "application/json"}}, body: JSON.stringify(body)}});
+  const answer = await response.json();
+  status.textContent = "";
+  if (!response.ok) {{ error.textContent = `${{response.status}}: ${{answer.error.message}}`; return; }}
+  for (const item of answer.data) {{
+    const media = document.createElement(kind === "video" ? "video" : "img");
+    media.src = `data:${{kind === "video" ? "video/mp4" : "image/png"}};base64,${{item.b64_json}}`;
+    if (kind === "video") {{ media.controls = true; media.loop = true; media.autoplay = true; media.muted = true; }}
+    result.appendChild(media);
+  }}
+  status.textContent = `done in ${{((performance.now() - started) / 1000).toFixed(2)}} s`;
+}});
+</script>
+</body>
+</html>
+"""
+
+
 def _app(
-    args: argparse.Namespace, info: ModelInfo, state: _State, multiple: int, defaults: dict[str, Any]
+    args: argparse.Namespace,
+    info: ModelInfo,
+    state: _State,
+    multiple: int,
+    defaults: dict[str, Any],
+    plan: str,
 ) -> Any:
     """The FastAPI app of rank 0."""
     import asyncio
@@ -512,4 +624,24 @@ def _app(
     app.add_route("/v1/videos/generations", videos, methods=["POST"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
+    if args.ui:
+        import html
+
+        from fastapi.responses import HTMLResponse
+
+        kind = "video" if info.kind == "video" else "image"
+        frames = (
+            '\n<label>frames <input id="frames" type="number" min="1" size="4"></label>'
+            if kind == "video"
+            else ""
+        )
+        text = PAGE.format(
+            pipeline=html.escape(info.pipeline), model=html.escape(args.model), plan=html.escape(plan),
+            kind=kind, frames=frames,
+        )  # fmt: skip
+
+        async def page(request: Request) -> HTMLResponse:
+            return HTMLResponse(text)
+
+        app.add_route("/", page, methods=["GET"])
     return app
