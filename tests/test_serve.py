@@ -10,7 +10,8 @@ tiny Flux (the reference: ``--out ref.pt`` and ``ref.png``), ``hfpatch serve`` w
   another seed gives another image;
 * 4 clients at once with a queue of 2: the requests over the bound get 429, retried; every answer is its own
   seed's image (none lost or mixed up);
-* ``/health`` is 200 once every rank has loaded, ``/metrics`` counts the answers;
+* a client that goes away while its request waits in the queue: the request is dropped, never run;
+* ``/health`` is 200 once every rank has loaded, ``/metrics`` counts the answers and shows each rank's peak memory;
 * ``SIGTERM`` to rank 0 stops every rank cleanly (exit status 0 after both servers).
 
 A second launch kills rank 1 during a long request: that request is answered 503 within ``HFPATCH_TIMEOUT_S`` + 5 s
@@ -193,6 +194,24 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
             alone[seed] = decode_tensor(answer)
         assert alone[10].shape == reference.shape and not torch.equal(alone[10], reference)
 
+        # A client that goes away while its request waits: the request is dropped, never run (answers: 499).
+        running: list[int] = []
+        slow = threading.Thread(
+            target=lambda: running.append(post(images, {**body, "seed": 20, "steps": 300})[0])
+        )
+        slow.start()
+        time.sleep(1.0)  # the slow request runs; the next one waits in the queue
+        payload = json.dumps({**body, "seed": 21}).encode()
+        with socket.create_connection(("127.0.0.1", ports[0])) as gone:
+            gone.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            time.sleep(0.5)
+        slow.join(timeout=120)
+        assert running == [200]
+
         # 4 clients at once, 3 requests each, a queue of 2: none lost or mixed up, the bound answered 429.
         found, refused = _concurrent(images, seeds * 3, clients=4)
         assert sorted(found) == seeds and all(len(found[s]) == 3 for s in seeds), {
@@ -203,11 +222,14 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
 
         status, metrics = post(f"{base}/metrics")
         assert status == 200
-        answered = 2 + len(seeds) + 12
+        answered = 2 + len(seeds) + 1 + 12
         assert f'hfpatch_requests_total{{status="200"}} {answered}' in metrics, metrics
         assert 'hfpatch_requests_total{status="400"} 9' in metrics, metrics
         assert f'hfpatch_requests_total{{status="429"}} {refused}' in metrics, metrics
+        assert 'hfpatch_requests_total{status="499"} 1' in metrics, metrics  # the client that went away
         assert "hfpatch_queue_length 0" in metrics and "hfpatch_healthy 1" in metrics, metrics
+        peaks = re.findall(r'hfpatch_peak_memory_bytes\{rank="(\d)"\} (\d+)', metrics)
+        assert [r for r, _ in peaks] == ["0", "1"] and all(int(b) > 0 for _, b in peaks), metrics
         os.kill(
             launch.pid(0), signal.SIGTERM
         )  # the flux server stops; the launch goes on with the Wan commands
@@ -224,7 +246,8 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
         status, answer = post(f"{base}/v1/images/generations", {"prompt": "a cat"})
         assert status == 400 and "/v1/videos/generations" in answer["error"]["message"], answer
         os.kill(launch.pid(0), signal.SIGTERM)
-        assert launch.process.wait(timeout=60) == 0, launch.output()
+        status = launch.process.wait(timeout=60)
+        assert status == 0, (status, launch.output())
     finally:
         launch.close()
 
@@ -315,6 +338,7 @@ def test_serve_ui_in_a_real_browser_shows_the_served_image(tmp_path):
             assert page.text_content("#error").startswith("400: size 17x16")
             browser.close()
         os.kill(launch.pid(0), signal.SIGTERM)
-        assert launch.process.wait(timeout=60) == 0, launch.output()
+        status = launch.process.wait(timeout=60)
+        assert status == 0, (status, launch.output())
     finally:
         launch.close()

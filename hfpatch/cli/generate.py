@@ -616,11 +616,38 @@ def load_and_patch(
 ) -> tuple[Any, Any, list[str]]:
     """The pipeline the options fix (``--quantize``, ``--lora``, ``--cache``), placed on ``device``, patched with
     the plan (``--parallel``/degrees, ``--shard-weights``) and compiled (``--compile``): ``(pipe, patch, compiled
-    denoisers)``; ``times`` gets ``load`` and ``apply`` in seconds. Shared by ``hfpatch generate`` and ``hfpatch
-    serve``."""
+    denoisers)``; ``times`` gets ``load`` and ``apply`` in seconds (with ``--shard-weights``, ``load`` holds both:
+    ``hfpatch.from_pretrained`` reads each rank's shards while it applies, ``apply`` the compile). Shared by
+    ``hfpatch generate`` and ``hfpatch serve``."""
     import hfpatch
 
     started = time.perf_counter()
+    if args.shard_weights and args.lora is None and world_size > 1:
+        # hfpatch.from_pretrained: each rank reads only the shards it keeps (a LoRA loads after the base weights:
+        # the path below, which loads whole then shards).
+        def prepare(pipe: Any) -> None:  # the components loaded whole, before apply
+            _place_pipeline(pipe, device, shard_weights=True)
+            if args.cache is not None:
+                _enable_cache(pipe, *args.cache)
+
+        gguf = args.quantize is not None and args.quantize[0] == "gguf"
+        quantized = (
+            quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize and not gguf else {}
+        )
+        pipe, patch = hfpatch.from_pretrained(
+            args.model,
+            _parallel(args, world_size),
+            torch_dtype=dtype,
+            prepare=prepare,
+            single_files={"transformer": args.quantize[1]} if gguf else None,
+            shard_weights=True,
+            **quantized,
+        )
+        times["load"], times["apply"] = time.perf_counter() - started, 0.0  # one step: apply is inside
+        started = time.perf_counter()
+        compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
+        times["apply"] = time.perf_counter() - started
+        return pipe, patch, compiled
     quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
     pipe = load_pipeline(args.model, dtype, **quantized)
     if args.lora is not None:

@@ -285,6 +285,17 @@ class _State:
     seconds_per_step: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    store: Any = None
+    prefix: str = ""
+    world: int = 1
+
+    def peaks(self) -> dict[int, int]:
+        """Each rank's peak memory after its last request (what it posted to the store), by rank."""
+        if self.store is None:
+            return {}
+        keys = {r: f"{self.prefix}peak/{r}" for r in range(self.world)}
+        return {r: int(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+
     def count(self, status: int) -> None:
         with self.lock:
             self.counts[str(status)] = self.counts.get(str(status), 0) + 1
@@ -335,7 +346,7 @@ def _serve(args: argparse.Namespace, info: ModelInfo, world_size: int) -> int:
     import torch
 
     from ..distributed import runtime
-    from .outputs import output_tensor, quiet_unless_rank0
+    from .outputs import output_tensor, peak_memory, quiet_unless_rank0
 
     rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
     device, dtype = rank_device(args)
@@ -348,9 +359,13 @@ def _serve(args: argparse.Namespace, info: ModelInfo, world_size: int) -> int:
         defaults.pop("prompt", None)
 
         def run(job: dict[str, Any]) -> Any:
-            output = pipe(
-                **job["call"], output_type="pt", generator=torch.Generator().manual_seed(job["seed"])
-            )
+            try:
+                output = pipe(
+                    **job["call"], output_type="pt", generator=torch.Generator().manual_seed(job["seed"])
+                )
+            finally:  # this rank's peak memory so far, for rank 0's /metrics
+                if store is not None:
+                    store.set(f"{prefix}peak/{rank}", str(peak_memory(device)[0]))
             return output_tensor(output)
 
         # Each server of this launch (a script may run several in turn) posts under keys of its own: the ranks
@@ -411,9 +426,11 @@ def _lead(
     defaults: dict[str, Any],
 ) -> int:
     """Rank 0: the HTTP server in a thread, the jobs in this thread."""
+    import torch.distributed as dist
     import uvicorn
 
-    state = _State(jobs=queue.Queue(maxsize=args.max_queue))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    state = _State(jobs=queue.Queue(maxsize=args.max_queue), store=store, prefix=prefix, world=world)
     app = _app(args, info, state, size_multiple(pipe), defaults, str(patch.plan))
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
@@ -580,14 +597,23 @@ def _app(
             state.jobs.put_nowait(job)
         except queue.Full:
             return error(429, f"{args.max_queue} requests are waiting; retry later")
+        answer = asyncio.wrap_future(job.future)
+        deadline = time.monotonic() + args.request_timeout
+        while not answer.done():  # polled: a client that went away drops its job if it has not started
+            await asyncio.wait({answer}, timeout=0.25)
+            if answer.done():
+                break
+            if await request.is_disconnected():
+                if job.future.cancel():
+                    state.count(499)  # nginx's "client closed request": no answer is sent
+                return JSONResponse({}, status_code=499)
+            if time.monotonic() > deadline:
+                job.future.cancel()
+                return error(504, f"not answered within {args.request_timeout:g} s")
         try:
-            data = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=args.request_timeout)
-        except TimeoutError:
-            job.future.cancel()
+            data = answer.result()
+        except concurrent.futures.CancelledError:
             return error(504, f"not answered within {args.request_timeout:g} s")
-        except asyncio.CancelledError:  # the client went away: drop the job if it has not started
-            job.future.cancel()
-            raise
         except RequestError as exc:
             return error(exc.status, str(exc))
         state.count(200)
@@ -618,6 +644,10 @@ def _app(
             "# TYPE hfpatch_healthy gauge",
             f"hfpatch_healthy {int(state.healthy and not state.stopping)}",
         ]
+        peaks = await asyncio.to_thread(state.peaks)
+        if peaks:
+            lines.append("# TYPE hfpatch_peak_memory_bytes gauge")
+            lines += [f'hfpatch_peak_memory_bytes{{rank="{r}"}} {b}' for r, b in sorted(peaks.items())]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     app.add_route("/v1/images/generations", images, methods=["POST"])
