@@ -433,7 +433,14 @@ def _lead(
     state = _State(jobs=queue.Queue(maxsize=args.max_queue), store=store, prefix=prefix, world=world)
     app = _app(args, info, state, size_multiple(pipe), defaults, str(patch.plan))
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
     )
     thread = threading.Thread(target=server.run, name="hfpatch-serve-http", daemon=True)
     thread.start()
@@ -493,6 +500,9 @@ def _lead(
             store.set(f"{prefix}{number}", json.dumps({"stop": True, "healthy": state.healthy}))
         server.should_exit = True
         thread.join(timeout=10)
+        if thread.is_alive():  # a connection that would not close: stop without waiting for it
+            server.force_exit = True
+            thread.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if state.healthy else 1
