@@ -37,7 +37,7 @@ from hfpatch.testing.runner import RankPool
 
 WORLDS = (2, 4)
 MB = 1 << 20
-OUT = Path(__file__).resolve().parent / "results" / "gguf_load"
+RESULTS = Path(__file__).resolve().parent / "results"
 MODES = {"mapped": "full", "copied (diffusers)": "sampled"}  # mode -> check_files that selects it
 
 
@@ -188,12 +188,9 @@ def main() -> dict[str, Any]:
                 f"{quantized / MB:.1f} MiB quantized), copied {row['copied (diffusers)']['peak_max'] / MB:.1f} MiB "
                 f"({row['copied (diffusers)']['peak_over_file']:.3f}); kept {row['mapped']['kept_over_file']:.3f}"
             )
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    try:
-        _plot(results, OUT.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed ([bench]): no plot")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gguf_load.json").write_text(json.dumps(results, indent=2))
+    _plot(results, RESULTS / "gguf_load.png")
     return results
 
 

@@ -36,7 +36,7 @@ import torch
 from hfpatch.cli.serve import decode_tensor, post
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = Path(__file__).resolve().parent / "results" / "serve_load"
+RESULTS = Path(__file__).resolve().parent / "results"
 CLIENTS, SEEDS = 4, list(range(10))
 
 
@@ -151,12 +151,9 @@ def main() -> dict[str, Any]:
         f"p95 {results['under_load']['p95_s'] * 1e3:.0f} ms, {results['under_load']['throughput_per_s']:.2f} "
         f"answers/s (alone {results['alone']['throughput_per_s']:.2f})"
     )
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    try:
-        _plot(results, OUT.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed ([bench]): no plot")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serve_load.json").write_text(json.dumps(results, indent=2))
+    _plot(results, RESULTS / "serve_load.png")
     return results
 
 

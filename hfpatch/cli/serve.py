@@ -65,32 +65,18 @@ __all__ = [
 ]
 
 #: Fields a request body may hold, per endpoint kind; anything else is a 400 naming it.
-REQUEST_FIELDS = {
-    "image": {
-        "prompt",
-        "negative_prompt",
-        "n",
-        "size",
-        "seed",
-        "steps",
-        "guidance_scale",
-        "response_format",
-        "model",
-    },
-    "video": {
-        "prompt",
-        "negative_prompt",
-        "n",
-        "size",
-        "seed",
-        "steps",
-        "guidance_scale",
-        "frames",
-        "fps",
-        "response_format",
-        "model",
-    },
+_IMAGE_FIELDS = {
+    "prompt",
+    "negative_prompt",
+    "n",
+    "size",
+    "seed",
+    "steps",
+    "guidance_scale",
+    "response_format",
+    "model",
 }
+REQUEST_FIELDS = {"image": _IMAGE_FIELDS, "video": _IMAGE_FIELDS | {"frames", "fps"}}
 MAX_SIDE = 4096  #: pixels: a larger size is refused before it reaches the ranks
 MAX_N = 8  #: images or videos per request
 _JOB = "hfpatch/serve/{session}/job/"
