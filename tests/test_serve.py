@@ -10,7 +10,8 @@ tiny Flux (the reference: ``--out ref.pt`` and ``ref.png``), ``hfpatch serve`` w
   another seed gives another image;
 * 4 clients at once with a queue of 2: the requests over the bound get 429, retried; every answer is its own
   seed's image (none lost or mixed up);
-* a client that goes away while its request waits in the queue: the request is dropped, never run;
+* a request not answered within ``--request-timeout``: 504; a client that goes away while its request waits in
+  the queue: the request is dropped, never run;
 * ``/health`` is 200 once every rank has loaded, ``/metrics`` counts the answers and shows each rank's peak memory;
 * ``SIGTERM`` to rank 0 stops every rank cleanly (exit status 0 after both servers).
 
@@ -149,7 +150,7 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
     commands = [
         ["generate", str(flux), "--prompt", "a fox", "--height", "16", "--width", "16", "--seed", "3", *FLUX,
          "--out", str(tmp_path / "ref.pt"), "--out", str(tmp_path / "ref.png")],
-        ["serve", str(flux), *FLUX, "--port", str(ports[0]), "--max-queue", "2"],
+        ["serve", str(flux), *FLUX, "--port", str(ports[0]), "--max-queue", "2", "--request-timeout", "3"],
         ["generate", str(wan), "--prompt", "a cat", "--height", "32", "--width", "32", "--frames", "5", "--seed",
          "5", *WAN, "--out", str(tmp_path / "video.pt"), "--out", str(tmp_path / "video.mp4")],
         ["serve", str(wan), *WAN, "--port", str(ports[1])],
@@ -194,10 +195,19 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
             alone[seed] = decode_tensor(answer)
         assert alone[10].shape == reference.shape and not torch.equal(alone[10], reference)
 
-        # A client that goes away while its request waits: the request is dropped, never run (answers: 499).
-        running: list[int] = []
+        # 4 clients at once, 3 requests each, a queue of 2: none lost or mixed up, the bound answered 429.
+        found, refused = _concurrent(images, seeds * 3, clients=4)
+        assert sorted(found) == seeds and all(len(found[s]) == 3 for s in seeds), {
+            s: len(v) for s, v in found.items()
+        }
+        assert all(torch.equal(t, alone[s]) for s, got in found.items() for t in got)
+        assert refused >= 1, "4 clients at once never filled a queue of 2"
+
+        # A request not answered within --request-timeout (3 s): 504 (it had started: it runs to its end). A client
+        # that goes away while its request waits behind it: the request is dropped, never run (counted 499).
+        running: list[tuple[int, Any]] = []
         slow = threading.Thread(
-            target=lambda: running.append(post(images, {**body, "seed": 20, "steps": 300})[0])
+            target=lambda: running.append(post(images, {**body, "seed": 20, "steps": 300}))
         )
         slow.start()
         time.sleep(1.0)  # the slow request runs; the next one waits in the queue
@@ -210,23 +220,18 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
             )
             time.sleep(0.5)
         slow.join(timeout=120)
-        assert running == [200]
-
-        # 4 clients at once, 3 requests each, a queue of 2: none lost or mixed up, the bound answered 429.
-        found, refused = _concurrent(images, seeds * 3, clients=4)
-        assert sorted(found) == seeds and all(len(found[s]) == 3 for s in seeds), {
-            s: len(v) for s, v in found.items()
-        }
-        assert all(torch.equal(t, alone[s]) for s, got in found.items() for t in got)
-        assert refused >= 1, "4 clients at once never filled a queue of 2"
+        assert running[0][0] == 504 and "not answered within 3 s" in running[0][1]["error"]["message"], (
+            running
+        )
 
         status, metrics = post(f"{base}/metrics")
         assert status == 200
-        answered = 2 + len(seeds) + 1 + 12
+        answered = 2 + len(seeds) + 12
         assert f'hfpatch_requests_total{{status="200"}} {answered}' in metrics, metrics
         assert 'hfpatch_requests_total{status="400"} 9' in metrics, metrics
         assert f'hfpatch_requests_total{{status="429"}} {refused}' in metrics, metrics
         assert 'hfpatch_requests_total{status="499"} 1' in metrics, metrics  # the client that went away
+        assert 'hfpatch_requests_total{status="504"} 1' in metrics, metrics
         assert "hfpatch_queue_length 0" in metrics and "hfpatch_healthy 1" in metrics, metrics
         peaks = re.findall(r'hfpatch_peak_memory_bytes\{rank="(\d)"\} (\d+)', metrics)
         assert [r for r, _ in peaks] == ["0", "1"] and all(int(b) > 0 for _, b in peaks), metrics

@@ -1,5 +1,7 @@
 """``hfpatch serve``: a pipeline loaded once on every launched rank, behind an HTTP API on rank 0.
 
+.. code-block:: bash
+
     torchrun --nproc-per-node 8 -m hfpatch serve Wan-AI/Wan2.1-T2V-1.3B-Diffusers --port 8000
     curl -s localhost:8000/v1/videos/generations -H 'Content-Type: application/json' \\
         -d '{"prompt": "a cat surfing", "size": "832x480", "frames": 33, "seed": 0}'
@@ -281,6 +283,11 @@ class _State:
             return {}
         keys = {r: f"{self.prefix}peak/{r}" for r in range(self.world)}
         return {r: int(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+
+    def waiting(self) -> int:
+        """Requests in the queue that still want an answer (not dropped by their client or their timeout)."""
+        with self.jobs.mutex:
+            return sum(1 for job in self.jobs.queue if not job.future.cancelled())
 
     def count(self, status: int) -> None:
         with self.lock:
@@ -634,7 +641,7 @@ def _app(
         lines += [f'hfpatch_requests_total{{status="{s}"}} {n}' for s, n in sorted(counts.items())]
         lines += [
             "# TYPE hfpatch_queue_length gauge",
-            f"hfpatch_queue_length {state.jobs.qsize()}",
+            f"hfpatch_queue_length {state.waiting()}",
             "# TYPE hfpatch_seconds_per_step gauge",
             f"hfpatch_seconds_per_step {state.seconds_per_step:.6f}",
             "# TYPE hfpatch_healthy gauge",
