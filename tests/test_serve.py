@@ -203,11 +203,12 @@ def test_serve_images_and_videos_equal_generate_refuse_bad_requests_queue_and_st
         assert all(torch.equal(t, alone[s]) for s, got in found.items() for t in got)
         assert refused >= 1, "4 clients at once never filled a queue of 2"
 
-        # A request not answered within --request-timeout (3 s): 504 (it had started: it runs to its end). A client
-        # that goes away while its request waits behind it: the request is dropped, never run (counted 499).
+        # A request not answered within --request-timeout (3 s; 1000 steps take 10 s or more): 504 (it had started:
+        # it runs to its end). A client that goes away while its request waits behind it: the request is dropped,
+        # never run (counted 499).
         running: list[tuple[int, Any]] = []
         slow = threading.Thread(
-            target=lambda: running.append(post(images, {**body, "seed": 20, "steps": 300}))
+            target=lambda: running.append(post(images, {**body, "seed": 20, "steps": 1000}))
         )
         slow.start()
         time.sleep(1.0)  # the slow request runs; the next one waits in the queue
