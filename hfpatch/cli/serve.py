@@ -435,13 +435,14 @@ def _lead(
             timeout_graceful_shutdown=5,
         )
     )
-    thread = threading.Thread(target=server.run, name="hfpatch-serve-http", daemon=True)
-    thread.start()
 
     def stop(signum: int, frame: Any) -> None:
         state.stopping = True
 
+    # Before the server answers /health: a SIGTERM from then on drains the queue.
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.run, name="hfpatch-serve-http", daemon=True)
+    thread.start()
     print(
         f"hfpatch serve: {info.pipeline} from {args.model}, plan {patch.plan}, on http://{args.host}:{args.port}"
         f" (rank 0: pid {os.getpid()})",
@@ -456,9 +457,8 @@ def _lead(
                 if state.stopping or not state.healthy:
                     break
                 continue
-            if (
-                not job.future.set_running_or_notify_cancel()
-            ):  # the client left, or it timed out, before it ran
+            # A job whose client left, or whose time ran out, before it started: dropped.
+            if not job.future.set_running_or_notify_cancel():
                 continue
             if store is not None:
                 payload = {"call": job.call, "seed": job.seed}
@@ -467,9 +467,8 @@ def _lead(
             started = time.perf_counter()
             try:
                 tensor = run({"call": job.call, "seed": job.seed})
-            except (
-                ValueError
-            ) as exc:  # the pipeline's own input checks: every rank raised it, before any collective
+            except ValueError as exc:
+                # The pipeline's own input checks: every rank raised it, before any collective; all go on.
                 job.future.set_exception(RequestError(f"{type(exc).__name__}: {exc}"))
                 continue
             except Exception as exc:  # a lost rank, an error on some rank: nothing more can run in step
@@ -490,7 +489,10 @@ def _lead(
             if left.future.set_running_or_notify_cancel():
                 left.future.set_exception(RequestError("the server is stopping", 503))
         if store is not None:
-            store.set(f"{prefix}{number}", json.dumps({"stop": True, "healthy": state.healthy}))
+            try:
+                store.set(f"{prefix}{number}", json.dumps({"stop": True, "healthy": state.healthy}))
+            except Exception as exc:  # the launcher's store is gone (a lost node): the other ranks are too
+                print(f"hfpatch serve: could not tell the other ranks to stop: {exc}", file=sys.stderr)
         server.should_exit = True
         thread.join(timeout=10)
         if thread.is_alive():  # a connection that would not close: stop without waiting for it
