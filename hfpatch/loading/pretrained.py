@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -363,11 +363,12 @@ def _prepare(
     options: dict[str, Any],
     device: torch.device,
     whole: dict[str, int] | None = None,
+    mapped: Collection[str] = (),
 ) -> _Load:
     """Everything before the handshake (see the module docstring): the plan, the parts, their checks, the
     memory this rank will need and the digest. Reads no weight. ``whole``: the components loaded whole by
     diffusers (quantized at load, or from a single file), with the bytes of their single file (0 when read from the
-    folder); ``None`` for none."""
+    folder); ``None`` for none. ``mapped``: those of them read through a mapping (a rank holds its shards of them)."""
     from .. import api
     from ..patches import default_registry
     from ..patches.fsdp import shard_units, sharded_models
@@ -406,7 +407,9 @@ def _prepare(
             ]
             total = sum(e.nbytes for e in sizes)
             kept += total - sum(blocks) + sum(blocks) // config.pipefusion + max(blocks, default=0)
-    loaded = sum(whole.values())  # the single files
+    mapped_shards = _shard_count(shard, config) if shard not in (False, None) and config.world_size > 1 else 1
+    # the single files; a mapped one (each rank copies its rows): its share
+    loaded = sum(-(-size // mapped_shards) if name in mapped else size for name, size in whole.items())
     for name in components:
         if name not in chosen:
             for root, _, names in os.walk(os.path.join(folder, name)):
@@ -596,7 +599,7 @@ def from_pretrained(
         )
         whole = _loaded_whole(folder, quantization_config, single_files)
         mapped = _mapped_single_files(single_files, options, distributed, check_files)
-        load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device, whole)
+        load = _prepare(folder, pipeline_class, torch_dtype, parallel, options, target_device, whole, mapped)
         for name, path in mapped.items():  # compared whole over the ranks: their weights are not digested
             load.files += [
                 {**f, "path": f"single_files[{name!r}]"}
