@@ -3,12 +3,18 @@
 One process on the tiny Wan checkpoint (the quickstart's ``./tiny-wan``): ``--quantize int8`` (torchao int8
 weight-only through a ``PipelineQuantizationConfig``) and ``--quantize gguf:PATH`` (the transformer from a ``.gguf``
 file written with the ``gguf`` package) write exactly what the same pipeline, loaded by diffusers with the same
-quantization, computes unpatched (one rank splits nothing: bit for bit). Several ranks on quantized models are
+quantization, computes unpatched (one rank splits nothing: bit for bit); ``--quantize gguf:PATH --shard-weights`` at 2
+ranks writes what the same plan writes unsharded. Several ranks on quantized models are otherwise
 tests/patches/test_quantized.py's. Skipped without the [quant] extra.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +23,7 @@ import torch
 from hfpatch import cli
 from hfpatch.testing.quantized import available_kinds
 
+ROOT = Path(__file__).resolve().parents[1]
 WAN_ARGS = [
     "--prompt", "a cat", "--negative-prompt", "blurry", "--height", "32", "--width", "32",
     "--frames", "5", "--steps", "2", "--pipeline-kwargs", '{"max_sequence_length": 8}',
@@ -74,6 +81,46 @@ def test_generate_quantize_int8_and_gguf(tmp_path, capsys):
     expected = WanPipeline.from_pretrained(folder, transformer=transformer, dtype=torch.float32)
     assert quantized_kind(expected.transformer.blocks[0].attn1.to_q.weight) == "GGUF Q8_0"
     assert torch.equal(torch.load(tmp_path / "g.pt"), _wan_call(expected))
+
+
+DRIVER = """\
+import json, sys
+from hfpatch.cli import main
+
+for argv in json.loads(open(sys.argv[1]).read()):
+    status = main(argv)
+    if status:
+        sys.exit(status)
+"""
+
+
+@pytest.mark.skipif("gguf-q8_0" not in available_kinds(), reason="needs gguf ([quant] extra)")
+def test_generate_gguf_shard_weights_on_two_ranks_equals_the_same_plan_unsharded(tmp_path):
+    """``--quantize gguf:PATH --shard-weights`` at 2 ranks (``hfpatch.from_pretrained`` reads the file through a
+    mapping, each rank copying its rows of the quantized weights) writes what the same command without
+    ``--shard-weights`` writes, bit for bit: one launch runs both."""
+    from hfpatch.testing import tiny_wan_pipe
+    from hfpatch.testing.quantized import write_gguf
+
+    folder, gguf = tmp_path / "wan", str(tmp_path / "transformer.gguf")
+    pipe = tiny_wan_pipe(text_encoder=True)
+    pipe.save_pretrained(folder)
+    write_gguf(pipe.transformer, gguf)
+    base = ["generate", str(folder), *WAN_ARGS, "--quantize", f"gguf:{gguf}", "--parallel", "2"]
+    commands = [
+        [*base, "--out", f"{tmp_path}/plain.pt"],
+        [*base, "--shard-weights", "--out", f"{tmp_path}/sharded.pt"],
+    ]
+    (tmp_path / "commands.json").write_text(json.dumps(commands))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "driver.py"),
+         str(tmp_path / "commands.json")],
+        capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert torch.equal(torch.load(tmp_path / "sharded.pt"), torch.load(tmp_path / "plain.pt"))
 
 
 def test_generate_quantize_unknown_kind_is_a_usage_error(capsys):
