@@ -621,15 +621,15 @@ def load_and_patch(
     ``hfpatch generate`` and ``hfpatch serve``."""
     import hfpatch
 
+    def prepare(pipe: Any) -> None:  # the components loaded whole, before apply
+        _place_pipeline(pipe, device, args.shard_weights)
+        if args.cache is not None:
+            _enable_cache(pipe, *args.cache)
+
     started = time.perf_counter()
     if args.shard_weights and args.lora is None and world_size > 1:
-        # hfpatch.from_pretrained: each rank reads only the shards it keeps (a LoRA loads after the base weights:
-        # the path below, which loads whole then shards).
-        def prepare(pipe: Any) -> None:  # the components loaded whole, before apply
-            _place_pipeline(pipe, device, shard_weights=True)
-            if args.cache is not None:
-                _enable_cache(pipe, *args.cache)
-
+        # hfpatch.from_pretrained: each rank reads only the shards it keeps, and applies (a LoRA loads after the
+        # base weights: the path below, which loads whole then shards).
         gguf = args.quantize is not None and args.quantize[0] == "gguf"
         quantized = (
             quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize and not gguf else {}
@@ -643,22 +643,18 @@ def load_and_patch(
             shard_weights=True,
             **quantized,
         )
-        times["load"], times["apply"] = time.perf_counter() - started, 0.0  # one step: apply is inside
+        times["load"] = time.perf_counter() - started
         started = time.perf_counter()
-        compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
-        times["apply"] = time.perf_counter() - started
-        return pipe, patch, compiled
-    quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
-    pipe = load_pipeline(args.model, dtype, **quantized)
-    if args.lora is not None:
-        pipe.load_lora_weights(args.lora)
-    _place_pipeline(pipe, device, args.shard_weights)
-    if args.cache is not None:
-        _enable_cache(pipe, *args.cache)
-    times["load"] = time.perf_counter() - started
-    started = time.perf_counter()
-    options = {"shard_weights": True} if args.shard_weights else {}
-    patch = hfpatch.apply(pipe, parallel=_parallel(args, world_size), **options)
+    else:
+        quantized = quantize_arguments(args.quantize, args.model, info, dtype) if args.quantize else {}
+        pipe = load_pipeline(args.model, dtype, **quantized)
+        if args.lora is not None:
+            pipe.load_lora_weights(args.lora)
+        prepare(pipe)
+        times["load"] = time.perf_counter() - started
+        started = time.perf_counter()
+        options = {"shard_weights": True} if args.shard_weights else {}
+        patch = hfpatch.apply(pipe, parallel=_parallel(args, world_size), **options)
     compiled = _compile_denoisers(pipe, args.compile) if args.compile is not None else []
     times["apply"] = time.perf_counter() - started
     return pipe, patch, compiled

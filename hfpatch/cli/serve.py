@@ -200,8 +200,7 @@ def request_call(
     prompt = typed("prompt", (str,), "a string")
     if not prompt:
         raise RequestError("prompt is required (a non-empty string)")
-    call = {k: v for k, v in defaults.items()}
-    call["prompt"] = prompt
+    call = {**defaults, "prompt": prompt}
     negative = typed("negative_prompt", (str,), "a string")
     if negative is not None:
         call["negative_prompt"] = negative
@@ -258,7 +257,6 @@ class _Job:
     fps: int
     kind: str
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    queued: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -315,9 +313,9 @@ def encode(tensor: Any, kind: str, fmt: str, fps: int) -> list[dict[str, str]]:
 def main(args: argparse.Namespace) -> int:
     """Run ``hfpatch serve`` on this rank; returns the exit status (2: usage error, 1: stopped by a failure)."""
     world_size = _launched_world_size()
-    args.out, args.report, args.prompt = [], None, "x"  # what check_arguments reads of generate's options
+    args.out, args.report, args.prompt = [], None, None  # generate's options that serve has not: none given
     try:
-        if world_size > 1 and int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             import fastapi  # noqa: F401  (rank 0 serves: a missing extra is a usage error, before loading)
             import uvicorn  # noqa: F401
         check_arguments(args, world_size)
@@ -348,8 +346,7 @@ def _serve(args: argparse.Namespace, info: ModelInfo, world_size: int) -> int:
         pipe, patch, _ = load_and_patch(args, info, world_size, device, dtype, {})
         pipe.set_progress_bar_config(disable=True)
         store = runtime.default_store() if world_size > 1 else None
-        defaults = {k: v for k, v in _call_arguments(args, info).items()}
-        defaults.pop("prompt", None)
+        defaults = _call_arguments(args, info)  # the requests' defaults (no prompt: each request brings one)
 
         def run(job: dict[str, Any]) -> Any:
             try:

@@ -64,7 +64,7 @@ _COMPARED_FILES: contextvars.ContextVar[tuple[tuple[int, int], ...]] = contextva
 
 @contextmanager
 def compared_as_files(regions: Sequence[tuple[int, int]]) -> Iterator[None]:
-    """Inside the block, tensors whose stored bytes all lie in one of ``regions`` (``(start, stop)`` addresses of
+    """Inside the block, tensors whose storages all lie in one of ``regions`` (``(start, stop)`` addresses of
     file mappings) are compared by their kind only, not digested: the caller compared those files' bytes over the
     ranks (``hfpatch.from_pretrained``: the sha256 of every byte of a GGUF file, computed once per node), and a
     digest would read every byte of the mapping on every rank, where each rank keeps only its rows.
@@ -88,17 +88,10 @@ def _in_compared_files(parts: Sequence[torch.Tensor]) -> bool:
     regions = _COMPARED_FILES.get()
     if not regions or not parts or any(p.device.type != "cpu" for p in parts):
         return False
-    for part in parts:
-        start = part.data_ptr()
-        last = (
-            sum((size - 1) * stride for size, stride in zip(part.shape, part.stride()))
-            if part.numel()
-            else -1
-        )
-        stop = start + (last + 1) * part.element_size()
-        if not any(lo <= start and stop <= hi for lo, hi in regions):
-            return False
-    return True
+    storages = [part.untyped_storage() for part in parts]  # a view's whole storage: inside the file, or not
+    return all(
+        any(lo <= s.data_ptr() and s.data_ptr() + s.nbytes() <= hi for lo, hi in regions) for s in storages
+    )
 
 
 def _weight_row(tensor: torch.Tensor) -> torch.Tensor:
