@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from cli_commands import checkout_env, launch
 
 from hfpatch import cli
 from hfpatch.cli import generate
@@ -183,22 +184,10 @@ def test_generate_lora_cache_and_compile_equal_the_same_on_the_unpatched_pipelin
 
 # ----------------------------------------------------------------------------------------------- two processes
 def _torchrun(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *argv],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=timeout, env=checkout_env(), cwd=ROOT,
     )  # fmt: skip
-
-
-DRIVER = """\
-import json, sys
-from hfpatch.cli import main
-
-for argv in json.loads(open(sys.argv[1]).read()):  # what `hfpatch generate ...` runs, once per command
-    status = main(argv)
-    if status:
-        sys.exit(status)
-"""
 
 
 def test_generate_two_ranks_under_torchrun(models, tmp_path):
@@ -215,9 +204,9 @@ def test_generate_two_ranks_under_torchrun(models, tmp_path):
         ["generate", wan, *WAN_ARGS, *SHORT_TEXT, "--cfg", "2", "--vae", "1", "--out", f"{out}/w2cfg.pt"],
         ["generate", wan, *WAN_ARGS, *SHORT_TEXT, "--parallel", "2", "--shard-weights", "--out", f"{out}/w2s.pt"],
     ]  # fmt: skip
-    (out / "commands.json").write_text(json.dumps(commands))
-    (out / "driver.py").write_text(DRIVER)
-    result = _torchrun(str(out / "driver.py"), str(out / "commands.json"), timeout=600)
+    result = subprocess.run(  # one launch runs the four commands (tests/cli_commands.py)
+        launch(commands, out), capture_output=True, text=True, timeout=600, env=checkout_env(), cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-6000:]
 
     # Rank 0 alone prints: one plan per command.

@@ -10,20 +10,16 @@ tests/patches/test_quantized.py's. Skipped without the [quant] extra.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cli_commands import ROOT, checkout_env, launch
 
 from hfpatch import cli
 from hfpatch.testing.quantized import available_kinds
 
-ROOT = Path(__file__).resolve().parents[1]
 WAN_ARGS = [
     "--prompt", "a cat", "--negative-prompt", "blurry", "--height", "32", "--width", "32",
     "--frames", "5", "--steps", "2", "--pipeline-kwargs", '{"max_sequence_length": 8}',
@@ -83,17 +79,6 @@ def test_generate_quantize_int8_and_gguf(tmp_path, capsys):
     assert torch.equal(torch.load(tmp_path / "g.pt"), _wan_call(expected))
 
 
-DRIVER = """\
-import json, sys
-from hfpatch.cli import main
-
-for argv in json.loads(open(sys.argv[1]).read()):
-    status = main(argv)
-    if status:
-        sys.exit(status)
-"""
-
-
 @pytest.mark.skipif("gguf-q8_0" not in available_kinds(), reason="needs gguf ([quant] extra)")
 def test_generate_gguf_shard_weights_on_two_ranks_equals_the_same_plan_unsharded(tmp_path):
     """``--quantize gguf:PATH --shard-weights`` at 2 ranks (``hfpatch.from_pretrained`` reads the file through a
@@ -111,13 +96,9 @@ def test_generate_gguf_shard_weights_on_two_ranks_equals_the_same_plan_unsharded
         [*base, "--out", f"{tmp_path}/plain.pt"],
         [*base, "--shard-weights", "--out", f"{tmp_path}/sharded.pt"],
     ]
-    (tmp_path / "commands.json").write_text(json.dumps(commands))
-    (tmp_path / "driver.py").write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "driver.py"),
-         str(tmp_path / "commands.json")],
-        capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    done = subprocess.run(  # one launch runs both (tests/cli_commands.py)
+        launch(commands, tmp_path), capture_output=True, text=True, timeout=600,
+        env={**checkout_env(), "OMP_NUM_THREADS": "1"}, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert torch.equal(torch.load(tmp_path / "sharded.pt"), torch.load(tmp_path / "plain.pt"))

@@ -28,7 +28,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -40,23 +39,14 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from cli_commands import ROOT, checkout_env, launch  # noqa: E402
+
 from hfpatch.cli.serve import decode_tensor, post  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXT = ["--pipeline-kwargs", '{"max_sequence_length": 8}']
 FLUX = ["--steps", "2", *TEXT, "--parallel", "2"]
 WAN = ["--steps", "2", "--negative-prompt", "blurry", *TEXT, "--parallel", "2"]
 TIMEOUT_S = 10  # HFPATCH_TIMEOUT_S of the launches
-
-DRIVER = """\
-import json, sys
-from hfpatch.cli import main
-
-for argv in json.loads(open(sys.argv[1]).read()):
-    status = main(argv)
-    if status:
-        sys.exit(status)
-"""
 
 
 def _port() -> int:
@@ -70,16 +60,11 @@ class _Launch:
 
     def __init__(self, folder: Path, commands: list[list[str]]) -> None:
         self.log_path = folder / "launch.log"
-        (folder / "commands.json").write_text(json.dumps(commands))
-        (folder / "driver.py").write_text(DRIVER)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        env.update(OMP_NUM_THREADS="1", HFPATCH_TIMEOUT_S=str(TIMEOUT_S))
+        env = {**checkout_env(), "OMP_NUM_THREADS": "1", "HFPATCH_TIMEOUT_S": str(TIMEOUT_S)}
         self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(folder / "driver.py"),
-             str(folder / "commands.json")],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-        )  # fmt: skip
+        self.process = subprocess.Popen(  # tests/cli_commands.py runs the commands one after the other
+            launch(commands, folder), stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
 
     def output(self) -> str:
         return self.log_path.read_text()[-6000:]
