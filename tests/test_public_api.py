@@ -210,6 +210,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.training.pixel_loss": "OPAQUE_FRAMES REFERENCE_ENV chunked_pixel_loss",
     "hfpatch.training.pooling": "Pooling default_rep pool",
     "hfpatch.training.sentence_transformers": "GradCacheLoss row_blocked_equivalent tiny_sentence_transformer",
+    "hfpatch.training.simpletuner": "SimpleTunerPatch main patch_simpletuner refused_options",  # issue 51
     "hfpatch.training.trainer": "GradCacheTrainer info_nce",
     "hfpatch.training.video_vae": (
         "CogVideoXFrames WanFrames checkpointed_decode checkpointed_encode frames_for is_wan_vae "

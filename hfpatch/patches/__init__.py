@@ -92,10 +92,19 @@ DECODER_USP_CLASSES: tuple[str, ...] = (
     "Glm46VForConditionalGeneration", "Glm46VModel", "InternVLForConditionalGeneration", "InternVLModel",
 )  # fmt: skip
 
+#: Trainers' own copies of diffusers DiT classes with a row in ``hfpatch.patches.dit.PLANS``, by class key (their
+#: package, then the class name): SimpleTuner ships its own model code (``hfpatch.training.simpletuner``).
+TRAINER_DIT_CLASSES: tuple[str, ...] = (
+    "simpletuner.WanTransformer3DModel",
+    "simpletuner.FluxTransformer2DModel",
+    "simpletuner.LTXVideoTransformer3DModel",
+)
+
 BUILTIN_FAMILIES: list[tuple[str, str]] = [
     # Sequence-parallel attention (USP) for DiT transformers, plan-driven (hfpatch.patches.dit.PLANS:
     # diffusers' _cp_plan or hfpatch's table entry).
     *((f"diffusers.{name}", "hfpatch.patches.dit.family:PlannedDiTUSP") for name in DIT_USP_CLASSES),
+    *((key, "hfpatch.patches.dit.family:PlannedDiTUSP") for key in TRAINER_DIT_CLASSES),
     # Sequence parallelism for transformers decoders (text LLMs and VLMs), through the attention interface.
     *((f"transformers.{name}", "hfpatch.patches.decoder.family:DecoderUSP") for name in DECODER_USP_CLASSES),
     # PipeFusion: blocks split over ranks, token patches pipelined with stale K/V.

@@ -166,15 +166,15 @@ def test_zoo_mask_changes_the_stock_output(name):
 def test_zoo_every_diffusers_transformer_is_supported_or_has_a_reason():
     """``hfpatch info --classes``' table: no class is left at "no plan"; the rows, PLANS and the registry agree."""
     from hfpatch.cli import info_lines
-    from hfpatch.patches import DIT_USP_CLASSES
+    from hfpatch.patches import DIT_USP_CLASSES, TRAINER_DIT_CLASSES
     from hfpatch.patches.dit import PLANS, UNSUPPORTED
     from hfpatch.patches.dit.family import support_table
 
-    assert {f"diffusers.{name}" for name in DIT_USP_CLASSES} == set(PLANS)
+    assert {f"diffusers.{name}" for name in DIT_USP_CLASSES} | set(TRAINER_DIT_CLASSES) == set(PLANS)
     assert {f"diffusers.{row.cls}" for row in TINY_DITS.values()} <= set(PLANS)
     rows = dict(support_table())
     supported = {name for name, how in rows.items() if how.startswith("dit_usp")}
-    assert supported == {key.removeprefix("diffusers.") for key in PLANS}
+    assert supported == {key.removeprefix("diffusers.") for key in PLANS if key.startswith("diffusers.")}
     for name, how in rows.items():
         if name not in supported:
             assert how == f"not supported ({UNSUPPORTED[name]})", (name, how)

@@ -17,8 +17,10 @@ from __future__ import annotations
 from .vocabulary import (
     COGVIDEOX_LAYOUT,
     CONTROLNET,
+    HIDDEN_STATES_CAPTURE,
     HUNYUAN_PLAN,
     IMAGE_TOKENS_PLAN,
+    SIMPLETUNER_WAN_PLAN,
     TOKEN_REPLACE_REFUSED,
     WAN_PLAN,
     AttentionRoute,
@@ -33,10 +35,12 @@ from .vocabulary import (
     flux_like,
     kandinsky_heads,
     no_padded_patches,
+    no_token_routing,
     one_segment,
     refused_unless,
     same_caption_lengths,
     same_size_images,
+    simpletuner_flux_checks,
 )
 
 __all__ = ["PLANS", "UNSUPPORTED"]
@@ -696,6 +700,44 @@ PLANS: dict[str, DiTPlan] = {
             "blocks.-1": (GatherOutput(dim=1),),
         },
         heads="dit_heads",
+    ),
+    # ---- Trainers' own copies of diffusers' classes (keyed by their package; hfpatch.training.simpletuner).
+    # SimpleTuner's Wan: diffusers' Wan with one complex rotary table [1, 1, S, D], flow-map timesteps cut like the
+    # timestep, and training extras that need the whole token grid refused by name (TREAD routing, the hidden-state
+    # captures of CREPA and the layer regularisers, GLIGEN grounding).
+    "simpletuner.WanTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor2_0",)),),
+        plan=SIMPLETUNER_WAN_PLAN,
+        refuse=HIDDEN_STATES_CAPTURE,
+        check=no_token_routing,
+    ),
+    # SimpleTuner's Flux: diffusers' Flux.1 layout and _cp_plan (text in front of the image tokens, the single-stream
+    # blocks over [text, image]), with its own SDPA processor; it passes the ids as [B, S, 3]. Its attention_mask
+    # becomes an additive 0/1 bias (not a key mask) and its per-token timesteps a mean over the image tokens: refused.
+    "simpletuner.FluxTransformer2DModel": DiTPlan(
+        attention=(
+            AttentionRoute("transformer_blocks.*.attn", ("FluxAttnProcessor2_0",), joint="front"),
+            AttentionRoute("single_transformer_blocks.*.attn", ("FluxAttnProcessor2_0",), joint="front"),
+        ),
+        replicate=(("", "encoder_hidden_states"), ("", "txt_ids")),
+        extra={"": (SplitInput("img_ids", dim=1, ndim=3), *CONTROLNET)},
+        refuse={
+            **HIDDEN_STATES_CAPTURE,
+            "attention_mask": "the processor adds the mask as a 0/1 bias over [text, image], not a mask of keys",
+        },
+        check=simpletuner_flux_checks,
+    ),
+    # SimpleTuner's LTX-Video: diffusers' layout and _cp_plan (the rope's full-length tables cut at its output), with
+    # its processor (dispatch_attention_fn without parallel_config: bound per stand-in); its flow-map timesteps are
+    # cut like the timestep when they are per token.
+    "simpletuner.LTXVideoTransformer3DModel": DiTPlan(
+        attention=(AttentionRoute("transformer_blocks.*.attn1", ("LTXVideoAttnProcessor",)),),
+        replicate=(("", "encoder_hidden_states"), ("", "encoder_attention_mask")),
+        extra={
+            "": tuple(SplitInput(name, dim=1, ndim=2) for name in ("timestep", "timestep_sign", "r_timestep"))
+        },
+        refuse=HIDDEN_STATES_CAPTURE,
+        check=no_token_routing,
     ),
 }
 

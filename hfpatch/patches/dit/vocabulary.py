@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 __all__ = [
     "AttentionRoute",
     "DiTPlan",
@@ -242,6 +244,15 @@ WAN_PLAN: SequencePlan = {
     "proj_out": (GatherOutput(dim=1),),
 }
 
+#: SimpleTuner's copy of Wan (``simpletuner.helpers.models.wan.transformer``): Wan's plan for a rope that returns
+#: one complex table ``[1, 1, S, D]``, and its flow-map timesteps (``timestep_sign``, ``r_timestep``) cut like the
+#: timestep when they are per token.
+SIMPLETUNER_WAN_PLAN: SequencePlan = {
+    **WAN_PLAN,
+    "": tuple(SplitInput(name, dim=1, ndim=2) for name in ("timestep", "timestep_sign", "r_timestep")),
+    "rope": (SplitOutput(dim=2),),
+}
+
 #: The packed image tokens [B, S, C] and their ids ([S, n], or deprecated [B, S, n]) cut at the model's input, the
 #: output gathered at ``proj_out``: the plan of every Flux-like model (and of Flux.1's _cp_plan minus the text).
 IMAGE_TOKENS_PLAN: SequencePlan = {
@@ -329,6 +340,39 @@ def no_padded_patches(model: Any, named: dict[str, Any]) -> None:
             f"{type(model).__name__}: samples with fewer patches than the batch's longest are padded with masked "
             "patches, which are sharded over the ranks; call with samples of one patch count"
         )
+
+
+def no_token_routing(model: Any, named: dict[str, Any]) -> None:
+    """SimpleTuner's TREAD: a training forward with routes drops a random subset of the video tokens between two
+    blocks, chosen over the whole sequence on each rank (its ``force_keep_mask`` keeps some)."""
+    if model.training and torch.is_grad_enabled() and getattr(model, "_tread_routes", None):
+        raise ValueError(
+            f"{type(model).__name__}: TREAD token routing (SimpleTuner's tread_config) drops a random subset of "
+            "the whole token sequence between blocks, which the ranks' shards cannot draw alike; train without "
+            "tread_config under sequence parallelism"
+        )
+
+
+def simpletuner_flux_checks(model: Any, named: dict[str, Any]) -> None:
+    """SimpleTuner's Flux: no TREAD routing, and no per-token timesteps (its text tokens are conditioned on their mean
+    over the image tokens, which a rank holds a shard of)."""
+    no_token_routing(model, named)
+    timestep = named.get("timestep")
+    if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
+        raise ValueError(
+            f"{type(model).__name__}: per-token timesteps [B, S] condition the text tokens on their mean over the "
+            "image tokens, which are sharded over the ranks; call with one timestep per sample"
+        )
+
+
+#: The capture arguments of SimpleTuner's model copies: they reshape the blocks' hidden states per frame, which a
+#: shard of the tokens is not (CREPA and the layer-sync regularisers).
+HIDDEN_STATES_CAPTURE = {
+    "output_hidden_states": "the captured hidden states are reshaped per frame, and a rank holds a shard of tokens",
+    "hidden_states_buffer": "the buffered hidden states are reshaped per frame, and a rank holds a shard of tokens",
+    "grounding_kwargs": "GLIGEN grounding fuses boxes into the token grid per frame",
+    "force_keep_mask": "TREAD's routing picks tokens over the whole sequence",
+}
 
 
 def kandinsky_heads(config: Any) -> int:
