@@ -172,7 +172,7 @@ PUBLIC: dict[str, str | None] = {
     "hfpatch.testing.decoders": "TINY_DECODERS TinyDecoder tiny_decoder tiny_decoder_inputs",  # issue 49
     "hfpatch.testing.devices": "GeneratorDeviceRule generator_device_rule",
     "hfpatch.testing.dits": (
-        "Grid Randn TINY_DITS TINY_DIT_PIPES Tensor TinyDiT TinyDiTPipe tiny_dit tiny_dit_inputs "
+        "Grid Randn TINY_DITS TINY_DIT_PIPES Tensor TinyDiT TinyDiTPipe split_gradients tiny_dit tiny_dit_inputs "
         "tiny_dit_pipe tiny_dit_pipe_inputs"
     ),
     "hfpatch.testing.memory": "CopyCounter MemoryTracker count_copies measure_peak resident_peak track_memory",

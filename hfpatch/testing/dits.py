@@ -39,6 +39,7 @@ __all__ = [
     "tiny_dit_inputs",
     "tiny_dit_pipe",
     "tiny_dit_pipe_inputs",
+    "split_gradients",
 ]
 
 
@@ -1016,3 +1017,35 @@ def tiny_dit_pipe_inputs(name: str, seed: int = 1) -> dict[str, Any]:
     return {
         key: _make(spec, seed * 1000 + i) for i, (key, spec) in enumerate(TINY_DIT_PIPES[name].call.items())
     }
+
+
+def split_gradients(
+    model: torch.nn.Module,
+    kwargs: dict[str, Any],
+    weight: torch.Tensor,
+    group: Any = None,
+    inputs: tuple[str, ...] = ("hidden_states", "encoder_hidden_states"),
+) -> dict[str, torch.Tensor]:
+    """``model(**kwargs).sample`` weighted by ``weight`` and summed, backward: the output (``"output"``), every
+    parameter gradient (``"param:NAME"``, those that get one) and the gradients of the ``inputs``
+    (``"input:NAME"``), after the documented convention for a sequence-split model without DDP, the SUM over the
+    ``sp`` ``group`` (:func:`hfpatch.all_reduce_gradients`; ``None``: unpatched, nothing to sum).
+
+    >>> import torch
+    >>> from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+    >>> from hfpatch.testing.dits import split_gradients
+    >>> kwargs = dict(hidden_states=torch.randn(1, 4, 1, 4, 4), timestep=torch.tensor([500]),
+    ...               encoder_hidden_states=wan_prompt_embeds(1, 3))
+    >>> grads = split_gradients(tiny_wan_transformer(), kwargs, torch.ones(1, 4, 1, 4, 4))
+    >>> tuple(grads["input:hidden_states"].shape), tuple(grads["output"].shape)
+    ((1, 4, 1, 4, 4), (1, 4, 1, 4, 4))
+    """
+    from ..distributed.gradients import all_reduce_gradients
+
+    model.zero_grad(set_to_none=True)
+    leaves = {k: kwargs[k].clone().requires_grad_(True) for k in inputs}
+    out = model(**{**kwargs, **leaves}).sample
+    (out * weight).sum().backward()
+    all_reduce_gradients([model, *leaves.values()], group)
+    grads = {f"param:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {**grads, **{f"input:{k}": v.grad for k, v in leaves.items()}, "output": out.detach()}

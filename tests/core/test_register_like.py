@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import hfpatch
-from hfpatch import ParallelConfig, all_reduce_gradients
+from hfpatch import ParallelConfig
 from hfpatch.distributed.runtime import get_mesh
 from hfpatch.testing import tiny_wan_transformer, wan_prompt_embeds
+from hfpatch.testing.dits import split_gradients
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64
 
 COPY = "trainer_copy.transformer_wan"
@@ -61,16 +62,6 @@ def _inputs() -> dict[str, Any]:
     )
 
 
-def _grads(model, kwargs, weight, group=None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    leaves = {k: kwargs[k].clone().requires_grad_(True) for k in ("hidden_states", "encoder_hidden_states")}
-    out = model(**{**kwargs, **leaves}).sample
-    (out * weight).sum().backward()
-    all_reduce_gradients([model, *leaves.values()], group)  # the documented convention: the SUM over sp
-    grads = {f"param:{n}": p.grad for n, p in model.named_parameters()}
-    return {**grads, **{f"input:{k}": v.grad for k, v in leaves.items()}, "output": out.detach()}
-
-
 def like_cases(configs: list[tuple[int, int]]) -> dict[str, Any]:
     """On each rank: the refusal before registration, then per ``(ulysses, ring)`` the patched copy against the
     unpatched copy (output and every gradient), and the unpatched copy against diffusers' model."""
@@ -87,10 +78,10 @@ def like_cases(configs: list[tuple[int, int]]) -> dict[str, Any]:
         report["refused"] = str(error)
     weight = torch.randn(1, 4, 1, 10, 10, generator=torch.Generator().manual_seed(7))
     with hfpatch.register_like(cls, WanTransformer3DModel):
-        ref = _grads(copy, kwargs, weight)
-        ref64 = _grads(to_fp64(copy), to_fp64(kwargs), weight.double())
+        ref = split_gradients(copy, kwargs, weight)
+        ref64 = split_gradients(to_fp64(copy), to_fp64(kwargs), weight.double())
         report["copy_vs_stock"] = max(
-            rel_error(ref[k], v) for k, v in _grads(stock, kwargs, weight).items()
+            rel_error(ref[k], v) for k, v in split_gradients(stock, kwargs, weight).items()
         )  # the same code: bit for bit
         floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
         scales = {k: max(g.abs().max().item(), floor) for k, g in ref64.items()}
@@ -105,7 +96,7 @@ def like_cases(configs: list[tuple[int, int]]) -> dict[str, Any]:
             )
             stock_processors = [type(m.processor) for m in copy.modules() if hasattr(m, "processor")]
             with hfpatch.apply(copy, parallel=config) as patch:
-                got = _grads(copy, kwargs, weight, get_mesh(config).group("sp"))
+                got = split_gradients(copy, kwargs, weight, get_mesh(config).group("sp"))
                 report[f"plan {ulysses}x{ring}"] = repr(patch.plan)
                 processors = [type(m.processor) for m in copy.modules() if hasattr(m, "processor")]
             hook.remove()

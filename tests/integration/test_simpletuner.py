@@ -40,7 +40,7 @@ import torch
 pytest.importorskip("simpletuner", reason="SimpleTuner needs Python >= 3.12: run `bash .ci/simpletuner`")
 
 import hfpatch  # noqa: E402
-from hfpatch import ParallelConfig, all_reduce_gradients  # noqa: E402
+from hfpatch import ParallelConfig  # noqa: E402
 from hfpatch.distributed.runtime import get_mesh  # noqa: E402
 from hfpatch.testing import (  # noqa: E402
     flux_inputs,
@@ -49,6 +49,7 @@ from hfpatch.testing import (  # noqa: E402
     tiny_wan_transformer,
     wan_prompt_embeds,
 )
+from hfpatch.testing.dits import split_gradients  # noqa: E402
 from hfpatch.testing.tolerance import reassociation_tol, rel_error, to_fp64  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,21 +59,26 @@ CP = {"ulysses": {"context_parallel_size": 2, "context_parallel_comm_strategy": 
 CP["ring"] = {"context_parallel_size": 2, "context_parallel_comm_strategy": "allgather"}
 
 
-# ----------------------------------------------------------------------------------------------- the two families
-def _wan_data(root: Path) -> None:
-    """The tiny Wan (UMT5, Wan VAE) and four 17-frame 80 x 80 clips: 5 x 10 x 10 latents, 125 tokens."""
+# ----------------------------------------------------------------------------------------------- the families
+def _clips(root: Path, frames: int, pixels: int) -> None:
+    """Four random ``frames``-frame clips of ``pixels`` squared with a caption each, in ``root / "media"``."""
     import imageio
     import numpy as np
 
-    from hfpatch.testing import tiny_wan_pipe
-
-    tiny_wan_pipe(text_encoder=True).save_pretrained(root / "model")
     (root / "media").mkdir()
     rng = np.random.default_rng(0)
     for i, caption in enumerate(CAPTIONS):
-        frames = (rng.random((17, 80, 80, 3)) * 255).astype(np.uint8)
-        imageio.mimwrite(root / "media" / f"clip{i}.mp4", list(frames), fps=8, codec="libx264", quality=8)
+        video = (rng.random((frames, pixels, pixels, 3)) * 255).astype(np.uint8)
+        imageio.mimwrite(root / "media" / f"clip{i}.mp4", list(video), fps=8, codec="libx264", quality=8)
         (root / "media" / f"clip{i}.txt").write_text(caption)
+
+
+def _wan_data(root: Path) -> None:
+    """The tiny Wan (UMT5, Wan VAE) and four 17-frame 80 x 80 clips: 5 x 10 x 10 latents, 125 tokens."""
+    from hfpatch.testing import tiny_wan_pipe
+
+    tiny_wan_pipe(text_encoder=True).save_pretrained(root / "model")
+    _clips(root, 17, 80)
 
 
 def _flux_data(root: Path) -> None:
@@ -101,9 +107,6 @@ def _flux_data(root: Path) -> None:
 def _ltx_data(root: Path) -> None:
     """The tiny LTX-Video (T5, LTX VAE with the 128 latent channels SimpleTuner checks for) and four 33-frame
     160 x 160 clips: 5 x 5 x 5 latents, 125 tokens."""
-    import imageio
-    import numpy as np
-
     from hfpatch.testing.models import tiny_ltx_pipe, tiny_model, tiny_t5_encoder, tiny_t5_tokenizer
 
     pipe = tiny_ltx_pipe(in_channels=128, out_channels=128)
@@ -113,39 +116,27 @@ def _ltx_data(root: Path) -> None:
         tokenizer=tiny_t5_tokenizer(),
     )
     pipe.save_pretrained(root / "model")
-    (root / "media").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(CAPTIONS):
-        frames = (rng.random((33, 160, 160, 3)) * 255).astype(np.uint8)
-        imageio.mimwrite(root / "media" / f"clip{i}.mp4", list(frames), fps=8, codec="libx264", quality=8)
-        (root / "media" / f"clip{i}.txt").write_text(caption)
+    _clips(root, 33, 160)
+
+
+def _video(family: str, frames: int, pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A video family's SimpleTuner dataset entry and config keys: ``frames`` frames of ``pixels`` squared."""
+    video = {"num_frames": frames, "min_frames": frames, "is_i2v": False}
+    return {"dataset_type": "video", "resolution": pixels, "video": video}, {
+        "model_family": family,
+        "resolution": pixels,
+    }
 
 
 #: Per family: (data maker, its SimpleTuner dataset entry, its config keys).
 FAMILIES: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] = {
-    "wan": (
-        _wan_data,
-        {
-            "dataset_type": "video",
-            "resolution": 80,
-            "video": {"num_frames": 17, "min_frames": 17, "is_i2v": False},
-        },
-        {"model_family": "wan", "resolution": 80},
-    ),
+    "wan": (_wan_data, *_video("wan", 17, 80)),
     "flux": (
         _flux_data,
         {"dataset_type": "image", "resolution": 192},
         {"model_family": "flux", "resolution": 192},
     ),
-    "ltx": (
-        _ltx_data,
-        {
-            "dataset_type": "video",
-            "resolution": 160,
-            "video": {"num_frames": 33, "min_frames": 33, "is_i2v": False},
-        },
-        {"model_family": "ltxvideo", "resolution": 160},
-    ),
+    "ltx": (_ltx_data, *_video("ltxvideo", 33, 160)),
 }
 
 
@@ -199,23 +190,13 @@ def _row_inputs(family: str) -> tuple[dict[str, Any], torch.Tensor, list[tuple[s
     return kwargs, torch.randn(out.shape, generator=torch.Generator().manual_seed(7)), refused
 
 
-def _grads(model, kwargs, weight, group=None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    leaves = {k: kwargs[k].clone().requires_grad_(True) for k in ("hidden_states", "encoder_hidden_states")}
-    out = model(**{**kwargs, **leaves}).sample
-    (out * weight).sum().backward()
-    all_reduce_gradients([model, *leaves.values()], group)  # the documented convention: the SUM over sp
-    grads = {f"param:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {**grads, **{f"input:{k}": v.grad for k, v in leaves.items()}, "output": out.detach()}
-
-
 def row_cases(family: str, configs: list[tuple[int, int]]) -> dict[str, Any]:
     """Per ``(ulysses, ring)``: the patched model against the unpatched one (error), the tokens the first block saw,
     and the refusals; ``tol``: ``reassociation_tol`` of the unpatched fp32-vs-fp64 noise."""
     model = _row_model(family)
     kwargs, weight, refused = _row_inputs(family)
-    ref = _grads(model, kwargs, weight)
-    ref64 = _grads(to_fp64(_row_model(family)), to_fp64(kwargs), weight.double())
+    ref = split_gradients(model, kwargs, weight)
+    ref64 = split_gradients(to_fp64(_row_model(family)), to_fp64(kwargs), weight.double())
     floor = 0.01 * max(g.abs().max().item() for g in ref64.values())
     scales = {k: max(g.abs().max().item(), floor) for k, g in ref64.items()}
     noise = max(rel_error(ref[k], ref64[k], scales[k]) for k in ref)
@@ -232,7 +213,7 @@ def row_cases(family: str, configs: list[tuple[int, int]]) -> dict[str, Any]:
         )
         refusals = []
         with hfpatch.apply(model, parallel=config):
-            got = _grads(model, kwargs, weight, get_mesh(config).group("sp"))
+            got = split_gradients(model, kwargs, weight, get_mesh(config).group("sp"))
             for name, value in refused:
                 try:
                     model(**kwargs, **{name: value})
