@@ -32,8 +32,8 @@ SimpleTuner is edited; :func:`patch_simpletuner` changes four names of its modul
   replica's ranks start alike and replica ``r`` draws what rank ``r`` of SimpleTuner's data parallelism draws.
 
 The model must be a class hfpatch has a plan for (``hfpatch.patches.TRAINER_DIT_CLASSES``: SimpleTuner's Wan, Flux
-and LTX-Video); another is refused with the class and its module named. Validation is SimpleTuner's (its context-parallel
-validation calls the model on every rank of a group); the tests run with ``validation_disable``.
+and LTX-Video); another is refused with the class and its module named. Validation is SimpleTuner's: its
+context-parallel validation calls the model on every rank of a group, which runs it patched (tested with Wan).
 
 >>> from hfpatch.training.simpletuner import patch_simpletuner   # needs SimpleTuner installed to call
 >>> callable(patch_simpletuner)

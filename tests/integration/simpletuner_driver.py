@@ -2,12 +2,14 @@
 
 ``HFPATCH_SIMPLETUNER=1``: through ``python -m hfpatch.training.simpletuner``'s :func:`main` (the integration);
 otherwise SimpleTuner's script as it ships (the stock reference). Either way each rank writes
-``$RECORD_DIR/rank{N}.pt`` at exit: per micro-step the batch's files, latents, noise, timesteps and loss, the
-patch on the trained model (``repr(hfpatch.get_patch(model))``), per optimizer step the gradient the optimizer applies and the weights after it (every trained parameter, in order).
+``$RECORD_DIR/rank{N}.pt`` at exit: per micro-step the batch's files, latents, noise, timesteps and loss; the patch
+on the trained model (``repr(hfpatch.get_patch(model))``); each validation (no-grad) call's output and the tokens its
+first block sees; per optimizer step the gradient the optimizer applies and the weights after it (every trained
+parameter, in order).
 
 On a machine without CUDA, pinned memory is a no-op (SimpleTuner's collate pins the latents, which a CUDA build of
-torch refuses without a driver); LTX-Video's scheduler hook returns the model folder's scheduler (:func:`_ltx_scheduler`);
-nothing else of SimpleTuner is touched.
+torch refuses without a driver); LTX-Video's scheduler hook returns the model folder's scheduler
+(:func:`_ltx_scheduler`); nothing else of SimpleTuner is touched.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ RECORD = {"micro": [], "steps": []}
 def _flat(optimizer, what):
     tensors = [getattr(p, what) for group in optimizer.param_groups for p in group["params"]]
     return torch.cat([t.detach().double().flatten() for t in tensors if t is not None])
+
+
+def _count_validation_tokens(_module, args, kwargs) -> None:
+    if not torch.is_grad_enabled():
+        RECORD["validation_tokens"].append((args[0] if args else kwargs["hidden_states"]).shape[1])
+
+
+def _validation_output(_module, _args, output) -> None:
+    if not torch.is_grad_enabled():
+        sample = output[0] if isinstance(output, tuple) else output.sample
+        RECORD["validation"].append(sample.detach().double().cpu().clone())
 
 
 def _install() -> None:
@@ -58,7 +71,14 @@ def _install() -> None:
     def compute_loss(self, prepared_batch):
         out = stock_loss(self, prepared_batch)
         RECORD["micro"][-1]["loss"] = float(out[0].detach())
-        RECORD["patch"] = repr(get_patch(self.model.get_trained_component(unwrap_model=True)))
+        model = self.model.get_trained_component(unwrap_model=True)
+        RECORD["patch"] = repr(get_patch(model))
+        if "validation" not in RECORD:
+            # The no-grad (validation) calls: the model's output, and the tokens its first block sees.
+            RECORD["validation"], RECORD["validation_tokens"] = [], []
+            first = model.blocks[0] if hasattr(model, "blocks") else model.transformer_blocks[0]
+            first.register_forward_pre_hook(_count_validation_tokens, with_kwargs=True)
+            model.register_forward_hook(_validation_output)
         return out
 
     Trainer.prepare_batch, Trainer._compute_model_prediction_loss = prepare_batch, compute_loss

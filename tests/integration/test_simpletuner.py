@@ -1,26 +1,27 @@
-"""SimpleTuner (issue 51): its ``context_parallel_size`` through :mod:`hfpatch.training.simpletuner`, against SimpleTuner
-as it ships, for its Wan, Flux and LTX-Video families.
+"""SimpleTuner (issue 51): its ``context_parallel_size`` through :mod:`hfpatch.training.simpletuner`, against
+SimpleTuner as it ships, for its Wan, Flux and LTX-Video families.
 
 Needs SimpleTuner 4.10.1, which needs Python >= 3.12 (CI's Python is 3.11: skipped there; ``bash .ci/simpletuner``
 builds the venv and runs this module, see docs/simpletuner.md). Everything is tiny and random and saved as diffusers
 folders: the Wan of :func:`hfpatch.testing.tiny_wan_pipe` (UMT5, Wan VAE) with four 17-frame 80 x 80 clips (125
 tokens), the Flux of :func:`hfpatch.testing.models.tiny_flux_pipe_with_text_encoders` (CLIP, T5) with a 32x VAE and
-four 192 x 320 images (15 tokens), the LTX-Video of :func:`hfpatch.testing.tiny_ltx_pipe` (T5, 128 latent channels)
-with four 33-frame 160 x 160 clips (125 tokens); no world of 2, 3 or 4 divides any. SimpleTuner's local backends, with text-embed
-and VAE caches encoded once and shared by the runs.
+four 192 x 320 images (15 tokens), the LTX-Video of :func:`hfpatch.testing.tiny_ltx_pipe` (T5, 128 latent
+channels) with four 33-frame 160 x 160 clips (125 tokens); no world of 2, 3 or 4 divides any. SimpleTuner's local
+backends, with text-embed and VAE caches encoded once and shared by the runs.
 
 * SimpleTuner's model class under hfpatch's plan row, patched against unpatched, output and every gradient, on 2, 3
   and 4 gloo ranks (Ulysses, Ring, both), within ``reassociation_tol`` of its fp32-vs-fp64 noise; what the row
   refuses (TREAD routing, the hidden-state captures, Flux's 0/1 attention bias and per-token timesteps) is refused by
   name.
 * SimpleTuner's training (``torchrun ... tests/integration/simpletuner_driver.py``, LoRA rank 4, SGD, 3 optimizer
-  steps) through the integration against SimpleTuner's own script, Wan, Flux and LTX-Video: Ulysses 2 and Ring 2 (world 2)
-  against one process; gradient accumulation 2 across an epoch's end against one process, and a resume from its
-  step-2 checkpoint against the uninterrupted run (bit for bit). Wan: 2 data replicas x Ulysses 2 (world 4) against
-  SimpleTuner's own DDP on 2 processes (one process cannot be the reference there: SimpleTuner gives two replicas
-  other batches than one process, by design). Every micro-step's files, latents, text embeddings, noise and
-  timesteps equal bit for bit; the loss, the gradient each optimizer step applies and every weight update within the
-  row's tolerance; every rank's weights equal after every step.
+  steps) through the integration against SimpleTuner's own script, Wan, Flux and LTX-Video: Ulysses 2 and Ring 2
+  (world 2) against one process; gradient accumulation 2 across an epoch's end against one process, and a resume from
+  its step-2 checkpoint against the uninterrupted run (bit for bit). Wan: 2 data replicas x Ulysses 2 (world 4)
+  against SimpleTuner's own DDP on 2 processes (one process cannot be the reference there: SimpleTuner gives two
+  replicas other batches than one process, by design), and validation every step. Every micro-step's files, latents,
+  text embeddings, noise and timesteps equal bit for bit; the loss, the gradient each optimizer step applies, every
+  weight update and every validation model call within the row's tolerance; every rank's weights equal after every
+  step.
 * ``lora_dropout=0.1`` and ``tread_config`` refused by name, on every rank, before the first step.
 """
 
@@ -419,6 +420,32 @@ def test_simpletuner_replicas_times_ulysses_equals_its_ddp(datasets, tolerance):
     _ranks_agree(records, "2x2")
     for rank, record in enumerate(records):
         _same_run(record, stock[rank // 2], tol, f"2x2 rank {rank} (replica {rank // 2})")
+
+
+def test_simpletuner_validation_with_context_parallel(datasets, tolerance):
+    """SimpleTuner's validation (its pipeline, every rank of a context-parallel group generating) during training:
+    each of its model calls runs patched on this rank's shard and returns what one process's returns, within the row's
+    tolerance, and the training after each validation is unchanged."""
+    data, tol = datasets("wan"), tolerance("wan")
+    validation = {
+        "validation_disable": False, "validation_steps": 1, "validation_num_inference_steps": 2,
+        "validation_prompt": "a dog runs", "validation_resolution": "80x80", "validation_num_video_frames": 17,
+        "validation_guidance": 3.0, "validation_seed": 7, "num_validation_images": 1,
+    }  # fmt: skip
+    code, (stock,), log = launch(data, "stock-1-validation", 1, False, validation)
+    assert code == 0, log[-3000:]
+    code, records, log = launch(data, "ulysses-2-validation", 2, True, {**validation, **CP["ulysses"]})
+    assert code == 0, log[-3000:]
+    # SimpleTuner validates at steps 2 and 3: 2 denoising steps x 2 (guided) calls each
+    assert len(stock["validation"]) == 8 and set(stock["validation_tokens"]) == {125}
+    for rank, record in enumerate(records):
+        assert set(record["validation_tokens"]) == {63}, record[
+            "validation_tokens"
+        ]  # 125 tokens over 2 ranks
+        assert len(record["validation"]) == len(stock["validation"])
+        for i, (got, want) in enumerate(zip(record["validation"], stock["validation"])):
+            assert rel_error(got, want) <= tol, (rank, i, rel_error(got, want), tol)
+        _same_run(record, stock, tol, f"validation rank {rank}")
 
 
 def test_simpletuner_refuses_what_it_cannot_split(datasets):
