@@ -142,6 +142,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))
+
     rows = results["rows"]
     ns = [r["N"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))

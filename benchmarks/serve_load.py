@@ -163,6 +163,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.style.use(str(Path(__file__).with_name("figures.mplstyle")))
+
     latencies = sorted(1e3 * v for v in results["latencies_under_load_s"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(latencies, [(i + 1) / len(latencies) for i in range(len(latencies))], "o-", markersize=3)
