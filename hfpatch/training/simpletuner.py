@@ -28,8 +28,8 @@ SimpleTuner is edited; :func:`patch_simpletuner` changes four names of its modul
   the stream one process would have: the same noise and timesteps as a one-process run, after a resume too
   (accelerate restores each process's RNG states; SimpleTuner's reseeding restarted its counter from the
   optimizer step, and differed from a one-process run, which does not reseed);
-* ``set_seed`` (``seed_for_each_device``) offsets the seed by the data replica instead of the process, so a
-  replica's ranks start alike and replica ``r`` draws what rank ``r`` of SimpleTuner's data parallelism draws.
+* ``Trainer.init_seed`` (``seed_for_each_device``) offsets the seed by the data replica instead of the process, so
+  a replica's ranks start alike and replica ``r`` draws what rank ``r`` of SimpleTuner's data parallelism draws.
 
 The model must be a class hfpatch has a plan for (``hfpatch.patches.TRAINER_DIT_CLASSES``: SimpleTuner's Wan, Flux
 and LTX-Video); another is refused with the class and its module named. Validation is SimpleTuner's: its
@@ -89,9 +89,10 @@ def _parallel_config(topology: Any) -> Any:
     return ParallelConfig(data=int(topology.dp_replicate_size), **degree)
 
 
-def _check_layout(accelerator: Any, topology: Any) -> None:
-    """hfpatch's sequence-parallel groups must be SimpleTuner's context-parallel groups (the ranks that share a
-    batch): both put the data replicas outermost, so replica ``r`` is ranks ``r * cp ... r * cp + cp - 1``."""
+def _check_layout(topology: Any) -> None:
+    """SimpleTuner's topology as hfpatch runs it: DDP over replicas of ``cp`` ranks filling the launched world. Both
+    put the data replicas outermost (replica ``r`` is ranks ``r * cp ... r * cp + cp - 1``), so hfpatch's
+    sequence-parallel groups are then SimpleTuner's context-parallel groups, the ranks that share a batch."""
     world = dist.get_world_size()
     if getattr(topology, "dp_shard_size", 1) != 1:
         raise ValueError(
@@ -122,7 +123,7 @@ def _broadcast_trained_weights(module: torch.nn.Module) -> None:
                 parameter.data.copy_(sent)
 
 
-def _apply(original: Any, patches: list[Any]) -> Any:
+def _apply(original: Any, handle: SimpleTunerPatch) -> Any:
     def apply_standalone_context_parallel(accelerator: Any, module: Any, topology: Any) -> bool:
         if module is None or topology is None or topology.cp_size <= 1:
             return original(accelerator, module, topology)
@@ -137,14 +138,15 @@ def _apply(original: Any, patches: list[Any]) -> Any:
                 f"{topology.cp_size}): these options cannot be trained exactly with the tokens split over ranks: "
                 + "; ".join(refused)
             )
-        _check_layout(accelerator, topology)
+        _check_layout(topology)
         _broadcast_trained_weights(module)
         patch = hfpatch.apply(module, parallel=_parallel_config(topology))
-        patches.append(patch)
-        module._simpletuner_context_parallel_enabled = True
-        logging.getLogger("SimpleTuner").info(
-            "hfpatch.apply: %r", patch
-        )  # in SimpleTuner's log, as its own lines
+        handle.patches.append(patch)
+        handle.names.set_attr(
+            module, "_simpletuner_context_parallel_enabled", True
+        )  # SimpleTuner's own marker
+        # In SimpleTuner's log, as its own lines.
+        logging.getLogger("SimpleTuner").info("hfpatch.apply: %r", patch)
         return True
 
     return apply_standalone_context_parallel
@@ -155,23 +157,30 @@ def _unscaled_loss(loss: torch.Tensor, topology: Any) -> torch.Tensor:
     return loss
 
 
-def _replica_seed(original: Any, accelerator_of: Any) -> Any:
-    def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-        if not device_specific:
-            return original(seed, False, deterministic)
-        from simpletuner.helpers.data_backend.runtime.context_parallel_sync import (  # type: ignore[import-not-found]
-            get_cp_info,
-            get_model_replica_data_info,
-        )
+def _replica_init_seed(set_seed: Any) -> Any:
+    """SimpleTuner's ``Trainer.init_seed`` (the same seeds skipped), with ``seed_for_each_device`` offsetting the seed
+    by the data replica instead of the process (accelerate's ``set_seed(seed, device_specific=True)``)."""
 
-        accelerator = accelerator_of()
-        info = get_cp_info(accelerator)
-        data_rank = (
-            get_model_replica_data_info(accelerator, info)[1] if info[0] else accelerator.process_index
-        )
-        return original(seed + data_rank, False, deterministic)
+    def init_seed(self: Any) -> None:
+        seed = self.config.seed
+        if seed is None or seed == 0:
+            return
+        offset = 0
+        if self.config.seed_for_each_device:
+            from simpletuner.helpers.data_backend.runtime.context_parallel_sync import (  # type: ignore[import-not-found]
+                get_cp_info,
+                get_model_replica_data_info,
+            )
 
-    return set_seed
+            info = get_cp_info(self.accelerator)
+            offset = (
+                get_model_replica_data_info(self.accelerator, info)[1]
+                if info[0]
+                else self.accelerator.process_index
+            )
+        set_seed(seed + offset)
+
+    return init_seed
 
 
 def _rng_states(device: torch.device) -> dict[str, Any]:
@@ -252,17 +261,10 @@ def patch_simpletuner() -> SimpleTunerPatch:
     names.set_attr(
         trainer,
         "apply_standalone_context_parallel",
-        _apply(trainer.apply_standalone_context_parallel, handle.patches),
+        _apply(trainer.apply_standalone_context_parallel, handle),
     )
     names.set_attr(trainer, "scale_standalone_context_parallel_loss", _unscaled_loss)
-    accelerators: list[Any] = []
-
-    def init_seed(self: Any, _stock: Any = trainer.Trainer.init_seed) -> Any:
-        accelerators[:] = [self.accelerator]
-        return _stock(self)
-
-    names.set_attr(trainer.Trainer, "init_seed", init_seed)
-    names.set_attr(trainer, "set_seed", _replica_seed(trainer.set_seed, lambda: accelerators[0]))
+    names.set_attr(trainer.Trainer, "init_seed", _replica_init_seed(trainer.set_seed))
     names.set_attr(sync.ContextParallelBatchSynchronizer, "synchronized_rng", _leader_rng)
     return handle
 

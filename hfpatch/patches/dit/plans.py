@@ -17,9 +17,10 @@ from __future__ import annotations
 from .vocabulary import (
     COGVIDEOX_LAYOUT,
     CONTROLNET,
-    HIDDEN_STATES_CAPTURE,
     HUNYUAN_PLAN,
     IMAGE_TOKENS_PLAN,
+    SIMPLETUNER_REFUSED_ARGUMENTS,
+    SIMPLETUNER_TIMESTEPS,
     SIMPLETUNER_WAN_PLAN,
     TOKEN_REPLACE_REFUSED,
     WAN_PLAN,
@@ -708,7 +709,7 @@ PLANS: dict[str, DiTPlan] = {
     "simpletuner.WanTransformer3DModel": DiTPlan(
         attention=(AttentionRoute("blocks.*.attn1", ("WanAttnProcessor2_0",)),),
         plan=SIMPLETUNER_WAN_PLAN,
-        refuse=HIDDEN_STATES_CAPTURE,
+        refuse=SIMPLETUNER_REFUSED_ARGUMENTS,
         check=no_token_routing,
     ),
     # SimpleTuner's Flux: diffusers' Flux.1 layout and _cp_plan (text in front of the image tokens, the single-stream
@@ -722,7 +723,7 @@ PLANS: dict[str, DiTPlan] = {
         replicate=(("", "encoder_hidden_states"), ("", "txt_ids")),
         extra={"": (SplitInput("img_ids", dim=1, ndim=3), *CONTROLNET)},
         refuse={
-            **HIDDEN_STATES_CAPTURE,
+            **SIMPLETUNER_REFUSED_ARGUMENTS,
             "attention_mask": "the processor adds the mask as a 0/1 bias over [text, image], not a mask of keys",
         },
         check=simpletuner_flux_checks,
@@ -733,10 +734,8 @@ PLANS: dict[str, DiTPlan] = {
     "simpletuner.LTXVideoTransformer3DModel": DiTPlan(
         attention=(AttentionRoute("transformer_blocks.*.attn1", ("LTXVideoAttnProcessor",)),),
         replicate=(("", "encoder_hidden_states"), ("", "encoder_attention_mask")),
-        extra={
-            "": tuple(SplitInput(name, dim=1, ndim=2) for name in ("timestep", "timestep_sign", "r_timestep"))
-        },
-        refuse=HIDDEN_STATES_CAPTURE,
+        extra={"": SIMPLETUNER_TIMESTEPS},
+        refuse=SIMPLETUNER_REFUSED_ARGUMENTS,
         check=no_token_routing,
     ),
 }

@@ -244,12 +244,18 @@ WAN_PLAN: SequencePlan = {
     "proj_out": (GatherOutput(dim=1),),
 }
 
+#: SimpleTuner's timestep and flow-map timesteps (``timestep_sign``, ``r_timestep``), cut where they are per token
+#: ``[B, S]``.
+SIMPLETUNER_TIMESTEPS = tuple(
+    SplitInput(name, dim=1, ndim=2) for name in ("timestep", "timestep_sign", "r_timestep")
+)
+
 #: SimpleTuner's copy of Wan (``simpletuner.helpers.models.wan.transformer``): Wan's plan for a rope that returns
 #: one complex table ``[1, 1, S, D]``, and its flow-map timesteps (``timestep_sign``, ``r_timestep``) cut like the
 #: timestep when they are per token.
 SIMPLETUNER_WAN_PLAN: SequencePlan = {
     **WAN_PLAN,
-    "": tuple(SplitInput(name, dim=1, ndim=2) for name in ("timestep", "timestep_sign", "r_timestep")),
+    "": SIMPLETUNER_TIMESTEPS,
     "rope": (SplitOutput(dim=2),),
 }
 
@@ -365,9 +371,10 @@ def simpletuner_flux_checks(model: Any, named: dict[str, Any]) -> None:
         )
 
 
-#: The capture arguments of SimpleTuner's model copies: they reshape the blocks' hidden states per frame, which a
-#: shard of the tokens is not (CREPA and the layer-sync regularisers).
-HIDDEN_STATES_CAPTURE = {
+#: The forward arguments of SimpleTuner's model copies that need the whole token grid: the hidden-state captures
+#: (CREPA and the layer regularisers reshape the blocks' states per frame, which a shard of the tokens is not),
+#: GLIGEN grounding and TREAD's keep mask.
+SIMPLETUNER_REFUSED_ARGUMENTS = {
     "output_hidden_states": "the captured hidden states are reshaped per frame, and a rank holds a shard of tokens",
     "hidden_states_buffer": "the buffered hidden states are reshaped per frame, and a rank holds a shard of tokens",
     "grounding_kwargs": "GLIGEN grounding fuses boxes into the token grid per frame",
